@@ -1,0 +1,88 @@
+"""Pick the Python environment for an entry point, creating the project's own once if needed, then exec it.
+
+Usage (what the shell scripts run): ``python3 supervisor/bootstrap.py -m supervisor ARGS...``
+
+Which interpreter, first match wins:
+1. ``PYTHON=/path/to/python``: used as is, nothing installed.
+2. An active virtual environment (``VIRTUAL_ENV``): used as is, nothing installed.
+3. The interpreter running this file, when it already has every dependency (for example your CUDA build of torch).
+4. The project-local ``.venv/``: created on first use (torch pinned to 2.13.0 where no torch is importable, then
+   ``pip install -e .[test]``), reused afterwards; it is reinstalled only when ``pyproject.toml`` changes.
+
+Standard library only: it runs before any dependency exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".installed-pyproject-sha256"
+REQUIRED_MODULES = ("torch", "transformers", "datasets", "tokenizers", "numpy", "psutil", "rich", "filelock",
+                    "pynvml", "safetensors", "matplotlib", "pytest")
+TORCH_PIN = "torch==2.13.0"  # the CPU build the project's machines carry; a torch already present is never replaced
+
+
+def say(message: str) -> None:
+    print(f"[setup] {message}", file=sys.stderr, flush=True)
+
+
+def pyproject_digest() -> str:
+    return hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+
+
+def has_dependencies() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in REQUIRED_MODULES)
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def ensure_project_venv() -> Path:
+    python = venv_python()
+    if python.exists() and STAMP.exists() and STAMP.read_text().strip() == pyproject_digest():
+        return python
+    if not python.exists():
+        say(f"creating {VENV} (first run only)")
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    has_torch = subprocess.run([str(python), "-c", "import torch"], capture_output=True).returncode == 0
+    if not has_torch:
+        say(f"installing {TORCH_PIN}")
+        subprocess.run(pip + [TORCH_PIN], check=True)
+    say("installing the project and its dependencies")
+    subprocess.run(pip + ["-e", f"{ROOT}[test]"], check=True)
+    STAMP.write_text(pyproject_digest() + "\n")
+    return python
+
+
+def choose_python() -> str:
+    if os.environ.get("PYTHON"):
+        return os.environ["PYTHON"]
+    if os.environ.get("VIRTUAL_ENV"):
+        return str(Path(os.environ["VIRTUAL_ENV"]) / "bin" / "python")
+    if has_dependencies():
+        return sys.executable
+    return str(ensure_project_venv())
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        sys.exit("usage: bootstrap.py -m MODULE [ARGS...] | bootstrap.py SCRIPT [ARGS...]")
+    try:
+        python = choose_python()
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"error: setting up the environment failed ({' '.join(map(str, e.cmd))} exited {e.returncode})")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    os.execv(python, [python, *argv])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

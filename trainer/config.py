@@ -1,0 +1,496 @@
+"""The run's configuration: typed sections, presets, precedence, validation.
+
+Precedence, lowest first: dataclass defaults < preset JSON (`presets/<name>.json`) < each `--config FILE` in the
+order given < CLI flags (`--max-steps` … and `--set section.key=value`). The supervisor resolves once and writes the
+result to the run folder; ranks read that file and never re-resolve.
+
+No torch import here: the supervisor and `prepare_dataset.py` must start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import UserError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PRESETS_DIR = PROJECT_ROOT / "presets"
+DEFAULT_PRESET = "production"
+
+
+@dataclass
+class SystemConfig:
+    device: str = "auto"  # auto | cuda | cpu
+    device_id: int | None = None  # a physical GPU id for a run started by hand
+    seed: int = 1337
+    backend: str = "auto"  # auto (nccl on GPUs, gloo on CPUs) | nccl | gloo
+    dist_timeout_s: float = 600.0
+    compile: bool = False
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = None  # a hub name or local folder; None builds `architecture` from the fields below
+    architecture: str = "llama"
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    ffn_hidden_size: int = 688
+    max_position_embeddings: int = 2048
+    vocab_size: int | None = None  # None: the tokenizer's vocabulary size
+    init_std: float = 0.02
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # "stdlib" | a local file, folder or glob | a hub dataset name
+    text_field: str = "text"
+    hub_config: str | None = None
+    split: str = "train"
+    revision: str | None = None
+    streaming: bool = False
+    tokenizer: str = "bpe"  # "bpe": train a byte-level BPE on the source; else an AutoTokenizer name or path
+    vocab_size: int = 8192  # for the trained BPE
+    context_length: int = 256
+    max_samples: int | None = None  # documents; accepts "500k", "5M" in JSON and on the command line
+    val_fraction: float = 0.01
+    cache_dir: str = "cache/datasets"
+
+
+@dataclass
+class TrainingConfig:
+    max_steps: int = 1000
+    batch_size: int = 8  # sequences per GPU per micro-step
+    grad_accum_nums: int = 1
+    num_workers: int = 0
+    learning_rate: float = 3e-4
+    min_lr_ratio: float = 0.1  # the cosine decays to learning_rate * min_lr_ratio
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_grad_norm: float = 1.0
+    use_amp: bool = True  # mixed precision on GPUs; always fp32 on CPUs
+    precision: str = "auto"  # auto (bf16 where supported, else fp16) | bf16 | fp16 | fp32
+    strategy: str = "ddp"  # ddp | fsdp
+    eval_interval: int = 0  # 0: no validation
+    eval_steps: int = 10
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ".checkpoints"
+    interval: int = 0  # 0: only at the end
+    keep: int = 2
+    resume: str | None = None  # None | "auto" | a checkpoint path
+    save_final: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    level: str = "INFO"  # DEBUG | INFO | WARNING
+    log_interval: int = 10
+    tensorboard: bool = False
+    run_dir: str | None = None  # set by the supervisor; a run by hand uses logs/<run-id>/
+
+
+@dataclass
+class DebugConfig:
+    nan_localize: bool = False  # forward hooks + per-parameter gradient scan, checked every step
+    nan_dump: bool = False  # write nan_grad_step_<n>.pt and debug/nan_debug_step_<n>.pkl
+    max_nonfinite_steps: int = 3
+    inject_nan_step: int | None = None
+    inject_nan_rank: int = 0
+    inject_nan_module: str | None = None
+    inject_fault: str | None = None  # raise | exit | sigkill | segv | hang
+    inject_fault_step: int | None = None
+    inject_fault_rank: int = 0
+    inject_fault_code: int = 1
+
+
+@dataclass
+class Config:
+    preset: str = DEFAULT_PRESET
+    description: str = ""
+    system: SystemConfig = field(default_factory=SystemConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], origin: str = "config") -> "Config":
+        """Build and validate from a complete or partial dict (missing keys keep their defaults)."""
+        cfg = cls()
+        apply_layer(cfg, raw, origin)
+        validate(cfg)
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Config":
+        """Read a resolved config written by `save` (what every rank does)."""
+        return cls.from_dict(read_json(Path(path)), origin=str(path))
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(path)
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)]  # type: ignore[arg-type]
+TOP_LEVEL_SCALARS = ("preset", "description")
+CHOICES: dict[str, tuple[str, ...]] = {
+    "system.device": ("auto", "cuda", "cpu"),
+    "system.backend": ("auto", "nccl", "gloo"),
+    "model.architecture": ("llama",),
+    "training.precision": ("auto", "bf16", "fp16", "fp32"),
+    "training.strategy": ("ddp", "fsdp"),
+    "logging.level": ("DEBUG", "INFO", "WARNING"),
+    "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading JSON (with // comments, as people paste them from docs)
+
+
+def strip_json_comments(text: str) -> str:
+    """Remove `//` line comments outside strings, keeping line numbers intact for error messages."""
+    out: list[str] = []
+    in_string = escaped = False
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+            out.append(ch)
+        elif ch == '"':
+            in_string = True
+            out.append(ch)
+        elif text.startswith("//", i):
+            while i < len(text) and text[i] != "\n":
+                i += 1
+            continue
+        else:
+            out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist")
+    try:
+        raw = json.loads(strip_json_comments(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the top level must be a JSON object with sections {', '.join(SECTIONS)}")
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layers and types
+
+
+def parse_count(value: Any, key: str) -> int:
+    """'500k' → 500_000, '5M' → 5_000_000, 12 → 12."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMbB]?)\s*", value)
+        if m:
+            scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}[m.group(2).lower()]
+            return int(float(m.group(1)) * scale)
+    raise UserError(f"{key}: expected a count such as 500, 500k, 5M or 50M, got {value!r}")
+
+
+COUNT_KEYS = {"data.max_samples"}
+
+
+def field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    names = [getattr(a, "__name__", str(a)) for a in (args or [tp])]
+    return " or ".join(names) + (" or null" if type(None) in typing.get_args(tp) else "")
+
+
+def coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    if key in COUNT_KEYS and value is not None:
+        return parse_count(value, key)
+    optional = isinstance(tp, types.UnionType) and type(None) in typing.get_args(tp)
+    base = next((a for a in typing.get_args(tp) if a is not type(None)), tp) if optional else tp
+    if value is None:
+        if optional:
+            return None
+    elif base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    elif base is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    elif base in (str, bool) and type(value) is base:
+        return value
+    given = "null" if value is None else type(value).__name__
+    raise UserError(f"{origin}: {key} expects {type_name(tp)}, got {given} ({json.dumps(value)})")
+
+
+def closest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(candidates)}"
+
+
+def apply_layer(cfg: Config, raw: dict[str, Any], origin: str) -> None:
+    """Overlay one layer (a preset, a config file, the flags) onto `cfg`, checking every key and type."""
+    for section, values in raw.items():
+        if section in TOP_LEVEL_SCALARS:
+            setattr(cfg, section, coerce(values, str, section, origin))
+            continue
+        if section not in SECTIONS:
+            raise UserError(f"{origin}: unknown section '{section}'{closest(section, SECTIONS)}")
+        if not isinstance(values, dict):
+            raise UserError(f"{origin}: section '{section}' must be an object, got {json.dumps(values)}")
+        target = getattr(cfg, section)
+        types_ = field_types(type(target))
+        for key, value in values.items():
+            if key not in types_:
+                raise UserError(
+                    f"{origin}: unknown key '{key}' in section '{section}'{closest(key, list(types_))}"
+                )
+            setattr(target, key, coerce(value, types_[key], f"{section}.{key}", origin))
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field rules: what no single key's type can say."""
+    for dotted, allowed in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value is not None and value not in allowed:
+            raise UserError(f"{dotted} must be one of {', '.join(allowed)}, got '{value}'")
+    m, d, t = cfg.model, cfg.data, cfg.training
+    rules = [
+        (m.hidden_size > 0 and m.num_layers > 0 and m.num_heads > 0 and m.num_kv_heads > 0,
+         "model sizes (hidden_size, num_layers, num_heads, num_kv_heads) must be positive"),
+        (m.num_heads > 0 and m.hidden_size % m.num_heads == 0,
+         f"model.num_heads ({m.num_heads}) must divide model.hidden_size ({m.hidden_size})"),
+        (m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads == 0,
+         f"model.num_kv_heads ({m.num_kv_heads}) must divide model.num_heads ({m.num_heads})"),
+        (0 < d.context_length <= m.max_position_embeddings,
+         f"data.context_length ({d.context_length}) must be between 1 and model.max_position_embeddings "
+         f"({m.max_position_embeddings})"),
+        (t.batch_size > 0, f"training.batch_size must be positive, got {t.batch_size}"),
+        (t.grad_accum_nums > 0, f"training.grad_accum_nums must be positive, got {t.grad_accum_nums}"),
+        (t.learning_rate > 0, f"training.learning_rate must be positive, got {t.learning_rate}"),
+        (t.max_steps > 0, f"training.max_steps must be positive, got {t.max_steps}"),
+        (0 <= t.warmup_steps < t.max_steps,
+         f"training.warmup_steps ({t.warmup_steps}) must be shorter than the run (training.max_steps = {t.max_steps})"),
+        (0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio must be within [0, 1], got {t.min_lr_ratio}"),
+        (t.max_grad_norm > 0, f"training.max_grad_norm must be positive, got {t.max_grad_norm}"),
+        (0 <= d.val_fraction < 1, f"data.val_fraction must be within [0, 1), got {d.val_fraction}"),
+        (d.max_samples is None or d.max_samples > 0, f"data.max_samples must be positive, got {d.max_samples}"),
+        (d.vocab_size >= 256 + 1, f"data.vocab_size must be at least 257 for a byte-level BPE, got {d.vocab_size}"),
+        (cfg.logging.log_interval > 0, f"logging.log_interval must be positive, got {cfg.logging.log_interval}"),
+        (cfg.checkpoint.keep > 0, f"checkpoint.keep must be positive, got {cfg.checkpoint.keep}"),
+        (cfg.debug.max_nonfinite_steps > 0,
+         f"debug.max_nonfinite_steps must be positive, got {cfg.debug.max_nonfinite_steps}"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise UserError(message)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Presets
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def preset_layer(name: str) -> dict[str, Any]:
+    path = PRESETS_DIR / f"{name}.json"
+    if not path.is_file():
+        raise UserError(f"unknown preset '{name}'{closest(name, preset_names())}")
+    raw = read_json(path)
+    raw["preset"] = name
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every entry point shares (supervisor, pretrain_main.py, prepare_dataset.py)."""
+    g = parser.add_argument_group("configuration (preset < --config files < flags)")
+    g.add_argument("--preset", help=f"a preset from presets/ (default: {DEFAULT_PRESET}; see --list-presets)")
+    g.add_argument("--debug", action="store_true", help="the debug preset: 2 layers, 10 steps, NaN localisation")
+    g.add_argument("--config", action="append", default=[], metavar="FILE", help="a JSON config; repeatable")
+    g.add_argument("--max-steps", type=int, metavar="N")
+    g.add_argument("--batch-size", type=int, metavar="N", help="sequences per GPU per micro-step")
+    g.add_argument("--lr", type=float, metavar="X", help="peak learning rate")
+    g.add_argument("--context-length", type=int, metavar="N")
+    g.add_argument("--max-samples", metavar="N", help="documents to use: 500, 500k, 5M, 50M")
+    g.add_argument("--model-name", metavar="NAME_OR_PATH", help="start from a hub name or local model folder")
+    g.add_argument("--resume", metavar="auto|PATH", help="resume from the latest checkpoint or a given one")
+    g.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="any key; the value is parsed as JSON when it parses, else taken as a string")
+    g.add_argument("--list-presets", action="store_true", help="print the presets table and exit")
+    g.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+
+
+FLAG_KEYS = {
+    "max_steps": "training.max_steps",
+    "batch_size": "training.batch_size",
+    "lr": "training.learning_rate",
+    "context_length": "data.context_length",
+    "max_samples": "data.max_samples",
+    "model_name": "model.name_or_path",
+    "resume": "checkpoint.resume",
+}
+
+
+def parse_set(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    if not sep or "." not in key:
+        raise UserError(f"--set {item}: expected SECTION.KEY=VALUE, for example --set training.max_steps=100")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    return key.strip(), value
+
+
+def flags_layer(args: argparse.Namespace) -> dict[str, Any]:
+    layer: dict[str, dict[str, Any]] = {}
+    pairs = [(dotted, getattr(args, attr)) for attr, dotted in FLAG_KEYS.items() if getattr(args, attr, None) is not None]
+    pairs += [parse_set(item) for item in getattr(args, "set", [])]
+    for dotted, value in pairs:
+        section, _, key = dotted.partition(".")
+        layer.setdefault(section, {})[key] = value
+    return layer
+
+
+def resolve(args: argparse.Namespace) -> Config:
+    """Apply preset < config files < flags, then validate."""
+    if args.debug and args.preset and args.preset != "debug":
+        raise UserError(f"--debug selects the debug preset; drop it or drop --preset {args.preset}")
+    files = [(str(path), read_json(Path(path))) for path in args.config]
+    name = "debug" if args.debug else args.preset
+    if name is None:  # a config file may name its base preset
+        name = next((raw["preset"] for _, raw in files if isinstance(raw.get("preset"), str)), DEFAULT_PRESET)
+    cfg = Config()
+    apply_layer(cfg, preset_layer(name), f"presets/{name}.json")
+    for origin, raw in files:
+        apply_layer(cfg, raw, origin)
+    apply_layer(cfg, flags_layer(args), "command line")
+    cfg.preset = name
+    validate(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Size arithmetic (no weights allocated)
+
+
+def model_vocab_size(cfg: Config) -> int:
+    return cfg.model.vocab_size or cfg.data.vocab_size
+
+
+def parameter_count(cfg: Config) -> int:
+    """Parameters of the Llama architecture the config describes (exact for transformers' LlamaForCausalLM)."""
+    m = cfg.model
+    head_dim = m.hidden_size // m.num_heads
+    attention = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.num_kv_heads * head_dim
+    mlp = 3 * m.hidden_size * m.ffn_hidden_size
+    layer = attention + mlp + 2 * m.hidden_size
+    embeddings = model_vocab_size(cfg) * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    return m.num_layers * layer + embeddings + m.hidden_size
+
+
+def tokens_per_step(cfg: Config, world_size: int = 1) -> int:
+    t = cfg.training
+    return t.batch_size * t.grad_accum_nums * cfg.data.context_length * world_size
+
+
+def flops_per_token(cfg: Config) -> int:
+    """Training FLOPs per token: 6·N for the matmuls plus the attention scores (PaLM appendix B)."""
+    m = cfg.model
+    non_embedding = parameter_count(cfg) - model_vocab_size(cfg) * m.hidden_size
+    return 6 * non_embedding + 12 * m.num_layers * m.hidden_size * cfg.data.context_length
+
+
+def human(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(int(n))
+
+
+def presets_table() -> list[dict[str, str]]:
+    rows = []
+    for name in preset_names():
+        cfg = Config()
+        apply_layer(cfg, preset_layer(name), f"presets/{name}.json")
+        m = cfg.model
+        rows.append({
+            "name": name,
+            "layers/heads/hidden": f"{m.num_layers}/{m.num_heads}/{m.hidden_size}",
+            "params": human(parameter_count(cfg)),
+            "tokens/step (per GPU)": human(tokens_per_step(cfg)),
+            "steps": str(cfg.training.max_steps),
+            "use case": cfg.description,
+        })
+    return rows
+
+
+def print_presets_table() -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = presets_table()
+    table = Table(title="presets")
+    for column in rows[0]:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*row.values())
+    Console(width=160).print(table)
+
+
+def handle_inspection_flags(args: argparse.Namespace) -> Config | None:
+    """--list-presets and --print-config print and tell the caller to exit (None); otherwise the resolved config."""
+    if args.list_presets:
+        print_presets_table()
+        return None
+    cfg = resolve(args)
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return None
+    return cfg

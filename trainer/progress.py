@@ -1,0 +1,79 @@
+"""The progress channel from a rank to the supervisor's watchdog, and the rank's device label.
+
+A rank writes one JSON object per line to the pipe whose write end the supervisor passed in
+``SUPERVISOR_PROGRESS_FD``. Each record stays under PIPE_BUF (4096 bytes), so one ``os.write`` is atomic and the
+supervisor never sees a torn record. The watchdog reads only this channel, never the log text. No torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+
+PROGRESS_FD_ENV = "SUPERVISOR_PROGRESS_FD"
+MAX_RECORD_BYTES = 512
+
+
+@dataclass
+class Progress:
+    event: str  # "phase" (start-up stages) | "step" | "done"
+    step: int = 0
+    total: int = 0
+    loss: float | None = None
+    tok_s: float | None = None
+    eta_s: float | None = None
+    phase: str | None = None
+    time: float = 0.0
+
+    def encode(self) -> bytes:
+        line = json.dumps(asdict(self), separators=(",", ":"), allow_nan=True).encode() + b"\n"
+        if len(line) > MAX_RECORD_BYTES:
+            raise ValueError(f"progress record over {MAX_RECORD_BYTES} bytes: {line[:80]!r}")
+        return line
+
+    @classmethod
+    def decode(cls, line: bytes) -> "Progress":
+        return cls(**json.loads(line))
+
+
+class ProgressReporter:
+    """Writes `Progress` records to the supervisor; a no-op when the rank was not started by one."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        if fd is None and os.environ.get(PROGRESS_FD_ENV):
+            fd = int(os.environ[PROGRESS_FD_ENV])
+        self.fd = fd
+
+    def send(self, progress: Progress) -> None:
+        if self.fd is None:
+            return
+        progress.time = progress.time or time.time()
+        try:
+            os.write(self.fd, progress.encode())
+        except (BrokenPipeError, OSError):
+            self.fd = None  # the supervisor is gone; PDEATHSIG will follow
+
+    def phase(self, name: str) -> None:
+        self.send(Progress(event="phase", phase=name))
+
+    def step(self, step: int, total: int, loss: float | None = None, tok_s: float | None = None,
+             eta_s: float | None = None) -> None:
+        self.send(Progress(event="step", step=step, total=total, loss=loss, tok_s=tok_s, eta_s=eta_s))
+
+    def done(self, step: int, total: int, loss: float | None = None) -> None:
+        self.send(Progress(event="done", step=step, total=total, loss=loss))
+
+
+def gpu_id() -> str | None:
+    """The physical GPU id this rank owns (``GPU_RANK``), None for CPU ranks and unlabelled runs."""
+    return os.environ.get("GPU_RANK")
+
+
+def device_label(uses_cuda: bool) -> str:
+    """``GPU3`` for the rank on physical GPU 3; ``CPU<local rank>`` for a CPU rank."""
+    local_rank = os.environ.get("LOCAL_RANK", "0")
+    if gpu_id() is not None:
+        return f"GPU{gpu_id()}"
+    return f"GPU{local_rank}" if uses_cuda else f"CPU{local_rank}"
