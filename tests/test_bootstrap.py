@@ -1,0 +1,49 @@
+"""The set-up step behind the shell scripts: which interpreter runs, and that nothing is installed when one is given."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOTSTRAP = ROOT / "supervisor" / "bootstrap.py"
+SHOW = ["-c", "import os, sys; print(sys.executable); print(os.environ['PYTHONPATH'].split(os.pathsep)[0])"]
+
+
+def run_bootstrap(env: dict[str, str], interpreter: str = sys.executable) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    return subprocess.run([interpreter, str(BOOTSTRAP), *SHOW], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_python_variable_is_used_as_is(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.symlink_to(sys.executable)
+    out = run_bootstrap({"PYTHON": str(fake)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [str(fake), str(ROOT)]
+    assert "[setup]" not in out.stderr  # nothing installed
+
+
+def test_active_virtualenv_is_used_as_is(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    out = run_bootstrap({"VIRTUAL_ENV": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == str(tmp_path / "bin" / "python")
+    assert "[setup]" not in out.stderr
+
+
+def test_interpreter_with_all_dependencies_is_used_without_installing() -> None:
+    out = run_bootstrap({})  # this interpreter runs the tests, so it has every dependency
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == sys.executable
+    assert "[setup]" not in out.stderr
+
+
+def test_shell_scripts_only_delegate() -> None:
+    for script in ("run_training.sh", "train_gpu.sh", "train_auto_gpu.sh", "run_tests.sh"):
+        lines = [line for line in (ROOT / script).read_text().splitlines() if line and not line.startswith("#")]
+        assert len(lines) == 1 and lines[0].startswith('exec python3 "$(dirname "$0")/supervisor/bootstrap.py"'), script
