@@ -195,3 +195,14 @@ def test_list_presets_prints_a_table() -> None:
 def test_user_error_is_one_line_exit_2() -> None:
     out = run_cli("--debug", "--set", "training.bacth_size=4")
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+
+
+def test_readme_documents_every_key() -> None:
+    import dataclasses
+
+    readme = (ROOT / "README.md").read_text()
+    cfg = Config()
+    missing = [f"{section}.{f.name}" for section in ("system", "model", "data", "training", "checkpoint", "logging",
+                                                     "debug")
+               for f in dataclasses.fields(getattr(cfg, section)) if f"{section}.{f.name}`" not in readme]
+    assert not missing, f"README.md does not document {missing}"
