@@ -1,0 +1,207 @@
+"""``python -m supervisor``: arguments → config → devices → plan → `Launcher`.
+
+    python -m supervisor [config flags] [--gpus IDS|auto] [--nproc N] [--entry SCRIPT] [-- SCRIPT ARGS...]
+
+The config is resolved once (trainer.config: preset < --config files < flags) and written to
+``<log-dir>/<run-id>/config.json``; every rank of the project's trainer starts as
+``python pretrain_main.py --run-config <that file>``. ``--entry SCRIPT`` runs any other rank program instead (like
+torchrun's training script): it gets only the arguments after ``--``, finds the config path in
+``SUPERVISOR_RUN_CONFIG``, and no dataset is prepared for it. ``--no-prepare`` skips the dataset step for the trainer
+too (the ranks then expect the cache to exist).
+
+Everything here runs before any rank exists, so a bad input ends as one ``error: ...`` line and exit code 2 with
+nothing started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from itertools import count
+from pathlib import Path
+
+from supervisor import gpus
+from supervisor.console import Console
+from supervisor.launcher import Launcher
+from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
+from trainer.config import (PROJECT_ROOT, Config, add_config_arguments, handle_inspection_flags, human,
+                            parameter_count)
+from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+
+DEFAULT_CPU_RANKS = 2
+CPU_MAX_PARAMETERS = 1_000_000_000  # beyond this a CPU run is not training, it is waiting
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m supervisor",
+        description="Run one training process per GPU (CPU ranks where there is none): prefixed logs, kill-all on "
+                    "the first failure, a hang watchdog, a failure report. Arguments after `--` go to the entry "
+                    "script.")
+    devices = parser.add_argument_group("devices")
+    devices.add_argument("--gpus", metavar="IDS|auto",
+                         help="physical GPU ids (0,3,5), or 'auto' for the least busy (with --nproc N: the N least "
+                              "busy); default: every usable GPU")
+    devices.add_argument("--nproc", type=int, metavar="N",
+                         help=f"ranks on this node: the first N GPUs, or N CPU ranks (default {DEFAULT_CPU_RANKS}) "
+                              f"when there is no GPU")
+    launch = parser.add_argument_group("launch")
+    launch.add_argument("--entry", metavar="SCRIPT",
+                        help=f"the rank program (default: the project's {TRAINER_ENTRY}); arguments after `--` go to it")
+    launch.add_argument("--no-prepare", action="store_true",
+                        help="do not build the token cache before starting ranks (skipped anyway for another --entry)")
+    launch.add_argument("--log-dir", default="logs", metavar="DIR", help="root of the run folders (default: logs)")
+    launch.add_argument("--grace-period", type=float, default=30.0, metavar="S",
+                        help="SIGTERM → SIGKILL delay when stopping ranks (default 30)")
+    launch.add_argument("--hang-timeout", type=float, default=300.0, metavar="S",
+                        help="a rank with no progress for this long stalls the run (default 300; 0 disables)")
+    launch.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
+                        help="the allowance before the first step and during start-up, evaluation and checkpoint "
+                             "phases (default 900)")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="restart the group after a failure, resuming from the latest checkpoint (default 0)")
+    launch.add_argument("--no-footer", action="store_true", help="no live footer on a terminal")
+    nodes = parser.add_argument_group("multi-node (torchrun's meanings)")
+    nodes.add_argument("--nnodes", type=int, default=1, metavar="N")
+    nodes.add_argument("--node-rank", type=int, default=0, metavar="R")
+    nodes.add_argument("--master-addr", metavar="HOST", help="node 0's address (multi-node)")
+    nodes.add_argument("--master-port", type=int, metavar="PORT",
+                       help="node 0's rendezvous port (multi-node; the control channel uses PORT+1); "
+                            "single node: a free port is chosen")
+    add_config_arguments(parser)
+    return parser
+
+
+def split_entry_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    if args.nproc is not None and args.nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+    for name in ("grace_period", "hang_timeout", "startup_timeout"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must not be negative")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must not be negative, got {args.max_restarts}")
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node-rank must be within [0, --nnodes) (got --nnodes {args.nnodes} --node-rank "
+                        f"{args.node_rank})")
+    if args.nnodes > 1:
+        if args.master_addr is None or args.master_port is None:
+            raise UserError("--nnodes > 1 needs --master-addr and --master-port (node 0's address and a port all "
+                            "nodes agree on)")
+        if args.max_restarts:
+            raise UserError("--max-restarts works on a single node only (a restart would need every node to "
+                            "start again together)")
+    if args.master_port is not None and not 0 < args.master_port < 65535:
+        raise UserError(f"--master-port must be within 1-65534, got {args.master_port}")
+
+
+def entry_path(args: argparse.Namespace) -> Path:
+    if args.entry is None:
+        path = PROJECT_ROOT / TRAINER_ENTRY
+        if not path.is_file():
+            raise UserError(f"{path} does not exist; name a rank program with --entry SCRIPT")
+        return path
+    path = Path(args.entry)
+    if not path.is_file():
+        raise UserError(f"--entry {args.entry}: no such file")
+    return path.resolve()
+
+
+def check_fits_on_cpu(cfg: Config) -> None:
+    """Refuse presets that cannot train on a CPU, unless the user forced the device."""
+    if cfg.system.device == "cpu":
+        return
+    if cfg.system.device == "cuda":
+        raise UserError("system.device=cuda but no GPU was found (NVML and nvidia-smi found none)")
+    params = parameter_count(cfg)
+    t = cfg.training
+    if params > CPU_MAX_PARAMETERS or (t.strategy == "fsdp" and t.precision == "bf16"):
+        raise UserError(f"preset '{cfg.preset}' ({human(params)} parameters, {t.strategy}, {t.precision}) needs GPUs "
+                        f"and none was found; use --debug (or --preset small) on a CPU, or force it with "
+                        f"--set system.device=cpu")
+
+
+def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
+                   console_notes: list[str]) -> list[int]:
+    """The physical GPU ids for this node's ranks (empty: CPU ranks); sets system.device where the plan decides."""
+    inventory = gpus.discover()
+    forced_cpu = cfg.system.device == "cpu"
+    if forced_cpu and args.gpus is not None:
+        raise UserError(f"--gpus {args.gpus} conflicts with system.device=cpu")
+    chosen = [] if forced_cpu else gpus.select(inventory, args.gpus, args.nproc)
+    if chosen:
+        if inventory.fake:
+            cfg.system.device = "cpu"
+            console_notes.append(f"{gpus.FAKE_GPUS_ENV}: pretending GPUs {gpus.id_ranges([g.index for g in inventory.gpus])} "
+                                 f"exist; the ranks compute on the CPU")
+        if args.gpus is not None and args.gpus.strip() == "auto":
+            console_notes.append("--gpus auto chose " + "; ".join(g.describe() for g in chosen))
+        return [g.index for g in chosen]
+    if trainer_entry:
+        check_fits_on_cpu(cfg)
+    cfg.system.device = "cpu"
+    why = "system.device=cpu" if forced_cpu else "no GPU found"
+    console_notes.append(f"{why}: starting {args.nproc or DEFAULT_CPU_RANKS} CPU ranks on gloo (--nproc N to change)")
+    return []
+
+
+def create_run_dir(root: Path, preset: str) -> Path:
+    """logs/<yyyymmdd-hhmmss>-<preset>, with -2, -3 ... when two runs start in the same second."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root.mkdir(parents=True, exist_ok=True)
+    for n in count(1):
+        path = root / (f"{stamp}-{preset}" + ("" if n == 1 else f"-{n}"))
+        try:
+            path.mkdir()
+            return path.resolve()
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
+
+
+def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], notes: list[str]) -> Plan:
+    check_flags(args)
+    entry = entry_path(args)
+    trainer_entry = entry.name == TRAINER_ENTRY
+    gpu_ids = choose_devices(args, cfg, trainer_entry, notes)
+    ranks = node_ranks(gpu_ids, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)
+    run_dir = create_run_dir(Path(args.log_dir), cfg.preset)
+    cfg.logging.run_dir = str(run_dir)
+    return Plan(entry=entry, entry_args=entry_args, run_dir=run_dir, ranks=ranks, nnodes=args.nnodes,
+                node_rank=args.node_rank, master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
+                grace_period=args.grace_period, hang_timeout=args.hang_timeout,
+                startup_timeout=args.startup_timeout, max_restarts=args.max_restarts, prepare=not args.no_prepare,
+                footer=not args.no_footer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ours, entry_args = split_entry_args(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(ours)
+    try:
+        cfg = handle_inspection_flags(args)
+        if cfg is None:
+            return 0
+        notes: list[str] = []
+        plan = make_plan(args, cfg, entry_args, notes)
+        console = Console(footer=plan.footer)
+        console.open_log(plan.run_dir / "supervisor.log")
+        try:
+            for note in notes:
+                console.say(note)
+            devices = ", ".join(r.label for r in plan.ranks)
+            console.say(f"run {plan.run_dir.name}: {len(plan.ranks)} rank{'s' if len(plan.ranks) > 1 else ''} "
+                        f"({devices}) of {plan.world_size}; logs in {plan.run_dir}/")
+            console.log(f"command: {' '.join(sys.argv)}")
+            return Launcher(plan, cfg, console).run()
+        finally:
+            console.close()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE

@@ -1,0 +1,134 @@
+"""Where everything the supervisor shows goes: the console (plain or a terminal with a live footer) and supervisor.log.
+
+Plain mode (a pipe or a file: ``| grep GPU2:``, ``| tee training.log``): rank stdout goes to our stdout, rank
+stderr to our stderr, each as whole prefixed lines written with one ``writev`` under a lock, so no two writers
+ever interleave inside a line. The supervisor's own messages go to stderr as ``supervisor: ...`` lines.
+Terminal mode (stdout and stderr both a terminal, footer not disabled): everything goes through one rich console
+on stdout with a live footer under the scrolling lines; rich is imported only then.
+
+If the reader of our output goes away (``| head``), console output stops quietly; log files keep being written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+Buffer = bytes | bytearray | memoryview
+SAY_PREFIX = "supervisor: "
+LABEL_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
+
+
+def write_all(fd: int, buffers: Sequence[Buffer]) -> None:
+    """One writev; only a partial write (a signal, a full non-blocking pipe) needs a second call."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        written = os.writev(fd, views)
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+
+
+class Console:
+    def __init__(self, terminal: bool | None = None, footer: bool = True) -> None:
+        if terminal is None:
+            terminal = footer and sys.stdout.isatty() and sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+        self.terminal = terminal
+        self.lock = threading.Lock()
+        self.console_ok = True
+        self.log_fd: int | None = None
+        self.rich: Any = None  # rich.console.Console in terminal mode
+        self.live: Any = None
+        self.styles: dict[str, str] = {}
+        if terminal:
+            from rich.console import Console as RichConsole
+
+            self.rich = RichConsole(file=sys.stdout, highlight=False, soft_wrap=True)
+
+    # -- supervisor.log -------------------------------------------------------------------------------------------
+
+    def open_log(self, path: Path) -> None:
+        self.log_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+
+    def log(self, message: str) -> None:
+        """supervisor.log only (with a time stamp)."""
+        if self.log_fd is not None:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            text = "".join(f"{stamp} {line}\n" for line in message.splitlines() or [""])
+            try:
+                os.write(self.log_fd, text.encode())
+            except OSError:
+                self.log_fd = None
+
+    # -- the supervisor's own messages ----------------------------------------------------------------------------
+
+    def say(self, message: str, style: str = "bold") -> None:
+        """A supervisor message: console (stderr, or the terminal) and supervisor.log."""
+        self.log(message)
+        if self.rich is not None:
+            from rich.text import Text
+
+            self.rich.print(Text(SAY_PREFIX + message, style=style))
+        else:
+            text = "".join(f"{SAY_PREFIX}{line}\n" for line in message.splitlines())
+            self._write(2, [text.encode()])
+
+    # -- rank output ----------------------------------------------------------------------------------------------
+
+    def write_lines(self, fd: int, buffers: Sequence[Buffer]) -> None:
+        """Plain mode: whole lines, already prefixed, written as one unit."""
+        self._write(fd, buffers)
+
+    def print_lines(self, prefix: bytes, block: bytes) -> None:
+        """Terminal mode: whole unprefixed lines from one rank, printed above the footer with a coloured label."""
+        from rich.text import Text
+
+        label = prefix.decode(errors="replace")
+        style = self.styles.setdefault(label, LABEL_STYLES[len(self.styles) % len(LABEL_STYLES)])
+        text = Text()
+        for line in block.decode(errors="replace")[:-1].split("\n"):  # the block ends with its last newline
+            text.append(label, style=style)
+            text.append(line + "\n")
+        text.rstrip()
+        with self.lock:
+            if self.console_ok:
+                self.rich.print(text)
+
+    def _write(self, fd: int, buffers: Sequence[Buffer]) -> None:
+        with self.lock:
+            if not self.console_ok:
+                return
+            try:
+                write_all(fd, buffers)
+            except BrokenPipeError:
+                self.console_ok = False  # the reader left (| head); keep the run and the log files going
+            except OSError:
+                self.console_ok = False
+
+    # -- the live footer ------------------------------------------------------------------------------------------
+
+    def start_footer(self, render: Callable[[], Any]) -> None:
+        if self.rich is None or self.live is not None:
+            return
+        from rich.live import Live
+
+        self.live = Live(get_renderable=render, console=self.rich, refresh_per_second=4, transient=True,
+                         redirect_stdout=False, redirect_stderr=False)
+        self.live.start()
+
+    def stop_footer(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    def close(self) -> None:
+        self.stop_footer()
+        if self.log_fd is not None:
+            os.close(self.log_fd)
+            self.log_fd = None

@@ -1,0 +1,165 @@
+"""One run, start to finish: prepare the data once, start the group, watch it, restart it when allowed, report.
+
+Order matters in `run`: the sentinel (`Reaper`) is forked first, while the supervisor has no other thread; then
+the supervisor makes itself a child subreaper; then the dataset is prepared (Ctrl-C there is an ordinary
+KeyboardInterrupt, no rank exists yet); only then do signals become loop events.
+
+Restarts (``--max-restarts N``): after a failure or a hang, and once every process of the group is gone, the group
+starts again with a config that says ``checkpoint.resume=auto`` (``config.restart<n>.json`` beside
+``config.json``), so the ranks continue from the latest checkpoint. A user error (exit 2) and an interrupt are never
+restarted. Per-rank logs continue in the same files, after a marker line.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import time
+from pathlib import Path
+
+from supervisor.console import Console
+from supervisor.control import ControlChannel, open_channel
+from supervisor.footer import Footer
+from supervisor.plan import Plan
+from supervisor.pump import Pump, Stream
+from supervisor.reaper import Reaper
+from supervisor.rendezvous import PortReservation
+from supervisor.report import failure_report, success_report
+from supervisor.signals import SignalInbox
+from supervisor.watch import GroupResult, Watch
+from supervisor.worker import Worker, become_subreaper
+from trainer.config import Config
+from trainer.errors import UserError
+
+
+class Launcher:
+    def __init__(self, plan: Plan, cfg: Config, console: Console) -> None:
+        self.plan, self.cfg, self.console = plan, cfg, console
+        self.footer = Footer(f"run {plan.run_dir.name}")
+
+    def run(self) -> int:
+        reaper = Reaper()
+        signals: SignalInbox | None = None
+        control: ControlChannel | None = None
+        started = time.monotonic()
+        try:
+            become_subreaper()
+            try:
+                self.prepare()
+            except KeyboardInterrupt:
+                self.console.say("interrupted during dataset preparation; no rank was started")
+                return 130
+            signals = SignalInbox()
+            if self.plan.nnodes > 1:
+                assert self.plan.master_port is not None
+                control = open_channel(self.plan.node_rank, self.plan.nnodes, self.plan.master_addr,
+                                       self.plan.master_port, self.plan.startup_timeout)
+            restarts = 0
+            while True:
+                pending = signals.peek_stop()
+                if pending is not None:  # arrived between two groups
+                    self.console.say(f"stopped by signal {pending} before restart {restarts}")
+                    return 128 + pending
+                result = self.run_group(restarts, signals, reaper, control)
+                if result.exit_code == 0 or not result.restartable or restarts >= self.plan.max_restarts:
+                    break
+                restarts += 1
+                assert result.stop is not None
+                self.console.say(f"restart {restarts} of {self.plan.max_restarts} after {result.stop.detail}; "
+                                 f"the ranks resume from the latest checkpoint", style="bold yellow")
+            self.console.stop_footer()
+            self.report(result, restarts, time.monotonic() - started)
+            if control is not None and result.exit_code == 0:
+                control.done()
+            return result.exit_code
+        finally:
+            self.console.stop_footer()
+            if control is not None:
+                control.close(wait=self.plan.grace_period)
+            if signals is not None:
+                signals.close()
+            reaper.close()
+
+    # -- steps -----------------------------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Build (or find) the token cache once, before any rank starts, so ranks never race to build it."""
+        if not (self.plan.prepare and self.plan.trainer_entry):
+            return
+        if importlib.util.find_spec("trainer.cache") is None:
+            self.console.say("trainer/cache.py is not there: no dataset to prepare")
+            return
+        from trainer.cache import prepare
+
+        info = prepare(self.cfg)
+        self.console.say(f"dataset: {info.tokens:,} tokens in {info.path}")
+
+    def config_path(self, restart: int) -> Path:
+        if restart == 0:
+            path = self.plan.run_dir / "config.json"
+            cfg = self.cfg
+        else:
+            path = self.plan.run_dir / f"config.restart{restart}.json"
+            cfg = copy.deepcopy(self.cfg)
+            cfg.checkpoint.resume = "auto"
+        if not path.exists():
+            cfg.save(path)
+        return path
+
+    def run_group(self, restart: int, signals: SignalInbox, reaper: Reaper,
+                  control: ControlChannel | None) -> GroupResult:
+        plan = self.plan
+        config_path = self.config_path(restart)
+        port = PortReservation.take() if plan.master_port is None else None
+        master_port = port.port if port is not None else plan.master_port
+        assert master_port is not None
+        log_fds = {}
+        for spec in plan.ranks:
+            fd = os.open(plan.run_dir / spec.log_name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+            if restart:
+                os.write(fd, f"----- restart {restart} of {plan.max_restarts} -----\n".encode())
+            log_fds[spec.rank] = fd
+        workers: list[Worker] = []
+        try:
+            for spec in plan.ranks:
+                env = plan.rank_env(spec, master_port, config_path, restart)
+                try:
+                    worker = Worker.spawn(spec, plan.argv(config_path), env)
+                except OSError as e:
+                    raise UserError(f"cannot start {plan.python} {plan.entry}: {e.strerror or e}") from None
+                reaper.watch(worker.pid)
+                workers.append(worker)
+            pump = Pump(self.console)
+            tails: dict[int, Stream] = {}
+            for w in workers:
+                prefix = f"{w.label}:".encode()
+                pump.add(w.stdout_fd, prefix, 1, log_fds[w.spec.rank], keep_tail=False)
+                tails[w.spec.rank] = pump.add(w.stderr_fd, prefix, 2, log_fds[w.spec.rank], keep_tail=True)
+            pump.start()
+            watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control, restart)
+            self.footer.rows = watch.footer_rows
+            if restart:
+                self.footer.title = f"run {plan.run_dir.name} · restart {restart}/{plan.max_restarts}"
+            self.console.start_footer(lambda: self.footer)
+            return watch.run()
+        except BaseException:
+            for w in workers:  # spawning failed part-way: take down what did start
+                if w.alive:
+                    w.kill_group()
+                    w.reap()
+                    reaper.forget(w.pid)
+            raise
+        finally:
+            for fd in log_fds.values():
+                os.close(fd)
+            if port is not None:
+                port.release()
+
+    def report(self, result: GroupResult, restarts: int, total: float) -> None:
+        if result.exit_code == 0:
+            self.console.say(success_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total),
+                             style="bold green")
+        else:
+            self.console.say(failure_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total),
+                             style="bold red")

@@ -1,0 +1,117 @@
+"""What to start: one `RankSpec` per rank of this node, and the `Plan` that says how (entry, environment, limits).
+
+The rank environment follows torchrun's contract (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT) plus the project's own keys; see ARCHITECTURE.md, "Rank environment".
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.rendezvous import loopback_interface
+from trainer.config import PROJECT_ROOT
+
+TRAINER_ENTRY = "pretrain_main.py"
+RUN_CONFIG_ENV = "SUPERVISOR_RUN_CONFIG"  # every rank: the resolved config of its attempt
+RESTART_COUNT_ENV = "SUPERVISOR_RESTART_COUNT"  # every rank: 0 for the first group, n for the n-th restart
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    rank: int  # global rank
+    local_rank: int
+    gpu: int | None  # the physical GPU id; None for a CPU rank
+
+    @property
+    def label(self) -> str:
+        """The device label, as `trainer.progress.device_label` computes it inside the rank."""
+        return f"GPU{self.gpu}" if self.gpu is not None else f"CPU{self.local_rank}"
+
+    @property
+    def log_name(self) -> str:
+        return f"{self.label.lower()}.log"
+
+
+@dataclass
+class Plan:
+    entry: Path
+    entry_args: list[str]
+    run_dir: Path
+    ranks: list[RankSpec]
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free loopback port per group (single node)
+    grace_period: float = 30.0
+    hang_timeout: float = 300.0  # 0 disables the watchdog
+    startup_timeout: float = 900.0
+    max_restarts: int = 0
+    prepare: bool = True  # build the token cache before starting ranks
+    footer: bool = True  # the live footer, when the console is a terminal
+    python: str = field(default_factory=lambda: sys.executable)
+
+    @property
+    def trainer_entry(self) -> bool:
+        """The project's own rank program gets ``--run-config``; any other entry gets only the args after ``--``."""
+        return self.entry.name == TRAINER_ENTRY
+
+    @property
+    def local_world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * len(self.ranks)
+
+    @property
+    def uses_gpus(self) -> bool:
+        return any(r.gpu is not None for r in self.ranks)
+
+    def argv(self, config_path: Path) -> list[str]:
+        args = ["--run-config", str(config_path)] if self.trainer_entry else []
+        return [self.python, str(self.entry), *args, *self.entry_args]
+
+    def rank_env(self, spec: RankSpec, master_port: int, config_path: Path, restart: int,
+                 base: dict[str, str] | None = None) -> dict[str, str]:
+        """Everything but SUPERVISOR_PROGRESS_FD, which the worker adds with the pipe it creates."""
+        env = dict(os.environ if base is None else base)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        env.update({
+            "RANK": str(spec.rank),
+            "LOCAL_RANK": str(spec.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.node_rank),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(master_port),
+            "PYTHONUNBUFFERED": "1",
+            RUN_CONFIG_ENV: str(config_path),
+            RESTART_COUNT_ENV: str(restart),
+        })
+        env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // max(1, self.local_world_size))))
+        if self.nnodes == 1:
+            env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        if spec.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
+            env["GPU_RANK"] = str(spec.gpu)
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML's numbering, so the id means the same card to CUDA
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU rank must not grab a GPU behind the plan's back
+            env.pop("GPU_RANK", None)
+        return env
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def node_ranks(gpus: list[int], cpu_ranks: int, node_rank: int) -> list[RankSpec]:
+    """One spec per GPU (or per CPU rank when `gpus` is empty); global rank = node_rank × ranks per node + local."""
+    count = len(gpus) if gpus else cpu_ranks
+    return [RankSpec(node_rank * count + i, i, gpus[i] if gpus else None) for i in range(count)]

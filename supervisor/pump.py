@@ -1,0 +1,195 @@
+"""Rank output → ``GPU<id>:`` lines on the console and plain lines in the rank's log file.
+
+Speed comes from never touching a line on its own. One thread serves every rank's stdout and stderr through one
+selector: it reads up to 1 MiB, cuts at the last newline (the rest waits for the next read), prefixes every line
+with a single ``bytes.replace(b"\\n", b"\\n" + prefix)`` and sends the whole block with one ``writev`` to the console
+and one to ``gpu<id>.log``. When the writers trickle (a read came back small), the thread waits a millisecond before
+the next read so the following one is big, instead of waking up for every line a rank prints.
+
+Lines stay whole: a block holds only complete lines of one stream of one rank and is written in one call under the
+console lock, so lines of different ranks never split or merge. A partial line waits in its stream's carry until
+its newline arrives, and is flushed as a line of its own (prefix and newline added) when the rank closes the stream.
+A single line longer than 8 MiB is emitted in 8 MiB pieces rather than held forever.
+
+Carriage returns (progress bars): a line keeps only its last ``\\r`` segment, as a terminal would finally show it
+(``10%\\r20%\\r30%\\n`` → ``30%``), and ``\\r\\n`` counts as a newline. This keeps prefixes intact and log files
+readable; the cost is that a bar that never ends its line shows up only when it does.
+
+The log file gets the lines without the prefix (it belongs to one rank already). For each stderr stream the pump
+keeps the last 64 KiB, from which the failure report takes the failing rank's last lines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import threading
+import time
+from dataclasses import dataclass, field
+
+from supervisor.console import Console, write_all
+
+CHUNK = 1 << 20
+TRICKLE = 64 << 10  # a read smaller than this: the writers are slower than we are, let data pile up a little
+TRICKLE_WAIT = 0.001
+MAX_LINE = 8 << 20
+TAIL_BYTES = 64 << 10
+CR_SEGMENT = re.compile(rb"[^\r\n]*\r")
+
+
+def clean_cr(lines: bytes) -> bytes:
+    """Complete lines → each keeps only its last carriage-return segment; ``\\r\\n`` is a newline."""
+    return CR_SEGMENT.sub(b"", lines.replace(b"\r\n", b"\n"))
+
+
+def collapse_cr(partial: bytes) -> bytes:
+    """A partial line: drop what a later ``\\r`` overwrote (a final ``\\r`` may yet be the start of ``\\r\\n``)."""
+    cut = partial.rfind(b"\r", 0, len(partial) - 1)
+    return partial[cut + 1:] if cut >= 0 else partial
+
+
+@dataclass
+class Stream:
+    fd: int  # read end of the rank's stdout or stderr pipe
+    prefix: bytes  # b"GPU3:"
+    console_fd: int  # 1 or 2
+    log_fd: int | None
+    keep_tail: bool  # stderr: remember the last lines for the report
+    carry: bytes = b""
+    tail: bytes = b""
+    nl_prefix: bytes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.nl_prefix = b"\n" + self.prefix
+
+    def tail_lines(self, count: int) -> list[str]:
+        lines = self.tail.decode(errors="replace").splitlines()
+        return lines[-count:]
+
+
+class Pump(threading.Thread):
+    def __init__(self, console: Console) -> None:
+        super().__init__(name="supervisor-pump", daemon=True)
+        self.console = console
+        self.selector = selectors.DefaultSelector()
+        self.streams: list[Stream] = []
+        self.open = 0
+        self.stop_requested = False
+        self.wake_r, self.wake_w = os.pipe()
+        self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+
+    def add(self, fd: int, prefix: bytes, console_fd: int, log_fd: int | None, keep_tail: bool) -> Stream:
+        stream = Stream(fd, prefix, console_fd, log_fd, keep_tail)
+        self.streams.append(stream)
+        self.selector.register(fd, selectors.EVENT_READ, stream)
+        self.open += 1
+        return stream
+
+    # -- the thread ------------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while self.open and not self.stop_requested:
+            biggest = 0
+            for key, _ in self.selector.select():
+                stream: Stream | None = key.data
+                if stream is None:
+                    os.read(self.wake_r, 64)
+                    continue
+                try:
+                    data = os.read(stream.fd, CHUNK)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                if data:
+                    self.feed(stream, data)
+                    biggest = max(biggest, len(data))
+                else:
+                    self.close_stream(stream)
+            if 0 < biggest < TRICKLE:
+                time.sleep(TRICKLE_WAIT)
+        for stream in self.streams:  # stopped early: take what is already in the pipes, then close
+            if stream.fd >= 0:
+                self.drain(stream)
+                self.close_stream(stream)
+        self.selector.close()
+        os.close(self.wake_r)
+
+    def finish(self, timeout: float) -> None:
+        """Wait until every stream reached end-of-file, or `timeout`; then take what is buffered and stop.
+
+        End-of-file can be late only when some process outside the ranks' process groups still holds a pipe;
+        the watcher's sweep kills those, and the timeout bounds the wait in any case.
+        """
+        if self.is_alive():
+            self.join(timeout)
+        if self.is_alive():
+            self.stop_requested = True
+            os.write(self.wake_w, b"x")
+            self.join()
+        os.close(self.wake_w)
+
+    def drain(self, stream: Stream) -> None:
+        os.set_blocking(stream.fd, False)
+        while True:
+            try:
+                data = os.read(stream.fd, CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return
+            if not data:
+                return
+            self.feed(stream, data)
+
+    def close_stream(self, stream: Stream) -> None:
+        if stream.carry:
+            line = stream.carry + b"\n"
+            stream.carry = b""
+            self.emit(stream, b"", clean_cr(line) if b"\r" in line else line)
+        self.selector.unregister(stream.fd)
+        os.close(stream.fd)
+        stream.fd = -1
+        self.open -= 1
+
+    # -- chunks → lines --------------------------------------------------------------------------------------------
+
+    def feed(self, stream: Stream, data: bytes) -> None:
+        head = stream.carry
+        if b"\r" in data or b"\r" in head:
+            data, head = head + data, b""
+            end = data.rfind(b"\n")
+            if end >= 0:
+                stream.carry = collapse_cr(data[end + 1:])
+                self.emit(stream, b"", clean_cr(data[: end + 1]))
+            else:
+                stream.carry = collapse_cr(data)
+        else:
+            end = data.rfind(b"\n")
+            if end >= 0:
+                stream.carry = data[end + 1:]
+                self.emit(stream, head, data, end + 1)
+            else:
+                stream.carry = head + data
+        if len(stream.carry) > MAX_LINE:
+            piece, stream.carry = stream.carry + b"\n", b""
+            self.emit(stream, b"", piece)
+
+    def emit(self, stream: Stream, head: bytes, data: bytes, size: int | None = None) -> None:
+        """Write `head` + `data[:size]` (complete lines; `head` is the carried start of the first one)."""
+        size = len(data) if size is None else size
+        lines = memoryview(data)[:size]
+        if stream.log_fd is not None:
+            try:
+                write_all(stream.log_fd, [head, lines])
+            except OSError as e:
+                stream.log_fd = None
+                self.console.say(f"cannot write the log of {stream.prefix.decode()[:-1]} any more: {e}")
+        if self.console.terminal:
+            self.console.print_lines(stream.prefix, head + bytes(lines))
+        else:
+            replaced = data.replace(b"\n", stream.nl_prefix)  # the unfinished rest after `size` has no newline
+            cut = len(replaced) - (len(data) - size) - len(stream.prefix)
+            self.console.write_lines(stream.console_fd, [stream.prefix, head, memoryview(replaced)[:cut]])
+        if stream.keep_tail:
+            if size >= TAIL_BYTES:
+                stream.tail = bytes(lines[size - TAIL_BYTES:])
+            else:
+                stream.tail = (stream.tail + head + bytes(lines))[-TAIL_BYTES:]

@@ -1,0 +1,87 @@
+"""A sentinel that kills every rank's process group when the supervisor dies without cleaning up.
+
+PR_SET_PDEATHSIG takes the ranks down with a SIGKILLed supervisor, but not their children: a DataLoader worker or
+any subprocess of a rank would survive as an orphan. So at start-up the supervisor forks this small sentinel (before
+any thread exists, so the fork is safe) into a session of its own, where neither a terminal's Ctrl-C nor a
+``kill -- -<pgid>`` aimed at the supervisor's group reaches it. The supervisor tells it over a pipe which process
+groups exist (``+pgid`` / ``-pgid``). The pipe's write end lives only in the supervisor, so when the supervisor dies
+for any reason the kernel closes it, the sentinel reads end-of-file and SIGKILLs every group it still knows.
+A clean exit says ``exit`` first and nothing is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+class Reaper:
+    def __init__(self) -> None:
+        read_end, self.fd = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the sentinel
+            try:
+                os.close(self.fd)
+                sentinel(read_end)
+            finally:
+                os._exit(0)
+        os.close(read_end)
+
+    def _send(self, line: str) -> None:
+        if self.fd >= 0:
+            try:
+                os.write(self.fd, line.encode() + b"\n")
+            except OSError:
+                pass
+
+    def watch(self, pgid: int) -> None:
+        self._send(f"+{pgid}")
+
+    def forget(self, pgid: int) -> None:
+        self._send(f"-{pgid}")
+
+    def close(self) -> None:
+        """Dismiss the sentinel without killing anything (every group it knew is already gone)."""
+        if self.fd < 0:
+            return
+        self._send("exit")
+        os.close(self.fd)
+        self.fd = -1
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+def sentinel(read_end: int) -> None:
+    os.setsid()
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(3, read_end)
+    os.closerange(read_end + 1, max(os.sysconf("SC_OPEN_MAX"), read_end + 2))
+    groups: set[int] = set()
+    pending = b""
+    while True:
+        try:
+            data = os.read(read_end, 4096)
+        except InterruptedError:
+            continue
+        if not data:
+            for pgid in groups:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except OSError:
+                    pass
+            return
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line == b"exit":
+                return
+            if line[:1] == b"+":
+                groups.add(int(line[1:]))
+            elif line[:1] == b"-":
+                groups.discard(int(line[1:]))

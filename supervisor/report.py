@@ -1,0 +1,77 @@
+"""The end of a run: what each rank did, why the run ended, and the exit code.
+
+Exit codes: 0 when every rank finished; 2 for a user error; otherwise the code of the rank that failed first
+(128 + signal number when a signal killed it); 124 when a rank stalled (the hang watchdog stopped the group, as
+``timeout`` reports a command that ran out of time); 130 / 143 / 129 when the supervisor itself got SIGINT /
+SIGTERM / SIGHUP; on a multi-node run, the code of the rank that failed first on whichever node it ran.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from supervisor.watch import GroupResult
+from supervisor.worker import describe_exit
+
+TAIL_LINES = 20
+
+
+def duration(seconds: float) -> str:
+    """12.3 s under a minute, else h:mm:ss (the log line's ETA format)."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+def rank_table(result: GroupResult) -> list[str]:
+    header = ("device", "rank", "pid", "exit", "how it ended", "run time")
+    rows = [header]
+    for w in result.workers:
+        rows.append((w.label, str(w.spec.rank), str(w.pid), describe_exit(w.exit_code if w.exit_code is not None else 0),
+                     result.endings.get(w.spec.rank, "finished"), duration(w.run_time())))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+
+
+def progress_line(result: GroupResult) -> str | None:
+    """Steps and final loss as the lowest rank reported them on the progress channel."""
+    if not result.states:
+        return None
+    state = result.states[min(result.states)]
+    if state.event is None:
+        return None
+    text = f"step {state.step}/{state.total}" if state.total else f"step {state.step}"
+    if state.loss is not None:
+        text += f", final loss {state.loss:.4f}"
+    return text
+
+
+def failure_report(result: GroupResult, run_dir: Path, restarts: int, max_restarts: int, total: float) -> str:
+    stop = result.stop
+    assert stop is not None
+    verb = {"interrupt": "interrupted", "remote": "stopped"}.get(stop.reason, "failed")
+    lines = [f"run {verb} after {duration(total)}: {stop.detail}"]
+    if max_restarts:
+        lines.append(f"restarts: {restarts} of {max_restarts} used")
+    lines += rank_table(result)
+    if stop.worker is not None:
+        tail = result.tails[stop.worker.spec.rank].tail_lines(TAIL_LINES) if stop.worker.spec.rank in result.tails \
+            else []
+        if tail:
+            lines.append(f"last {len(tail)} stderr lines of {stop.worker.label} (rank {stop.worker.spec.rank}):")
+            lines += [f"  | {line}" for line in tail]
+        else:
+            lines.append(f"{stop.worker.label} wrote nothing to stderr")
+    lines.append(f"exit code {stop.exit_code}; logs in {run_dir}/")
+    return "\n".join(lines)
+
+
+def success_report(result: GroupResult, run_dir: Path, restarts: int, max_restarts: int, total: float) -> str:
+    text = f"run finished in {duration(total)}"
+    progress = progress_line(result)
+    text += f": {progress}" if progress else " (no progress reported)"
+    if max_restarts:
+        text += f"; {restarts} of {max_restarts} restarts used"
+    return f"{text}; logs in {run_dir}/"

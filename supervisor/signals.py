@@ -1,0 +1,53 @@
+"""Signals as readable events: the watcher's loop sleeps in one ``select`` and wakes for a signal like for any fd.
+
+``signal.set_wakeup_fd`` makes the C-level handler write each signal's number to a non-blocking pipe the moment it
+arrives; the Python handlers do nothing. SIGCHLD is how the loop learns that a rank exited (no polling); SIGINT,
+SIGTERM and SIGHUP are the stop requests (SIGINT no longer raises KeyboardInterrupt once installed).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """The wakeup fd carries the signal; the handler only has to exist (and to not raise)."""
+
+
+class SignalInbox:
+    def __init__(self) -> None:
+        self.fd, self._write_fd = os.pipe()
+        for fd in (self.fd, self._write_fd):
+            os.set_blocking(fd, False)
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        self._previous = {sig: signal.signal(sig, _ignore) for sig in (*STOP_SIGNALS, signal.SIGCHLD)}
+        self.pending: list[int] = []
+
+    def read(self) -> list[int]:
+        """Every signal received since the last call, in order (SIGCHLD included)."""
+        got, self.pending = self.pending, []
+        while True:
+            try:
+                data = os.read(self.fd, 256)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not data:
+                break
+            got.extend(data)
+        return got
+
+    def peek_stop(self) -> int | None:
+        """The first stop signal received so far, if any, without losing it (between groups of a restart)."""
+        self.pending = self.read()
+        return next((s for s in self.pending if s in STOP_SIGNALS), None)
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        os.close(self.fd)
+        os.close(self._write_fd)

@@ -1,0 +1,350 @@
+"""The watcher: one group of ranks, from start to the last exit, in one ``select`` loop on the main thread.
+
+What wakes the loop: a rank's pidfd (it exited; epoll hands them over in the order they fired, so the first
+rank to die is the first we see), a signal (SIGCHLD, or a stop request), a progress record, a message from the
+multi-node control channel, or the next deadline (a hang allowance running out, the end of the stack-dump pause,
+the end of the grace period). There is no polling interval.
+
+The first rank to exit non-zero or by a signal is the failure. Stopping the others: SIGTERM to each rank process,
+then SIGKILL to its whole process group once the grace period ends. SIGTERM goes to the rank alone, not its group,
+so its DataLoader workers keep serving it while it finishes its step and checkpoints; the moment a rank exits, its
+group is SIGKILLed, so nothing it started outlives it. After the last exit, a sweep kills any descendant that left
+the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to init).
+
+Hang watchdog: a rank that reports nothing for its allowance is stalled. The allowance depends on what it said
+last: after a ``step`` record, ``--hang-timeout``; before its first step, or after a ``phase`` (start-up,
+evaluation, checkpoint) or ``done`` record, ``--startup-timeout``. A stalled group first gets SIGUSR1 on every rank
+(faulthandler prints all Python thread stacks into each log), a short pause, then the normal stop.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from supervisor.console import Console
+from supervisor.plan import Plan
+from supervisor.pump import Pump, Stream
+from supervisor.reaper import Reaper
+from supervisor.signals import STOP_SIGNALS, SignalInbox
+from supervisor.worker import Worker, describe_exit
+from trainer.progress import Progress
+
+DUMP_WAIT = 1.0  # after SIGUSR1: time for faulthandler to write every thread's stack before the stop begins
+KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
+PUMP_WAIT = 2.0  # after the last exit: time for the pump to reach end-of-file on every pipe
+EXIT_HANG = 124  # a stalled group, as timeout(1) reports a command that ran out of time
+
+FINISHED = "finished"
+FAILED_FIRST = "failed first"
+FAILED_AFTER = "failed after the first failure"
+STALLED = "stalled"
+STOPPED = "stopped by the supervisor"
+KILLED = "killed after the grace period"
+STUCK = "did not die (left behind)"
+
+
+@dataclass
+class RankState:
+    """What a rank last said on the progress channel."""
+
+    last_seen: float  # monotonic
+    last_seen_wall: float
+    event: str | None = None
+    phase: str | None = None
+    step: int = 0
+    total: int = 0
+    loss: float | None = None
+    tok_s: float | None = None
+    eta_s: float | None = None
+    pending: bytes = b""
+
+    def update(self, record: Progress) -> None:
+        self.last_seen, self.last_seen_wall = time.monotonic(), time.time()
+        self.event = record.event
+        if record.event == "phase":
+            self.phase = record.phase
+        else:
+            self.step, self.total = record.step, record.total or self.total
+            self.loss = record.loss if record.loss is not None else self.loss
+            self.tok_s, self.eta_s = record.tok_s, record.eta_s
+
+    def allowance(self, hang_timeout: float, startup_timeout: float) -> float:
+        return hang_timeout if self.event == "step" else startup_timeout
+
+
+@dataclass
+class Stop:
+    """Why a group is being stopped, and the exit code that reason gives the supervisor."""
+
+    reason: str  # "failure" | "hang" | "interrupt" | "remote"
+    exit_code: int
+    detail: str
+    worker: Worker | None = None
+    signum: int | None = None
+    at: float = field(default_factory=time.monotonic)
+    term_at: float = 0.0  # when SIGTERM goes out (later than `at` only for a hang: the stack-dump pause)
+    kill_at: float = float("inf")
+    terminated: bool = False
+    killed: bool = False
+
+
+@dataclass
+class GroupResult:
+    workers: list[Worker]
+    states: dict[int, RankState]  # by global rank
+    endings: dict[int, str]
+    tails: dict[int, Stream]  # stderr streams by global rank
+    stop: Stop | None
+    duration: float
+    restart: int
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.stop is None else self.stop.exit_code
+
+    @property
+    def restartable(self) -> bool:
+        """A failure or a hang, unless it is a user error (exit 2): the same input would fail again."""
+        return self.stop is not None and self.stop.reason in ("failure", "hang") and self.stop.exit_code != 2
+
+
+class Watch:
+    def __init__(self, plan: Plan, workers: list[Worker], pump: Pump, tails: dict[int, Stream], console: Console,
+                 signals: SignalInbox, reaper: Reaper, control: Any = None, restart: int = 0) -> None:
+        self.plan, self.workers, self.pump, self.tails = plan, workers, pump, tails
+        self.console, self.signals, self.reaper, self.control = console, signals, reaper, control
+        self.restart = restart
+        now, wall = time.monotonic(), time.time()
+        self.states = {w.spec.rank: RankState(now, wall) for w in workers}
+        self.endings: dict[int, str] = {}
+        self.stop: Stop | None = None
+        self.started = now
+        self.selector = selectors.DefaultSelector()
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+
+    def run(self) -> GroupResult:
+        self.selector.register(self.signals.fd, selectors.EVENT_READ, "signals")
+        if self.control is not None:
+            self.selector.register(self.control.fd, selectors.EVENT_READ, "control")
+        for w in self.workers:
+            self.selector.register(w.progress_fd, selectors.EVENT_READ, ("progress", w))
+            if w.pidfd is not None:
+                self.selector.register(w.pidfd, selectors.EVENT_READ, ("exit", w))
+        try:
+            while any(w.alive for w in self.workers):
+                for key, _ in self.selector.select(self.timeout()):
+                    self.dispatch(key.data)
+                self.check_exits()
+                self.check_clock()
+        finally:
+            for w in self.workers:
+                if w.progress_fd >= 0:
+                    os.close(w.progress_fd)
+                    w.progress_fd = -1
+            self.selector.close()
+        self.sweep()
+        self.pump.finish(PUMP_WAIT)
+        return GroupResult(self.workers, self.states, self.endings, self.tails, self.stop,
+                           time.monotonic() - self.started, self.restart)
+
+    def dispatch(self, data: Any) -> None:
+        if data == "signals":
+            self.on_signals(self.signals.read())
+        elif data == "control":
+            for event in self.control.read_events():
+                self.on_remote(event)
+        elif data[0] == "exit":
+            if data[1].alive:
+                self.on_exit(data[1])
+        else:
+            self.on_progress(data[1])
+
+    def timeout(self) -> float | None:
+        deadlines = []
+        stop = self.stop
+        if stop is None:
+            if self.plan.hang_timeout > 0:
+                for w in self.workers:
+                    if w.alive:
+                        st = self.states[w.spec.rank]
+                        deadlines.append(st.last_seen + st.allowance(self.plan.hang_timeout,
+                                                                     self.plan.startup_timeout))
+        elif not stop.terminated:
+            deadlines.append(stop.term_at)
+        elif not stop.killed:
+            deadlines.append(stop.kill_at)
+        else:
+            deadlines.append(stop.kill_at + KILL_WAIT)
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    # -- exits -----------------------------------------------------------------------------------------------------
+
+    def check_exits(self) -> None:
+        """Catch exits the pidfds did not report (no pidfd support, or an exit right after the select)."""
+        for w in self.workers:
+            if w.alive and w.has_exited():
+                self.on_exit(w)
+
+    def on_exit(self, w: Worker) -> None:
+        if w.pidfd is not None:
+            self.selector.unregister(w.pidfd)
+        code = w.reap()
+        self.reaper.forget(w.pid)
+        rank = w.spec.rank
+        if self.stop is None:
+            if code == 0:
+                self.endings[rank] = FINISHED
+            else:
+                self.endings[rank] = FAILED_FIRST
+                self.begin_stop(Stop("failure", code, f"{w.label} (rank {rank}) failed: {describe_exit(code)}",
+                                     worker=w))
+                self.console.say(f"{w.label} (rank {rank}, pid {w.pid}) failed with {describe_exit(code)}; "
+                                 f"stopping the other ranks", style="bold red")
+        elif rank not in self.endings:
+            if w.killed:
+                self.endings[rank] = KILLED
+            elif w.term_sent_at is not None or self.stop.reason == "hang":  # SIGTERM, or SIGUSR1 with no handler
+                self.endings[rank] = STOPPED
+            else:
+                self.endings[rank] = FINISHED if code == 0 else FAILED_AFTER
+
+    # -- stopping --------------------------------------------------------------------------------------------------
+
+    def begin_stop(self, stop: Stop, pause: float = 0.0) -> None:
+        if self.stop is not None:
+            return
+        self.stop = stop
+        stop.term_at = stop.at + pause
+        if self.control is not None:
+            label = stop.worker.label if stop.worker else "supervisor"
+            self.control.abort(self.plan.node_rank, label, stop.exit_code)
+        self.check_clock()
+
+    def check_clock(self) -> None:
+        now = time.monotonic()
+        stop = self.stop
+        if stop is None:
+            self.check_hangs(now)
+            return
+        if not stop.terminated and now >= stop.term_at:
+            stop.terminated = True
+            stop.kill_at = now + self.plan.grace_period
+            for w in self.workers:
+                w.terminate()
+        if stop.terminated and not stop.killed and now >= stop.kill_at:
+            self.kill_all()
+        if stop.killed and now >= stop.kill_at + KILL_WAIT:
+            for w in self.workers:
+                if w.alive:
+                    self.console.say(f"{w.label} (pid {w.pid}) did not die after SIGKILL; leaving it behind",
+                                     style="bold red")
+                    self.endings[w.spec.rank] = STUCK
+                    w.exit_code, w.ended = 128 + signal.SIGKILL, now
+
+    def kill_all(self) -> None:
+        stop = self.stop
+        assert stop is not None
+        stop.terminated = stop.killed = True
+        stop.kill_at = min(stop.kill_at, time.monotonic())
+        for w in self.workers:
+            if w.alive:
+                w.kill_group()
+
+    # -- signals and the control channel --------------------------------------------------------------------------
+
+    def on_signals(self, signums: list[int]) -> None:
+        for signum in signums:
+            if signum not in STOP_SIGNALS:
+                continue  # SIGCHLD: check_exits runs after every wake-up
+            name = signal.Signals(signum).name
+            if self.stop is None:
+                self.console.say(f"{name}: stopping every rank (SIGTERM, then SIGKILL after "
+                                 f"{self.plan.grace_period:g} s; {name} again to kill at once)", style="bold yellow")
+                self.begin_stop(Stop("interrupt", 128 + signum, f"interrupted by {name}", signum=signum))
+            elif not self.stop.killed:
+                self.console.say(f"{name} again: killing every rank now", style="bold yellow")
+                self.kill_all()
+
+    def on_remote(self, event: tuple[int, str, int, str]) -> None:
+        node, label, code, why = event
+        if self.stop is None:
+            self.console.say(f"node {node}: {why}; stopping this node's ranks", style="bold red")
+            self.begin_stop(Stop("remote", code, f"node {node}: {why}"))
+
+    # -- progress and hangs ----------------------------------------------------------------------------------------
+
+    def on_progress(self, w: Worker) -> None:
+        try:
+            data = os.read(w.progress_fd, 65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            self.selector.unregister(w.progress_fd)
+            os.close(w.progress_fd)
+            w.progress_fd = -1
+            return
+        state = self.states[w.spec.rank]
+        *lines, state.pending = (state.pending + data).split(b"\n")
+        for line in lines:
+            try:
+                state.update(Progress.decode(line))
+            except (ValueError, TypeError):
+                continue  # a malformed record says nothing about progress
+
+    def check_hangs(self, now: float) -> None:
+        if self.plan.hang_timeout <= 0:
+            return
+        for w in self.workers:
+            if not w.alive:
+                continue
+            st = self.states[w.spec.rank]
+            allowance = st.allowance(self.plan.hang_timeout, self.plan.startup_timeout)
+            if now - st.last_seen < allowance:
+                continue
+            since = time.strftime("%H:%M:%S", time.localtime(st.last_seen_wall))
+            last = f"last step {st.step}/{st.total}" if st.event is not None and st.total else "no step yet"
+            if st.event == "phase" and st.phase:
+                last += f", last phase '{st.phase}'"
+            detail = f"{w.label} (rank {w.spec.rank}) stalled: no progress for {now - st.last_seen:.1f} s " \
+                     f"(since {since}; {last})"
+            self.console.say(f"{detail}; dumping every rank's Python stacks (SIGUSR1), then stopping",
+                             style="bold red")
+            self.endings[w.spec.rank] = STALLED
+            for other in self.workers:
+                other.signal(signal.SIGUSR1)
+            self.begin_stop(Stop("hang", EXIT_HANG, detail, worker=w), pause=DUMP_WAIT)
+            return
+
+    # -- the sweep -------------------------------------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Kill every process we still have below us except the sentinel: children that left their rank's process
+        group, and orphans re-parented to us. Then reap them, so none is left even as a zombie."""
+        try:
+            leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid != self.reaper.pid]
+        except psutil.Error:
+            return
+        for p in leftovers:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(leftovers, timeout=KILL_WAIT)
+
+    def footer_rows(self) -> list[tuple[Worker, RankState, str]]:
+        rows = []
+        for w in self.workers:
+            status = "running" if w.alive else self.endings.get(w.spec.rank, describe_exit(w.exit_code or 0))
+            rows.append((w, self.states[w.spec.rank], status))
+        return rows
+

@@ -1,0 +1,172 @@
+"""Checkpoints: exact round trips, atomicity under SIGKILL, retention, resume lookup, and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rank_support import PYTHON, ROOT, base_env, cleanup, one_thread, tiny_config  # noqa: F401 (fixture)
+from trainer import checkpoint
+from trainer.checkpoint import CheckpointMeta, TrainState
+from trainer.config import Config
+from trainer.distributed import DistContext, init_distributed, teardown
+from trainer.errors import UserError
+from trainer.loop import Precision, build_optimizer, build_scheduler, next_token_loss
+from trainer.model import build_model, shape_signature
+
+CPU = torch.device("cpu")
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+def make_cfg(folder: Path, **model: object) -> Config:
+    return tiny_config(folder, folder / "cache", model=dict(model), training={"max_steps": 20, "warmup_steps": 2})
+
+
+def make_state(cfg: Config) -> TrainState:
+    torch.manual_seed(0)
+    model = build_model(cfg, 300, 0, CPU)
+    optimizer = build_optimizer(model, cfg)
+    return TrainState(model, optimizer, build_scheduler(optimizer, cfg))
+
+
+def train_once(state: TrainState, seed: int) -> None:
+    batch = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(seed))
+    next_token_loss(state.model, batch, Precision("fp32", None)).backward()
+    state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+
+
+def make_meta(state: TrainState, step: int, key: str = KEY) -> CheckpointMeta:
+    return CheckpointMeta(step=step, format=state.format, cache_key=key, world_size=1, data={},
+                          model_shapes=shape_signature(state.model), config={})
+
+
+def snapshot(state: TrainState) -> dict[str, torch.Tensor]:
+    tensors = {f"model.{k}": v.clone() for k, v in state.model.state_dict().items()}
+    for i, s in state.optimizer.state_dict()["state"].items():
+        tensors.update({f"optim.{i}.{k}": v.clone() for k, v in s.items()})
+    return tensors
+
+
+@pytest.fixture
+def ctx(tmp_path: Path, one_thread: None) -> Iterator[DistContext]:
+    """A one-member gloo group in this process (what a single-process run uses)."""
+    context = init_distributed(make_cfg(tmp_path))
+    yield context
+    teardown()
+
+
+@pytest.mark.parametrize("name", ["step_000003", "nan_grad_step_3.pt"])
+def test_round_trip_is_exact(tmp_path: Path, ctx: DistContext, name: str) -> None:
+    cfg = make_cfg(tmp_path)
+    state = make_state(cfg)
+    for seed in range(3):
+        train_once(state, seed)
+    path = checkpoint.save(tmp_path / "ckpt" / name, state, make_meta(state, 3), ctx)
+    assert path.is_file() == name.endswith(".pt")
+    saved, lr, after_save = snapshot(state), state.scheduler.get_last_lr(), torch.rand(3)
+
+    restored = make_state(cfg)  # a fresh process's view: new weights, empty optimizer
+    meta = checkpoint.load(path, restored, ctx, KEY)
+    assert meta.step == 3
+    assert snapshot(restored).keys() == saved.keys()
+    assert all(torch.equal(restored_value, saved[k]) for k, restored_value in snapshot(restored).items())
+    assert restored.scheduler.get_last_lr() == lr and restored.scheduler.last_epoch == 3
+    assert torch.equal(torch.rand(3), after_save)  # RNG state restored too
+    train_once(state, 9)
+    train_once(restored, 9)
+    assert all(torch.equal(a, b) for a, b in zip(state.model.parameters(), restored.model.parameters()))
+
+
+def test_retention_and_resume_lookup(tmp_path: Path, ctx: DistContext) -> None:
+    cfg = make_cfg(tmp_path)
+    root = Path(cfg.checkpoint.dir)
+    assert checkpoint.find_resume(cfg) is None
+    cfg.checkpoint.resume = "auto"
+    assert checkpoint.find_resume(cfg) is None  # nothing yet: a fresh start
+    state = make_state(cfg)
+    (root / ".tmp-step_000009").mkdir(parents=True)  # what a killed save leaves
+    for step in (1, 2, 3):
+        checkpoint.save(checkpoint.step_path(root, step), state, make_meta(state, step), ctx)
+        checkpoint.prune(root, keep=2)
+    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_000002", "step_000003"]
+    assert not list(root.glob(".tmp-*"))
+    assert checkpoint.find_resume(cfg) == root / "step_000003"
+    cfg.checkpoint.resume = str(root)  # a folder of checkpoints: its latest
+    assert checkpoint.find_resume(cfg) == root / "step_000003"
+    cfg.checkpoint.resume = str(root / "step_000002")
+    assert checkpoint.find_resume(cfg) == root / "step_000002"
+    cfg.checkpoint.resume = str(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="no checkpoint there"):
+        checkpoint.find_resume(cfg)
+
+
+def test_refuses_another_dataset_model_shape_or_format(tmp_path: Path, ctx: DistContext) -> None:
+    cfg = make_cfg(tmp_path)
+    state = make_state(cfg)
+    path = checkpoint.save(tmp_path / "ckpt" / "step_000001", state, make_meta(state, 1), ctx)
+    with pytest.raises(UserError, match=f"trained on dataset cache {KEY}, but this run uses other"):
+        checkpoint.load(path, make_state(cfg), ctx, "other")
+    wider = make_state(make_cfg(tmp_path, hidden_size=64))
+    with pytest.raises(UserError, match=r"different model shape: model.embed_tokens.weight is \[300, 32\] there "
+                                        r"and \[300, 64\] here"):
+        checkpoint.load(path, wider, ctx, KEY)
+    meta = json.loads((path / checkpoint.META_FILE).read_text())
+    (path / checkpoint.META_FILE).write_text(json.dumps({**meta, "format": "sharded"}))
+    with pytest.raises(UserError, match="training.strategy=fsdp"):
+        checkpoint.load(path, make_state(cfg), ctx, KEY)
+
+
+def save_then_stall(folder: str) -> None:
+    """Child process: save step 1 completely, then stall inside the save of step 2 (before its rename) and wait
+    for the parent's SIGKILL."""
+    cfg = make_cfg(Path(folder))
+    context = init_distributed(cfg)
+    state = make_state(cfg)
+    root = Path(cfg.checkpoint.dir)
+    train_once(state, 0)
+    checkpoint.save(checkpoint.step_path(root, 1), state, make_meta(state, 1), context)
+    train_once(state, 1)
+
+    def stall(path: Path) -> None:
+        (Path(folder) / "saving").write_text(str(path))
+        time.sleep(120)
+
+    checkpoint.fsync_tree = stall
+    checkpoint.save(checkpoint.step_path(root, 2), state, make_meta(state, 2), context)
+
+
+def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path, ctx: DistContext) -> None:
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_checkpoint as t; " \
+           f"t.save_then_stall({str(tmp_path)!r})"
+    child = subprocess.Popen([PYTHON, "-c", code], env=base_env(), stderr=subprocess.PIPE, text=True)
+    with cleanup(child):
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "saving").exists():
+            assert child.poll() is None, child.stderr.read() if child.stderr else ""
+            assert time.monotonic() < deadline, "the child never reached the save"
+            time.sleep(0.05)
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+    root = tmp_path / "ckpt"
+    assert (root / ".tmp-step_000002" / checkpoint.STATE_FILE).is_file()  # the interrupted save, never published
+    assert not (root / "step_000002").exists()
+    assert checkpoint.latest_checkpoint(root) == root / "step_000001"
+    cfg = make_cfg(tmp_path)
+    expected = make_state(cfg)
+    train_once(expected, 0)
+    restored = make_state(cfg)
+    assert checkpoint.load(root / "step_000001", restored, ctx, KEY).step == 1
+    assert all(torch.equal(a, b) for a, b in zip(expected.model.parameters(), restored.model.parameters()))
+    checkpoint.save(checkpoint.step_path(root, 2), restored, make_meta(restored, 2), ctx)  # the next save cleans up
+    assert not list(root.glob(".tmp-*")) and checkpoint.latest_checkpoint(root) == root / "step_000002"

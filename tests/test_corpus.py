@@ -1,0 +1,125 @@
+"""Document sources: the stdlib corpus, local files/folders/globs through `datasets`, hub names offline, the split."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config import PROJECT_ROOT, DataConfig
+from trainer.corpus import (HubCorpus, LocalCorpus, StdlibCorpus, is_validation, open_corpus, split_documents,
+                            training_documents)
+from trainer.errors import UserError
+
+
+def local(source: Path | str, **kw: str) -> LocalCorpus:
+    corpus = open_corpus(DataConfig(source=str(source), **kw))
+    assert isinstance(corpus, LocalCorpus)
+    return corpus
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_stdlib_corpus_is_the_interpreters_own_sorted_python_files() -> None:
+    corpus = open_corpus(DataConfig(source="stdlib"))
+    assert isinstance(corpus, StdlibCorpus)
+    names = [p.relative_to(corpus.root).as_posix() for p in corpus.files]
+    assert len(names) > 500 and names == sorted(names)
+    assert all(n.endswith(".py") and "site-packages" not in n for n in names)
+    first = list(split_documents(corpus.documents(), 5, 0.0))
+    assert [text for text, _ in first][0] == next(p.read_text() for p in corpus.files if p.stat().st_size)
+    assert corpus.identity() == StdlibCorpus().identity()
+
+
+def test_local_folder_mixes_formats_in_sorted_order_and_skips_hidden_files(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("first line\nsecond line of the same document\n")
+    write_jsonl(tmp_path / "b.jsonl", [{"text": "row one", "n": 1}, {"text": "", "n": 2}, {"text": "row three"}])
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "d.txt").write_text("nested")
+    (tmp_path / ".hidden.txt").write_text("never read")
+    (tmp_path / "notes.md").write_text("not a supported suffix inside a folder: ignored")
+    corpus = local(tmp_path)
+    assert list(corpus.documents()) == ["first line\nsecond line of the same document\n", "row one", "row three",
+                                        "nested"]
+
+
+def test_parquet_glob_and_text_field(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for i in range(2):
+        pq.write_table(pa.table({"content": [f"doc {i}-{j}" for j in range(3)]}), tmp_path / f"part{i}.parquet")
+    corpus = local(tmp_path / "*.parquet", text_field="content")
+    assert list(corpus.documents()) == [f"doc {i}-{j}" for i in range(2) for j in range(3)]
+    with pytest.raises(UserError, match="no field 'text'.*content"):
+        list(local(tmp_path / "*.parquet").documents())
+
+
+def test_content_identity_follows_edits_not_mtimes_or_location(tmp_path: Path) -> None:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    path = write_jsonl(folder / "data.jsonl", [{"text": "alpha"}, {"text": "beta"}])
+    before = local(folder).identity()
+    stat = path.stat()
+    write_jsonl(path, [{"text": "alpha"}, {"text": "bexa"}])  # same size, and the mtime is put back
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    edited = local(folder).identity()
+    assert edited["content"] != before["content"]
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touching alone changes nothing
+    assert local(folder).identity() == edited
+    moved = folder.rename(tmp_path / "moved")
+    assert local(moved).identity() == edited
+
+
+@pytest.mark.parametrize("relative, message", [
+    ("missing.jsonl", "does not exist"),
+    ("nope/deeper", "does not exist"),
+    ("*.jsonl", "matches no files"),
+    ("", "holds no .txt"),
+    ("table.csv", "is not one of"),
+])
+def test_bad_local_sources(tmp_path: Path, relative: str, message: str) -> None:
+    (tmp_path / "table.csv").write_text("a,b\n")
+    with pytest.raises(UserError, match=message):
+        open_corpus(DataConfig(source=str(tmp_path / relative)))
+
+
+def test_a_name_that_is_not_a_path_is_a_hub_dataset() -> None:
+    corpus = open_corpus(DataConfig(source="someone/some-dataset", hub_config="en", split="train", streaming=True))
+    assert isinstance(corpus, HubCorpus) and corpus.streaming and corpus.config == "en"
+
+
+@pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
+                         ids=["offline-mode", "unreachable-endpoint"])
+def test_hub_name_offline_fails_with_one_line(env: dict[str, str]) -> None:
+    code = ("from trainer.config import DataConfig\nfrom trainer.corpus import open_corpus\n"
+            "open_corpus(DataConfig(source='someone/some-dataset')).identity()\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=60, env={**os.environ, **env, "HF_HUB_DISABLE_TELEMETRY": "1"})
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and "UserError" in last
+    assert "hub cannot be reached" in last and "local file, folder or glob" in last
+
+
+@pytest.mark.parametrize("n, fraction", [(20, 0.05), (1000, 0.01), (37, 0.1), (10, 0.0), (7, 0.5)])
+def test_validation_split_takes_an_exact_even_share(n: int, fraction: float) -> None:
+    held = [i for i in range(n) if is_validation(i, fraction)]
+    assert len(held) == int(n * fraction + 1e-9)
+    if len(held) > 1:  # spread through the corpus, not bunched at one end
+        gaps = {b - a for a, b in zip(held, held[1:])}
+        assert max(gaps) - min(gaps) <= 1
+
+
+def test_split_caps_documents_and_is_deterministic() -> None:
+    docs = [f"doc {i}" for i in range(100)]
+    pairs = list(split_documents(iter(docs), 40, 0.1))
+    assert [d for d, _ in pairs] == docs[:40] and sum(held for _, held in pairs) == 4
+    assert pairs == list(split_documents(iter(docs), 40, 0.1))
+    assert list(training_documents(iter(docs), 40, 0.1)) == [d for d, held in pairs if not held]

@@ -1,0 +1,150 @@
+"""Fault injection: the settings, the NaN hook, and every process fault in a real subprocess (exit codes, signals)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from trainer.config import DebugConfig
+from trainer.errors import UserError
+from trainer.faults import FaultInjector
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# One "rank" that calls before_step like the loop does, printing each step it completes.
+RANK_SCRIPT = """
+import faulthandler, signal, sys
+faulthandler.enable()
+signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM noted", flush=True))  # like the loop: finish the step first
+from trainer.config import DebugConfig
+from trainer.faults import FaultInjector
+faults = FaultInjector(DebugConfig(inject_fault={kind!r}, inject_fault_step=2, inject_fault_rank=1,
+                                   inject_fault_code=7), rank={rank})
+for step in range(4):
+    faults.before_step(step)
+    print(f"step {{step}} done", flush=True)
+"""
+
+
+def start_rank(kind: str, rank: int = 1) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", RANK_SCRIPT.format(kind=kind, rank=rank)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    try:
+        for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            p.kill()
+    except psutil.NoSuchProcess:
+        pass
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def ranks() -> list[subprocess.Popen[str]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        kill_tree(proc)
+
+
+def test_off_by_default_and_banner_when_on() -> None:
+    assert FaultInjector(DebugConfig(), rank=0).describe() is None
+    assert not FaultInjector(DebugConfig(), rank=0).enabled
+    on = FaultInjector(DebugConfig(inject_nan_module="model.layers.1.mlp", inject_nan_step=3, inject_nan_rank=1,
+                                   inject_fault="exit", inject_fault_step=5, inject_fault_code=9), rank=0)
+    assert on.enabled
+    assert on.describe() == ("fault injection ON: NaN in model.layers.1.mlp output at step 3 on rank 1; "
+                             "exit (code 9) at step 5 on rank 0")
+
+
+@pytest.mark.parametrize("settings, needs", [
+    ({"inject_nan_step": 3}, "inject_nan_module"),
+    ({"inject_nan_module": "lm_head"}, "inject_nan_step"),
+    ({"inject_fault": "hang"}, "inject_fault_step"),
+    ({"inject_fault_step": 2}, "inject_fault"),
+])
+def test_half_set_injection_is_a_user_error(settings: dict[str, object], needs: str) -> None:
+    with pytest.raises(UserError, match=needs):
+        FaultInjector(DebugConfig(**settings), rank=0)  # type: ignore[arg-type]
+
+
+def tiny_net() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+def test_unknown_module_names_the_closest_ones() -> None:
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": tiny_net()})])})
+    faults = FaultInjector(DebugConfig(inject_nan_module="layers.0.mpl", inject_nan_step=1), rank=0)
+    with pytest.raises(UserError, match="no module 'layers.0.mpl'; did you mean 'layers.0.mlp'"):
+        faults.attach(model)
+    faults = FaultInjector(DebugConfig(inject_nan_module="decoder", inject_nan_step=1), rank=0)
+    with pytest.raises(UserError, match="no module 'decoder'; names look like layers, layers.0, "):
+        faults.attach(model)
+
+
+def test_nan_only_at_its_step_on_its_rank_in_training() -> None:
+    net = tiny_net()
+    x = torch.randn(3, 4)
+    debug = DebugConfig(inject_nan_module="0", inject_nan_step=2, inject_nan_rank=1)
+    here, elsewhere = FaultInjector(debug, rank=1), FaultInjector(debug, rank=0)
+    here.attach(net)
+    elsewhere.attach(net)  # a second hook that never fires: the rank filter
+    for step in range(4):
+        here.before_step(step)
+        elsewhere.before_step(step)
+        out = net(x)
+        assert out.isnan().all().item() == (step == 2), step
+    here.before_step(2)
+    elsewhere.before_step(2)
+    out = net(x)
+    out.sum().backward()  # the NaN flows back into the gradients, as a real one would
+    assert net[0].weight.grad.isnan().all()
+    net.eval()
+    assert torch.isfinite(net(x)).all()  # evaluation passes stay clean
+
+
+@pytest.mark.parametrize("kind, code, message", [
+    ("raise", 1, "RuntimeError: injected fault at step 2 on rank 1"),
+    ("exit", 7, ""),
+    ("sigkill", -signal.SIGKILL, ""),
+    ("segv", -signal.SIGSEGV, "Fatal Python error: Segmentation fault"),
+])
+def test_process_fault_fires_at_its_step(ranks: list[subprocess.Popen[str]], kind: str, code: int,
+                                         message: str) -> None:
+    ranks.append(start_rank(kind))
+    out, err = ranks[0].communicate(timeout=60)
+    assert ranks[0].returncode == code, err
+    assert "step 1 done" in out and "step 2 done" not in out
+    assert f"fault injection: {kind} at step 2 on rank 1" in err
+    assert message in err
+
+
+def test_other_ranks_run_through(ranks: list[subprocess.Popen[str]]) -> None:
+    ranks.append(start_rank("sigkill", rank=0))
+    out, err = ranks[0].communicate(timeout=60)
+    assert ranks[0].returncode == 0, err
+    assert "step 3 done" in out
+
+
+def test_hang_makes_no_progress_and_ignores_a_polite_stop(ranks: list[subprocess.Popen[str]]) -> None:
+    proc = start_rank("hang")
+    ranks.append(proc)
+    assert proc.stderr is not None and proc.stdout is not None
+    lines = iter(proc.stderr.readline, "")  # ends at EOF, should the process die instead of hanging
+    assert any("fault injection: hang at step 2 on rank 1" in line for line in lines)
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(1.0)
+    assert proc.poll() is None  # still hanging: only a kill ends it, which is the supervisor's job
+    kill_tree(proc)
+    out = proc.stdout.read()
+    assert "step 1 done" in out and "step 2 done" not in out and "SIGTERM noted" in out

@@ -1,0 +1,124 @@
+"""The training loop, in this process on a one-member gloo group: accumulation, exact resume, the agreed stop, the
+NaN guard's skip, no host reads inside a step, the optimizer groups and the schedule."""
+
+from __future__ import annotations
+
+import math
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from rank_support import history, history_losses, one_thread, tiny_config, token_cache_dir  # noqa: F401 (fixtures)
+from trainer import checkpoint, loop
+from trainer.config import Config
+from trainer.distributed import init_distributed, teardown
+from trainer.nan_guard import HostSyncCounter
+from trainer.progress import ProgressReporter
+
+
+def final_weights(cfg: Config) -> dict[str, torch.Tensor]:
+    latest = checkpoint.latest_checkpoint(Path(cfg.checkpoint.dir))
+    assert latest is not None
+    return checkpoint.load_payload(latest / checkpoint.STATE_FILE)["model"]
+
+
+def test_accumulation_matches_one_big_batch(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:
+    """2 micro-steps of 2 sequences = 1 step of 4: the sampler hands out the same samples, the loss is averaged."""
+    runs = {}
+    for accum, batch in ((2, 2), (1, 4)):
+        cfg = tiny_config(tmp_path / f"a{accum}", token_cache_dir,
+                          training={"grad_accum_nums": accum, "batch_size": batch, "max_steps": 4})
+        assert loop.train(cfg) == 0
+        runs[accum] = (history_losses(Path(cfg.logging.run_dir)), final_weights(cfg))
+    (losses_a, weights_a), (losses_b, weights_b) = runs[2], runs[1]
+    assert losses_a.keys() == losses_b.keys() == {0, 1, 2, 3}
+    assert all(math.isclose(losses_a[s], losses_b[s], rel_tol=1e-5) for s in losses_a)
+    assert all(torch.allclose(weights_a[k], weights_b[k], atol=1e-6) for k in weights_a)
+
+
+def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path, token_cache_dir: Path,
+                                                    one_thread: None) -> None:
+    straight = tiny_config(tmp_path / "straight", token_cache_dir, training={"max_steps": 6},
+                           checkpoint={"interval": 3, "keep": 5})
+    assert loop.train(straight) == 0
+    expected = history_losses(Path(straight.logging.run_dir))
+    resumed = tiny_config(tmp_path / "resumed", token_cache_dir, training={"max_steps": 6},
+                          checkpoint={"resume": str(Path(straight.checkpoint.dir) / "step_000003")})
+    assert loop.train(resumed) == 0
+    got = history_losses(Path(resumed.logging.run_dir))
+    assert got.keys() == {3, 4, 5}
+    assert all(got[s] == expected[s] for s in got)  # bit-identical on CPU
+
+
+class SigtermAt(ProgressReporter):
+    """Sends this process a real SIGTERM when the loop reports a given step."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(fd=None)
+        self.at = step
+
+    def step(self, step: int, total: int, loss: float | None = None, tok_s: float | None = None,
+             eta_s: float | None = None) -> None:
+        if step == self.at:
+            signal.raise_signal(signal.SIGTERM)
+
+
+def test_sigterm_finishes_the_step_saves_and_returns_0(tmp_path: Path, token_cache_dir: Path,
+                                                        one_thread: None) -> None:
+    cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 50})
+    assert loop.train(cfg, progress=SigtermAt(2)) == 0
+    assert [p.name for p in checkpoint.list_checkpoints(Path(cfg.checkpoint.dir))] == ["step_000002"]
+    record = history(Path(cfg.logging.run_dir))
+    assert record["run"]["status"] == "stopped" and [r["step"] for r in record["steps"]] == [0, 1]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is only installed while training
+
+
+def test_a_nan_step_is_skipped_and_training_goes_on(tmp_path: Path, token_cache_dir: Path, one_thread: None,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 4},
+                      debug={"inject_nan_module": "model.layers.0.mlp", "inject_nan_step": 1})
+    assert loop.train(cfg) == 0
+    losses = history_losses(Path(cfg.logging.run_dir))
+    assert math.isnan(losses[1]) and all(math.isfinite(losses[s]) for s in (0, 2, 3))
+    out = capsys.readouterr().out
+    assert "fault injection ON: NaN in model.layers.0.mlp output at step 1 on rank 0" in out
+    assert "WARNING | non-finite step 1 skipped" in out
+
+
+def test_a_step_reads_nothing_back_from_the_device(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:
+    """Between log steps the step never waits for the device (on a GPU every host read would stall the queue)."""
+    cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 10, "grad_accum_nums": 2})
+    ctx = init_distributed(cfg)
+    try:
+        trainer = loop.Trainer(cfg, ctx, tmp_path / "run", ProgressReporter(fd=None), loop.StopRequest())
+        trainer.train_step(0)
+        with HostSyncCounter() as counter:
+            trainer.train_step(1)
+        assert counter.count == 0
+    finally:
+        teardown()
+
+
+def test_weight_decay_on_matrices_only_and_the_schedule(tmp_path: Path) -> None:
+    cfg = tiny_config(tmp_path, tmp_path, training={"max_steps": 100, "warmup_steps": 10, "learning_rate": 1e-3,
+                                                    "min_lr_ratio": 0.1, "weight_decay": 0.1})
+    from trainer.model import build_model
+
+    model = build_model(cfg, 300, 0, torch.device("cpu"))
+    optimizer = loop.build_optimizer(model, cfg)
+    decay, no_decay = optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.ndim >= 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and no_decay["params"] and all(p.ndim == 1 for p in no_decay["params"])
+    assert optimizer.defaults["fused"]
+    scheduler = loop.build_scheduler(optimizer, cfg)
+    lrs = []
+    for _ in range(100):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(5e-4) and lrs[10] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # cosine decay
+    assert scheduler.get_last_lr()[0] == pytest.approx(1e-4)  # learning_rate · min_lr_ratio at max_steps
+    assert loop.resolve_precision(cfg, torch.device("cpu")) == loop.Precision("fp32", None)

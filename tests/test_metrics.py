@@ -1,0 +1,71 @@
+"""Metrics: the exact log line, ETA and throughput arithmetic, MFU, and the history files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rank_support import LOG_LINE
+from trainer.metrics import (
+    HISTORY_JSON,
+    HISTORY_PNG,
+    TENSORBOARD_DIR,
+    EtaClock,
+    History,
+    StepRecord,
+    Throughput,
+    format_eta,
+    mfu,
+    peak_flops,
+    step_line,
+)
+
+
+def test_step_line_is_the_contract_format() -> None:
+    line = "INFO | " + step_line("3", 120, 1000, 3.21449, 3e-4, 0.81234, 842.4)
+    assert line == ("INFO | [GPU 3] Step [120/1000] | Loss: 3.2145 | LR: 3.00e-04 | Grad Norm: 0.8123 | "
+                    "ETA: 0:14:02")
+    assert LOG_LINE.match(line)
+    assert LOG_LINE.match("WARNING | " + step_line("0", 1, 2, float("nan"), 1e-3, float("nan"), 0.0))
+
+
+def test_eta_format() -> None:
+    assert format_eta(5) == "0:00:05"
+    assert format_eta(30 * 3600) == "30:00:00"
+    assert format_eta(-1) == format_eta(float("nan")) == "0:00:00"
+
+
+def test_eta_leaves_out_the_slow_first_step() -> None:
+    clock = EtaClock(start_step=0, total=10, now=0.0)
+    assert clock.update(1, now=5.0) == 5.0 * 9  # only the first step is known so far
+    assert clock.update(3, now=7.0) == 1.0 * 7  # 2 steps in 2 s since the first one finished
+
+
+def test_throughput_over_the_interval() -> None:
+    meter = Throughput(tokens_per_step=1000, step=0, now=0.0)
+    assert meter.update(10, now=2.0) == 5000.0
+    assert meter.update(10, now=3.0) is None
+
+
+def test_mfu_uses_the_bf16_peak_of_known_gpus() -> None:
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("Tesla T4") is None and mfu(1e5, 10**9, 1, "Tesla T4") is None
+    assert mfu(tokens_per_s=8 * 312e12 / 1e9 / 2, flops_per_token=10**9, world_size=8,
+               device_name="A100") == 0.5
+
+
+def test_history_json_png_and_tensorboard(tmp_path: Path) -> None:
+    history = History(tmp_path, {"preset": "debug"}, tensorboard=True)
+    history.add(StepRecord(step=0, loss=5.0, lr=0.0, grad_norm=1.0, tokens_per_s=None))
+    history.add(StepRecord(step=1, loss=4.5, lr=1e-3, grad_norm=0.9, tokens_per_s=1000.0, val_loss=4.7))
+    history.save("completed")
+    history.close()
+    data = json.loads((tmp_path / HISTORY_JSON).read_text())
+    assert data["run"] == {"preset": "debug", "status": "completed"}
+    assert data["steps"][1] == {"step": 1, "loss": 4.5, "lr": 1e-3, "grad_norm": 0.9, "tokens_per_s": 1000.0,
+                                "val_loss": 4.7}
+    assert (tmp_path / HISTORY_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((tmp_path / TENSORBOARD_DIR).glob("events.out.tfevents.*"))

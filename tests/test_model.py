@@ -1,0 +1,85 @@
+"""The model room: a transformers Llama built from the config, started from a local folder, or sized on meta."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from rank_support import tiny_config
+from trainer.config import Config, parameter_count
+from trainer.errors import UserError
+from trainer.model import build_model, count_parameters, model_shape, shape_signature
+
+CPU = torch.device("cpu")
+
+
+def cfg_for(tmp_path: Path, **model: object) -> Config:
+    return tiny_config(tmp_path, tmp_path / "cache", model=dict(model))
+
+
+def test_built_from_the_config_fields(tmp_path: Path) -> None:
+    cfg = cfg_for(tmp_path, num_layers=2, init_std=0.05, tie_word_embeddings=False)
+    model = build_model(cfg, vocab_size=300, eos_id=0, device=CPU)
+    assert isinstance(model, LlamaForCausalLM)
+    assert model.config._attn_implementation == "sdpa"
+    assert model.config.vocab_size == 300  # model.vocab_size null: the tokenizer's vocabulary
+    assert model.config.num_key_value_heads == 2 and model.config.intermediate_size == 64
+    assert model.config.eos_token_id == 0 and model.config.use_cache is False
+    assert count_parameters(model) == parameter_count(cfg)  # data.vocab_size is 300 too
+    std = model.model.layers[0].mlp.up_proj.weight.std().item()
+    assert 0.04 < std < 0.06  # model.init_std reaches initializer_range
+
+
+def test_same_seed_same_weights(tmp_path: Path) -> None:
+    """Every rank seeds, then builds: identical initial weights without a broadcast (what FSDP relies on)."""
+    cfg = cfg_for(tmp_path)
+    torch.manual_seed(7)
+    a = build_model(cfg, 300, 0, CPU)
+    torch.manual_seed(7)
+    b = build_model(cfg, 300, 0, CPU)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_starts_from_a_local_folder_with_weights(tmp_path: Path) -> None:
+    cfg = cfg_for(tmp_path)
+    source = build_model(cfg, 320, 0, CPU)
+    source.save_pretrained(tmp_path / "pretrained")
+    cfg.model.name_or_path = str(tmp_path / "pretrained")
+    cfg.model.hidden_size = 64  # ignored: the folder defines the architecture
+    loaded = build_model(cfg, vocab_size=300, eos_id=0, device=CPU)
+    assert loaded.config.vocab_size == 320 and loaded.config.hidden_size == 32
+    assert all(torch.equal(x, y) for x, y in zip(source.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_a_folder_with_only_an_architecture_starts_fresh(tmp_path: Path) -> None:
+    cfg = cfg_for(tmp_path, num_layers=2)
+    build_model(cfg, 300, 0, CPU).config.save_pretrained(tmp_path / "arch")
+    cfg.model.name_or_path = str(tmp_path / "arch")
+    model = build_model(cfg, 300, 0, CPU)
+    assert model.config.num_hidden_layers == 2 and count_parameters(model) > 0
+
+
+def test_a_model_smaller_than_the_tokenizer_is_refused(tmp_path: Path) -> None:
+    cfg = cfg_for(tmp_path, vocab_size=256)
+    with pytest.raises(UserError, match="smaller than the tokenizer"):
+        build_model(cfg, vocab_size=300, eos_id=0, device=CPU)
+
+
+def test_meta_sizes_of_the_production_preset_allocate_nothing() -> None:
+    from trainer.config import apply_layer, preset_layer
+
+    cfg = Config()
+    apply_layer(cfg, preset_layer("production"), "production")
+    shape = model_shape(cfg)  # 7B parameters on the meta device: instant, no memory
+    assert shape.parameters == parameter_count(cfg) > 7_000_000_000
+    assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads) == (32, 4096, 8)
+
+
+def test_shape_signature_names_every_parameter(tmp_path: Path) -> None:
+    model = build_model(cfg_for(tmp_path), 300, 0, CPU)
+    signature = shape_signature(model)
+    assert signature["model.embed_tokens.weight"] == [300, 32]
+    assert len(signature) == len(list(model.parameters()))

@@ -1,0 +1,62 @@
+"""Every shell command the README shows is run here, so the manual cannot rot.
+
+Each line of a ```bash block runs, in order, in a fresh copy of the project (with this interpreter as `PYTHON` and as
+`python` on the PATH, so nothing is installed). Lines whose comment says they need hardware or a network CI lacks are skipped:
+`# needs a GPU`, `# needs a network`, `# needs two machines`; `bash run_tests.sh` is what CI itself runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIP_MARKERS = ("# needs a GPU", "# needs a network", "# needs two machines")
+NOT_HERE = ("bash run_tests.sh",)
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    commands = []
+    for block in blocks:
+        for line in block.splitlines():
+            line = line.strip()
+            if line and not line.startswith("#") and not any(m in line for m in SKIP_MARKERS):
+                if not line.startswith(NOT_HERE):
+                    commands.append(line)
+    return commands
+
+
+def copy_project(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("project")
+    copy_project(dest)
+    return dest
+
+
+def test_readme_shows_commands() -> None:
+    assert "bash run_training.sh --debug" in readme_commands()
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_command_runs(command: str, project: Path) -> None:
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])  # `python` = this interpreter
+    env = {**os.environ, "PYTHON": sys.executable, "PATH": path}
+    env.pop("VIRTUAL_ENV", None)
+    out = subprocess.run(["bash", "-c", command], cwd=project, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, f"`{command}` exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"

@@ -1,0 +1,753 @@
+"""The token cache: tokenize a corpus once under a content key, then let every rank memory-map it read-only.
+
+`<cache_dir>/<key>/` holds
+    tokens.bin            training ids, flat little-endian, each document followed by the end-of-document token;
+                          uint16 while every id fits, widened to uint32 the moment one does not (checked per batch)
+    doc_offsets.npy       int64 start of every training document, plus the end (documents + 1 entries)
+    val_tokens.bin        the held-out documents, same layout (every 1/val_fraction-th document; may be empty)
+    val_doc_offsets.npy
+    tokenizer.json        + tokenizer_config.json: loadable with PreTrainedTokenizerFast or AutoTokenizer
+    manifest.json         written last: format version, dtype, counts, byte sizes, blake2b checksums, key material
+
+The key is a digest of canonical JSON of everything the tokens depend on: the source's content (hashed, never mtimes),
+the tokenizer's content, the context length, the sample cap, the validation fraction and the format version.
+
+Build protocol, safe against races and against a builder killed at any instant:
+  1. compute the key (hashing only; no tokenizing) and try to open `<key>/`: a final folder only ever appears complete,
+     by rename, so a valid one is a hit without taking any lock;
+  2. otherwise take `.locks/<key>.lock` (filelock; the OS drops it when its holder dies) and look again: another process
+     may have finished meanwhile, and then this one reuses its work;
+  3. build into `.build-<key>-<pid>-<start time>/`, fsync every file, write manifest.json last, rename into place.
+A killed builder leaves only its `.build-…` folder; the next run sees its process is gone (psutil, start time against
+pid reuse) and deletes it. The hit path imports neither torch, transformers, datasets nor rich.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import platform
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+from filelock import FileLock, Timeout
+
+from trainer.config import PROJECT_ROOT, Config, DataConfig
+from trainer.corpus import Corpus, file_digest, open_corpus, split_documents, training_documents
+from trainer.errors import UserError
+from trainer.progress import ProgressReporter
+from trainer.tokenizer import (BPE, TokenizerSpec, bpe_recipe, check_vocab_size, eos_id_of, eos_token_of, export,
+                               load_fast, locate_pretrained, tokenizer_digest, train_bpe)
+
+FORMAT_VERSION = 1  # bump when the layout or the preprocessing changes: every key changes with it
+TOKENS_FILE = "tokens.bin"
+OFFSETS_FILE = "doc_offsets.npy"
+VAL_TOKENS_FILE = "val_tokens.bin"
+VAL_OFFSETS_FILE = "val_doc_offsets.npy"
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_META_FILE = "meta.json"
+TOKENIZERS_DIR = "tokenizers"  # trained BPEs, one folder per recipe key, beside the token caches
+LOCKS_DIR = ".locks"
+BUILD_PREFIX = ".build-"
+TRASH_PREFIX = ".trash-"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+BATCH_CHARS = 4 << 20  # text per encode_batch call: enough documents to keep every core of the Rust encoder busy
+WIDEN_CHUNK = 1 << 24
+KEY_PATTERN = re.compile(r"[0-9a-f]{32}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What prepare() returns and what a rank opens
+
+
+@dataclass
+class CacheInfo:
+    """The outcome of `prepare`. `documents` counts both splits; `tokens` is the training split and `val_tokens` the
+    held-out one. `build_seconds` is this build's wall time, or on a hit (`built` False) the original build's."""
+
+    key: str
+    path: Path
+    documents: int
+    tokens: int
+    val_tokens: int
+    dtype: str
+    vocab_size: int
+    built: bool
+    build_seconds: float
+
+
+@dataclass
+class TokenCache:
+    """An opened cache: read-only memory maps, so every rank on a host shares one page-cache copy of the corpus."""
+
+    key: str
+    path: Path
+    manifest: dict[str, Any]
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer_path: Path
+    vocab_size: int
+    eos_id: int
+
+    @classmethod
+    def open(cls, path: Path) -> "TokenCache":
+        """Validate the manifest against the files (version, dtype, sizes, offsets) in O(1), then map the tokens."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        problem = manifest_problem(path, manifest)
+        if problem:
+            raise UserError(f"token cache {path} is invalid ({problem}); rebuild it with prepare_dataset.py --force")
+        dtype = DTYPES[manifest["dtype"]]
+        return cls(key=manifest["key"], path=path, manifest=manifest,
+                   train=map_tokens(path / TOKENS_FILE, dtype, manifest["train"]["tokens"]),
+                   val=map_tokens(path / VAL_TOKENS_FILE, dtype, manifest["val"]["tokens"]),
+                   tokenizer_path=path / TOKENIZER_FILE, vocab_size=manifest["vocab_size"], eos_id=manifest["eos_id"])
+
+    @property
+    def doc_offsets(self) -> np.ndarray:
+        return np.load(self.path / OFFSETS_FILE, mmap_mode="r")
+
+    @property
+    def val_doc_offsets(self) -> np.ndarray:
+        return np.load(self.path / VAL_OFFSETS_FILE, mmap_mode="r")
+
+    def verify(self) -> None:
+        """Re-hash every file against the manifest's checksums (reads the whole cache; `open` does not)."""
+        for name, expected in self.manifest["files"].items():
+            if file_digest(self.path / name) != expected["blake2b"]:
+                raise UserError(f"token cache {self.path} is corrupt: {name} does not match its checksum; "
+                                f"rebuild it with prepare_dataset.py --force")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except FileNotFoundError:
+        raise UserError(f"no token cache at {path} (no {MANIFEST_FILE}); build it with prepare_dataset.py") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"token cache {path} has an unreadable {MANIFEST_FILE} ({e}); rebuild it with "
+                        f"prepare_dataset.py --force") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"token cache {path} has a malformed {MANIFEST_FILE}; rebuild it with prepare_dataset.py --force")
+    return manifest
+
+
+def manifest_problem(path: Path, manifest: dict[str, Any]) -> str | None:
+    """Why the folder does not match its manifest, or None. Only stats and two offsets are read: O(1)."""
+    try:
+        if manifest.get("format_version") != FORMAT_VERSION:
+            return f"format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}"
+        if manifest["key"] != path.name or digest(manifest["key_material"]) != manifest["key"]:
+            return "the key does not match the folder or its key material"
+        if manifest["dtype"] not in DTYPES:
+            return f"unknown dtype {manifest['dtype']!r}"
+        for name, meta in manifest["files"].items():
+            size = (path / name).stat().st_size if (path / name).is_file() else None
+            if size != meta["bytes"]:
+                return f"{name} is {'missing' if size is None else f'{size} bytes'}, the manifest says {meta['bytes']}"
+        itemsize = DTYPES[manifest["dtype"]].itemsize
+        for split, tokens_file, offsets_file in (("train", TOKENS_FILE, OFFSETS_FILE),
+                                                 ("val", VAL_TOKENS_FILE, VAL_OFFSETS_FILE)):
+            counts = manifest[split]
+            if manifest["files"][tokens_file]["bytes"] != counts["tokens"] * itemsize:
+                return f"{tokens_file} does not hold {counts['tokens']} {manifest['dtype']} tokens"
+            offsets = np.load(path / offsets_file, mmap_mode="r")
+            if offsets.shape != (counts["documents"] + 1,) or offsets[0] != 0 or offsets[-1] != counts["tokens"]:
+                return f"{offsets_file} does not delimit {counts['documents']} documents"
+        if TOKENIZER_FILE not in manifest["files"]:
+            return f"no {TOKENIZER_FILE}"
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        return f"malformed manifest or files ({type(e).__name__}: {e})"
+    return None
+
+
+def map_tokens(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    if count == 0:  # mmap cannot map an empty file
+        empty = np.empty(0, dtype=dtype)
+        empty.flags.writeable = False
+        return empty
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Keys and paths
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def digest(value: Any) -> str:
+    return hashlib.blake2b(canonical_json(value).encode(), digest_size=16).hexdigest()
+
+
+def cache_root(data: DataConfig) -> Path:
+    """data.cache_dir; a relative path is relative to the project root, not to wherever the command runs."""
+    root = Path(data.cache_dir).expanduser()
+    return root if root.is_absolute() else PROJECT_ROOT / root
+
+
+def key_material(data: DataConfig, source: dict[str, Any], tokenizer: TokenizerSpec) -> dict[str, Any]:
+    return {"format_version": FORMAT_VERSION, "source": source, "tokenizer": tokenizer.identity,
+            "context_length": data.context_length, "max_samples": data.max_samples, "val_fraction": data.val_fraction}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Locks, temporary folders, publication, leftovers of dead builders
+
+
+def process_tag() -> str:
+    """pid and start time (ms): a folder's owner is alive only if both still match (pids get reused)."""
+    return f"{os.getpid()}-{round(psutil.Process().create_time() * 1000)}"
+
+
+def owner_alive(folder_name: str) -> bool:
+    match = re.search(r"-(\d+)-(\d+)$", folder_name)
+    if match is None:
+        return False
+    pid, started_ms = int(match.group(1)), int(match.group(2))
+    try:
+        return abs(round(psutil.Process(pid).create_time() * 1000) - started_ms) < 2000
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True  # exists, someone else's: leave it
+
+
+def remove_dead_leftovers(parent: Path) -> list[Path]:
+    """Delete the temporary and trash folders of builders that no longer run (killed, crashed, power lost)."""
+    removed = []
+    if parent.is_dir():
+        for entry in parent.iterdir():
+            if entry.name.startswith((BUILD_PREFIX, TRASH_PREFIX)) and not owner_alive(entry.name):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
+def ensure_writable(root: Path) -> None:
+    try:
+        (root / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        raise UserError(f"the cache folder {root} is not writable ({e.strerror or e}); set data.cache_dir to a "
+                        f"writable folder, e.g. --set data.cache_dir=/tmp/token-cache") from None
+
+
+@contextmanager
+def build_lock(root: Path, name: str, progress: "BuildProgress") -> Iterator[None]:
+    """Exclusive across processes (and hosts sharing the folder, where the file system honours flock)."""
+    lock = FileLock(root / LOCKS_DIR / f"{name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        progress.message(f"waiting for another process that is building {name}")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextmanager
+def staging(parent: Path, name: str, what: str) -> Iterator[Path]:
+    """A private temporary folder beside the final one (same file system, so the rename is atomic); always removed
+    unless published. Disk-full and permission errors become one clear UserError."""
+    folder = parent / f"{BUILD_PREFIX}{name}-{process_tag()}"
+    try:
+        folder.mkdir(parents=True)
+        yield folder
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"no space left on the device while writing the {what} in {parent}; free some space or "
+                            f"set data.cache_dir to a folder on a larger disk") from None
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise UserError(f"cannot write the {what} in {parent} ({e.strerror}); set data.cache_dir to a writable "
+                            f"folder") from None
+        raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durably(path: Path, value: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(value, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def publish(folder: Path, final: Path) -> None:
+    """Make a finished folder visible atomically. An older folder in the way is renamed aside first, then deleted."""
+    for entry in folder.iterdir():
+        fsync_path(entry)
+    fsync_path(folder)
+    trash = None
+    if final.exists():
+        trash = final.parent / f"{TRASH_PREFIX}{final.name}-{process_tag()}"
+        os.rename(final, trash)
+    os.rename(folder, final)
+    fsync_path(final.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Writing tokens
+
+
+def npy_header(length: int) -> bytes:
+    """A .npy header for int64[length]; numpy pads it to a fixed size, so it can be rewritten once the count is known."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<i8", "fortran_order": False, "shape": (length,)})
+    return buffer.getvalue()
+
+
+class TokenStream:
+    """Appends documents (ids, each ending with the end-of-document id) to a flat token file and their end offsets to
+    a .npy file, streaming both: memory holds one batch, whatever the corpus size."""
+
+    def __init__(self, tokens_path: Path, offsets_path: Path) -> None:
+        self.tokens_path = tokens_path
+        self.dtype = DTYPES["uint16"]
+        self.tokens = 0
+        self.documents = 0
+        self._tokens = open(tokens_path, "wb")
+        self._offsets = open(offsets_path, "wb")
+        self._header_size = len(npy_header(0))
+        self._offsets.write(npy_header(0))
+        self._offsets.write(np.zeros(1, dtype="<i8").tobytes())
+
+    def append(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        if not len(lengths):
+            return
+        if self.dtype == DTYPES["uint16"] and int(ids.max()) > np.iinfo(np.uint16).max:
+            self.widen()
+        self._tokens.write(ids.astype(self.dtype, copy=False).tobytes())
+        ends = self.tokens + np.cumsum(lengths, dtype=np.int64)
+        self._offsets.write(ends.astype("<i8", copy=False).tobytes())
+        self.tokens = int(ends[-1])
+        self.documents += len(lengths)
+
+    def widen(self) -> None:
+        """An id above 65,535 arrived: rewrite what is written so far as uint32 and continue in uint32."""
+        if self.dtype == DTYPES["uint32"]:
+            return
+        self._tokens.close()
+        wide = self.tokens_path.with_suffix(".wide")
+        with open(self.tokens_path, "rb") as narrow, open(wide, "wb") as out:
+            while chunk := narrow.read(WIDEN_CHUNK):
+                out.write(np.frombuffer(chunk, dtype=DTYPES["uint16"]).astype(DTYPES["uint32"]).tobytes())
+        os.replace(wide, self.tokens_path)
+        self._tokens = open(self.tokens_path, "ab")
+        self.dtype = DTYPES["uint32"]
+
+    def close(self) -> None:
+        """Write the final document count into the .npy header and close both files."""
+        header = npy_header(self.documents + 1)
+        if len(header) != self._header_size:
+            raise RuntimeError(f"numpy wrote a {len(header)}-byte header, expected {self._header_size}")
+        self._offsets.seek(0)
+        self._offsets.write(header)
+        self.abort()
+
+    def abort(self) -> None:
+        self._tokens.close()
+        self._offsets.close()
+
+
+@dataclass
+class EncodedBatch:
+    train_ids: np.ndarray  # uint32, flat, an end-of-document id after each document
+    train_lengths: np.ndarray  # int64 per document, end-of-document id included
+    val_ids: np.ndarray
+    val_lengths: np.ndarray
+
+
+def flatten(encodings: list[Any], eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Encodings → one flat uint32 array with `eos_id` after each document, plus the per-document lengths."""
+    eos = np.array([eos_id], dtype=np.uint32)
+    parts = []
+    for encoding in encodings:
+        parts.append(np.array(encoding.ids, dtype=np.uint32))
+        parts.append(eos)
+    lengths = np.fromiter((len(encoding) + 1 for encoding in encodings), dtype=np.int64, count=len(encodings))
+    return (np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)), lengths
+
+
+def encode(tokenizer: Any, eos_id: int, train: list[str], val: list[str]) -> EncodedBatch:
+    # encode_batch_fast: the Rust encoder on every core with the GIL released, skipping character offsets (unused here)
+    encodings = tokenizer.encode_batch_fast(train + val, add_special_tokens=False)
+    train_ids, train_lengths = flatten(encodings[:len(train)], eos_id)
+    val_ids, val_lengths = flatten(encodings[len(train):], eos_id)
+    return EncodedBatch(train_ids, train_lengths, val_ids, val_lengths)
+
+
+def document_batches(pairs: Iterable[tuple[str, bool]], batch_chars: int) -> Iterator[tuple[list[str], list[str]]]:
+    """(training documents, held-out documents) in batches of about `batch_chars` characters."""
+    train: list[str] = []
+    val: list[str] = []
+    size = 0
+    for text, held_out in pairs:
+        (val if held_out else train).append(text)
+        size += len(text)
+        if size >= batch_chars:
+            yield train, val
+            train, val, size = [], [], 0
+    if train or val:
+        yield train, val
+
+
+def encode_pipelined(tokenizer: Any, eos_id: int,
+                     batches: Iterable[tuple[list[str], list[str]]]) -> Iterator[EncodedBatch]:
+    """Encode batch k+1 on a worker thread while the caller writes batch k and this thread reads the next documents.
+    At most two batches are in flight, so memory stays bounded."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+    pending: deque[Future[EncodedBatch]] = deque()
+    try:
+        for train, val in batches:
+            pending.append(pool.submit(encode, tokenizer, eos_id, train, val))
+            if len(pending) > 1:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def write_cache(folder: Path, key: str, material: dict[str, Any], corpus: Corpus, spec: TokenizerSpec,
+                data: DataConfig, progress: "BuildProgress") -> None:
+    """Tokenize the corpus into `folder` and write the manifest last."""
+    started = time.perf_counter()
+    tokenizer = load_fast(spec.folder)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    check_vocab_size(vocab_size, f"tokenizer {spec.description}")
+    eos_id = eos_id_of(tokenizer, spec.eos_token, spec.folder)
+    export(tokenizer, spec.folder, folder, spec.eos_token)
+
+    train = TokenStream(folder / TOKENS_FILE, folder / OFFSETS_FILE)
+    val = TokenStream(folder / VAL_TOKENS_FILE, folder / VAL_OFFSETS_FILE)
+    try:
+        progress.phase(f"tokenizing {corpus.description}", total=capped(corpus.size_hint(), data.max_samples))
+        pairs = split_documents(corpus.documents(), data.max_samples, data.val_fraction)
+        with closing(encode_pipelined(tokenizer, eos_id, document_batches(pairs, BATCH_CHARS))) as batches:
+            for batch in batches:
+                train.append(batch.train_ids, batch.train_lengths)
+                val.append(batch.val_ids, batch.val_lengths)
+                progress.advance(len(batch.train_lengths) + len(batch.val_lengths),
+                                 len(batch.train_ids) + len(batch.val_ids))
+        if DTYPES["uint32"] in (train.dtype, val.dtype):  # one dtype for both splits
+            train.widen()
+            val.widen()
+        train.close()
+        val.close()
+    except BaseException:
+        train.abort()
+        val.abort()
+        raise
+    progress.end_phase()
+
+    if train.documents + val.documents == 0:
+        raise UserError(f"data.source {data.source} holds no documents (only empty files or rows); "
+                        f"point it at a non-empty corpus")
+    if train.tokens < data.context_length + 1:
+        raise UserError(f"the corpus gives {train.tokens:,} training tokens, fewer than one context window "
+                        f"({data.context_length:,} + 1); use more documents (data.max_samples, data.source) or a "
+                        f"shorter data.context_length")
+    files = {path.name: {"bytes": path.stat().st_size, "blake2b": file_digest(path)}
+             for path in sorted(folder.iterdir())}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "key": key,
+        "key_material": material,
+        "description": {"source": corpus.description, "tokenizer": spec.description},
+        "dtype": train.dtype.name,
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "eos_token": spec.eos_token,
+        "train": {"documents": train.documents, "tokens": train.tokens},
+        "val": {"documents": val.documents, "tokens": val.tokens},
+        "files": files,
+        "tokenizer": {"train_seconds": spec.train_seconds},
+        "build": {"seconds": time.perf_counter() - started, "created": time.time(), "host": platform.node(),
+                  "python": platform.python_version()},
+    }
+    write_json_durably(folder / MANIFEST_FILE, manifest)
+
+
+def capped(hint: int | None, max_samples: int | None) -> int | None:
+    if hint is None:
+        return max_samples
+    return hint if max_samples is None else min(hint, max_samples)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The tokenizer: a trained BPE cached under its recipe, or a pretrained one located by name
+
+
+def obtain_tokenizer(data: DataConfig, corpus: Corpus, source: dict[str, Any], root: Path,
+                     progress: "BuildProgress") -> TokenizerSpec:
+    if data.tokenizer != BPE:
+        folder = locate_pretrained(data.tokenizer)
+        return TokenizerSpec(folder=folder, identity={"kind": "pretrained", "content": tokenizer_digest(folder)},
+                             eos_token=eos_token_of(folder), description=data.tokenizer)
+    recipe = bpe_recipe(data, source)
+    recipe_key = digest(recipe)
+    parent = root / TOKENIZERS_DIR
+    final = parent / recipe_key
+    spec = read_trained_bpe(final, recipe_key, data)
+    if spec is not None:
+        return spec
+    ensure_writable(root)
+    with build_lock(root, f"tokenizer-{recipe_key}", progress):
+        spec = read_trained_bpe(final, recipe_key, data)
+        if spec is not None:
+            return spec
+        with staging(parent, recipe_key, "tokenizer") as folder:
+            started = time.perf_counter()
+            progress.phase(f"training a byte-level BPE ({data.vocab_size:,} tokens) on {corpus.description}",
+                           total=capped(corpus.size_hint(), data.max_samples))
+            documents = progress.counted(training_documents(corpus.documents(), data.max_samples, data.val_fraction))
+            train_bpe(documents, data.vocab_size, folder)
+            progress.end_phase()
+            if progress.phase_documents == 0:
+                raise UserError(f"data.source {data.source} holds no documents to train a tokenizer on; "
+                                f"point it at a non-empty corpus")
+            write_json_durably(folder / TOKENIZER_META_FILE, {
+                "recipe_key": recipe_key, "recipe": recipe, "content": tokenizer_digest(folder),
+                "train_seconds": time.perf_counter() - started, "documents": progress.phase_documents})
+            publish(folder, final)
+    spec = read_trained_bpe(final, recipe_key, data)
+    if spec is None:
+        raise RuntimeError(f"the tokenizer just trained in {final} does not validate")
+    return spec
+
+
+def read_trained_bpe(folder: Path, recipe_key: str, data: DataConfig) -> TokenizerSpec | None:
+    """The cached BPE if its meta file matches the recipe and its files still hash to the recorded digest."""
+    try:
+        meta = json.loads((folder / TOKENIZER_META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    content = tokenizer_digest(folder)
+    if meta.get("recipe_key") != recipe_key or meta.get("content") != content:
+        return None
+    return TokenizerSpec(folder=folder, identity={"kind": BPE, "content": content}, eos_token=eos_token_of(folder),
+                         description=f"bpe {data.vocab_size:,}", train_seconds=meta.get("train_seconds", 0.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# prepare: hit, or build under the lock
+
+
+def prepare(cfg: Config, *, force: bool = False, show_progress: bool | None = None) -> CacheInfo:
+    """The token cache for `cfg.data`, built if needed. Safe to call from every rank at once: exactly one process
+    builds, the others wait on the lock and reuse its result. `show_progress`: None shows a rich bar on a terminal
+    and plain lines otherwise, True forces the bar, False is silent."""
+    data = cfg.data
+    root = cache_root(data)
+    progress = BuildProgress.create(show_progress)
+    try:
+        for parent in (root, root / TOKENIZERS_DIR):
+            remove_dead_leftovers(parent)
+        corpus = open_corpus(data)
+        source = corpus.identity()
+        spec = obtain_tokenizer(data, corpus, source, root, progress)
+        material = key_material(data, source, spec)
+        key = digest(material)
+        final = root / key
+        if not force and (cache := try_open(final, progress)) is not None:
+            return cache_info(cache, built=False)
+        ensure_writable(root)
+        with build_lock(root, key, progress):
+            if not force and (cache := try_open(final, progress)) is not None:
+                return cache_info(cache, built=False)
+            started = time.perf_counter()
+            with staging(root, key, "token cache") as folder:
+                write_cache(folder, key, material, corpus, spec, data, progress)
+                publish(folder, final)
+            seconds = time.perf_counter() - started
+        return cache_info(TokenCache.open(final), built=True, seconds=seconds)
+    finally:
+        progress.close()
+
+
+def try_open(final: Path, progress: "BuildProgress") -> TokenCache | None:
+    """The cache if it exists and validates; an invalid one is reported and then rebuilt over."""
+    if not (final / MANIFEST_FILE).is_file():
+        return None
+    try:
+        return TokenCache.open(final)
+    except UserError as e:
+        progress.message(f"rebuilding: {e}")
+        return None
+
+
+def cache_info(cache: TokenCache, built: bool, seconds: float | None = None) -> CacheInfo:
+    m = cache.manifest
+    return CacheInfo(key=cache.key, path=cache.path, documents=m["train"]["documents"] + m["val"]["documents"],
+                     tokens=m["train"]["tokens"], val_tokens=m["val"]["tokens"], dtype=m["dtype"],
+                     vocab_size=cache.vocab_size, built=built,
+                     build_seconds=m["build"]["seconds"] if seconds is None else seconds)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Listing and removing
+
+
+@dataclass
+class CacheEntry:
+    key: str
+    path: Path
+    bytes: int
+    age_seconds: float
+    manifest: dict[str, Any] | None  # None when unreadable
+    problem: str | None  # why it does not validate, None when it does
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def list_caches(root: Path) -> list[CacheEntry]:
+    """Every token cache under `root`, newest first, with its validation status (O(1) each)."""
+    entries = []
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if not (folder.is_dir() and KEY_PATTERN.fullmatch(folder.name)):
+            continue
+        try:
+            manifest: dict[str, Any] | None = read_manifest(folder)
+            problem = manifest_problem(folder, manifest)
+        except UserError as e:
+            manifest, problem = None, str(e)
+        created = (manifest or {}).get("build", {}).get("created") or folder.stat().st_mtime
+        entries.append(CacheEntry(key=folder.name, path=folder, bytes=folder_bytes(folder),
+                                  age_seconds=time.time() - created, manifest=manifest, problem=problem))
+    return sorted(entries, key=lambda e: e.age_seconds)
+
+
+def remove_cache(root: Path, key: str) -> Path:
+    """Remove the cache whose key is `key` (or a unique prefix of it), waiting for a build of it to finish first."""
+    matches = [e.path for e in list_caches(root) if e.key.startswith(key.lower())] if key else []
+    if len(matches) != 1:
+        found = "no cache" if not matches else f"{len(matches)} caches"
+        raise UserError(f"{found} in {root} match key '{key}'; see prepare_dataset.py --list")
+    final = matches[0]
+    ensure_writable(root)
+    with build_lock(root, final.name, BuildProgress("off")):
+        trash = root / f"{TRASH_PREFIX}{final.name}-{process_tag()}"
+        os.rename(final, trash)
+        shutil.rmtree(trash)
+    return final
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Progress while building
+
+
+class BuildProgress:
+    """Build progress on stderr: a rich bar on a terminal, a plain line every few seconds when piped, or nothing.
+    It also sends phase events on the supervisor's progress channel (a no-op outside it), so a long build is not
+    mistaken for a hang. rich is imported only when a build starts."""
+
+    PLAIN_INTERVAL_S = 5.0
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode  # "rich" | "plain" | "off"
+        self.reporter = ProgressReporter()
+        self.phase_documents = 0
+        self.phase_tokens = 0
+        self._name = ""
+        self._started = self._last_line = 0.0
+        self._bar: Any = None
+        self._task: Any = None
+
+    @classmethod
+    def create(cls, show_progress: bool | None) -> "BuildProgress":
+        if show_progress is False:
+            return cls("off")
+        return cls("rich" if show_progress or sys.stderr.isatty() else "plain")
+
+    def phase(self, name: str, total: int | None = None) -> None:
+        self.end_phase()
+        self._name, self._started = name, time.perf_counter()
+        self._last_line = self._started
+        self.phase_documents = self.phase_tokens = 0
+        self.reporter.phase(f"prepare: {name}"[:200])
+        if self.mode == "rich":
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                       TimeElapsedColumn)
+
+            self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("docs · {task.fields[tokens]} tokens"), TimeElapsedColumn(),
+                                 console=Console(stderr=True), transient=False)
+            self._task = self._bar.add_task(name, total=total, tokens="0")
+            self._bar.start()
+        elif self.mode == "plain":
+            self.message(f"{name} ...")
+
+    def advance(self, documents: int, tokens: int = 0) -> None:
+        self.phase_documents += documents
+        self.phase_tokens += tokens
+        if self._bar is not None:
+            self._bar.update(self._task, advance=documents, tokens=f"{self.phase_tokens:,}")
+        elif self.mode == "plain" and time.perf_counter() - self._last_line >= self.PLAIN_INTERVAL_S:
+            self._last_line = time.perf_counter()
+            self.reporter.phase(f"prepare: {self._name}"[:200])
+            self.message(f"  {self.summary()}")
+
+    def counted(self, documents: Iterable[str]) -> Iterator[str]:
+        for text in documents:
+            self.advance(1)
+            yield text
+
+    def summary(self) -> str:
+        seconds = time.perf_counter() - self._started
+        rate = f", {self.phase_tokens / seconds / 1e6:.2f} M tokens/s" if self.phase_tokens and seconds > 0 else ""
+        tokens = f", {self.phase_tokens:,} tokens" if self.phase_tokens else ""
+        return f"{self.phase_documents:,} documents{tokens} in {seconds:.1f} s{rate}"
+
+    def end_phase(self) -> None:
+        if not self._name:
+            return
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        elif self.mode == "plain":
+            self.message(f"  done: {self.summary()}")
+        self._name = ""
+
+    def message(self, text: str) -> None:
+        if self.mode != "off":
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        self._name = ""

@@ -1,0 +1,359 @@
+"""Checkpoints: atomic, resumable, checked against the run they are loaded into; and the final `save_pretrained` model.
+
+Layout under `checkpoint.dir` (default `.checkpoints/`, relative to the working directory):
+
+    step_000500/            one checkpoint; the name is the number of optimizer steps completed
+        meta.json           step, format, dataset cache key, data position, parameter shapes, config (readable
+                            without torch)
+        state.pt            scheduler, grad scaler and every rank's RNG state; plus model and optimizer in the
+                            "full" format (DDP / single process, written by rank 0)
+        dcp/                model and optimizer in the "sharded" format (FSDP2), via torch.distributed.checkpoint
+    final/                  the trained model (safetensors) + tokenizer, loadable with AutoModelForCausalLM
+
+A checkpoint is written into `.tmp-step_<n>/`, fsynced, then renamed into place, so a process killed mid-save leaves
+the previous checkpoints intact and only a stray `.tmp-*` folder (removed by the next save). `state.pt` is loaded
+with `weights_only=True`. In the full format a checkpoint can also be one file holding the same content (what the
+NaN guard asks for as `nan_grad_step_<n>.pt`); `--resume` accepts either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from trainer.config import Config
+from trainer.distributed import DistContext, broadcast_object, gather_objects, is_sharded
+from trainer.errors import UserError
+from trainer.model import shape_signature
+
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+META_FILE = "meta.json"
+STATE_FILE = "state.pt"
+DCP_DIR = "dcp"
+FINAL_DIR = "final"
+FULL, SHARDED = "full", "sharded"
+
+
+@dataclass
+class TrainState:
+    """The live objects a checkpoint captures. `model` is the unwrapped transformers model (an FSDP2 root when
+    sharded); `scaler` exists only for fp16."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None = None
+
+    @property
+    def format(self) -> str:
+        return SHARDED if is_sharded(self.model) else FULL
+
+
+@dataclass
+class CheckpointMeta:
+    """What a checkpoint is, readable without loading any tensor."""
+
+    step: int  # optimizer steps completed: a resumed run continues with this step index
+    format: str  # "full" | "sharded"
+    cache_key: str
+    world_size: int
+    data: dict[str, int]  # the data position: the sampler is a pure function of these and the step
+    model_shapes: dict[str, list[int]]
+    config: dict[str, Any]
+    saved_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "CheckpointMeta":
+        return cls(**raw)
+
+
+def data_position(cfg: Config, world_size: int) -> dict[str, int]:
+    """The settings that, with the step, decide which windows each rank reads next."""
+    return {"seed": cfg.system.seed, "world_size": world_size, "micro_batch_size": cfg.training.batch_size,
+            "grad_accum": cfg.training.grad_accum_nums, "context_length": cfg.data.context_length}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Finding checkpoints
+
+
+def step_path(root: Path, step: int) -> Path:
+    return root / f"{STEP_PREFIX}{step:06d}"
+
+
+def step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith(STEP_PREFIX) or not name[len(STEP_PREFIX):].isdigit():
+        return None
+    return int(name[len(STEP_PREFIX):])
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first (a folder is complete once it has its final name)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and (p / META_FILE).is_file()]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def find_resume(cfg: Config) -> Path | None:
+    """The checkpoint `checkpoint.resume` asks for: None (fresh start), "auto" (the latest, if any) or a path."""
+    spec = cfg.checkpoint.resume
+    if spec is None:
+        return None
+    if spec == "auto":
+        return latest_checkpoint(Path(cfg.checkpoint.dir))
+    path = Path(spec)
+    if path.is_file() or (path / META_FILE).is_file():
+        return path
+    latest = latest_checkpoint(path) if path.is_dir() else None
+    if latest is None:
+        raise UserError(f"--resume {spec}: no checkpoint there (expected a step_<n> folder, a folder holding them, "
+                        f"or a .pt file)")
+    return latest
+
+
+def read_meta(path: Path) -> CheckpointMeta:
+    if path.is_file():
+        return CheckpointMeta.from_dict(load_payload(path)["meta"])
+    return CheckpointMeta.from_dict(json.loads((path / META_FILE).read_text()))
+
+
+def check_compatible(path: Path, meta: CheckpointMeta, cache_key: str, state: TrainState) -> None:
+    """Refuse a checkpoint from another dataset, another model shape or another sharding format, with one clear line."""
+    if meta.cache_key != cache_key:
+        raise UserError(f"checkpoint {path} was trained on dataset cache {meta.cache_key}, but this run uses "
+                        f"{cache_key}; resume with the same data settings, or start fresh without --resume")
+    here = shape_signature(state.model)
+    if meta.model_shapes != here:
+        missing = sorted(set(meta.model_shapes) - set(here))
+        extra = sorted(set(here) - set(meta.model_shapes))
+        differ = [n for n in here if n in meta.model_shapes and meta.model_shapes[n] != here[n]]
+        if differ:
+            n = differ[0]
+            detail = f"{n} is {meta.model_shapes[n]} there and {here[n]} here ({len(differ)} parameters differ)"
+        else:
+            detail = f"parameters only there: {missing[:3]}, only here: {extra[:3]}"
+        raise UserError(f"checkpoint {path} holds a different model shape: {detail}; "
+                        f"resume with the same model settings, or start fresh without --resume")
+    if meta.format != state.format:
+        wanted = "fsdp" if meta.format == SHARDED else "ddp"
+        raise UserError(f"checkpoint {path} was written in the {meta.format} format; resume it with "
+                        f"--set training.strategy={wanted}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Files
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file and folder under `path` to disk, so the rename that publishes it never exposes holes."""
+    if path.is_file():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        return
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(folder))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Atomically move a finished folder into place, replacing an older one of the same name."""
+    old = final.with_name(OLD_PREFIX + final.name)
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the newest `keep` step checkpoints, and drop what killed saves left behind (rank 0, between saves)."""
+    for path in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    for leftover in root.glob(f"{TMP_PREFIX}{STEP_PREFIX}*"):
+        remove(leftover)
+
+
+def load_payload(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def rng_state() -> dict[str, Any]:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    random.setstate(state["python"])
+
+
+def payload(state: TrainState, meta: CheckpointMeta, rngs: list[dict[str, Any]], with_weights: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "meta": asdict(meta),
+        "scheduler": state.scheduler.state_dict(),
+        "scaler": state.scaler.state_dict() if state.scaler is not None else None,
+        "rng": rngs,
+    }
+    if with_weights:
+        out["model"] = state.model.state_dict()
+        out["optimizer"] = state.optimizer.state_dict()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Save and load
+
+
+def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext) -> Path:
+    """Write a checkpoint atomically; collective (every rank calls it, rank 0 writes unless sharded).
+
+    `path` is a folder (`step_<n>/`), or a single file when it ends in `.pt` and the format is full (the NaN guard's
+    `nan_grad_step_<n>.pt`; a sharded checkpoint is always a folder, whatever its name).
+    """
+    single_file = path.suffix == ".pt" and meta.format == FULL
+    tmp = path.with_name(TMP_PREFIX + path.name)
+    rngs = gather_objects(rng_state(), ctx)
+    error = None
+    if ctx.is_main:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            remove(tmp)  # what a save killed half-way left behind
+            if not single_file:
+                tmp.mkdir()
+        except OSError as e:
+            error = f"cannot write checkpoints into {path.parent}: {e}"
+    error = broadcast_object(error, ctx)
+    if error:
+        raise UserError(error)
+    if meta.format == SHARDED:
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
+    if ctx.is_main:
+        try:
+            content = payload(state, meta, rngs, with_weights=meta.format == FULL)
+            if single_file:
+                torch.save(content, tmp)
+                fsync_tree(tmp)
+                os.replace(tmp, path)
+                fsync_dir(path.parent)
+            else:
+                torch.save(content, tmp / STATE_FILE)
+                (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n")
+                fsync_tree(tmp)
+                publish(tmp, path)
+        except Exception as e:  # every rank must learn about it, or the others would wait forever
+            error = f"{type(e).__name__}: {e}"
+    error = broadcast_object(error, ctx)
+    if error:
+        raise RuntimeError(f"checkpoint {path} failed on rank 0: {error}")
+    return path
+
+
+def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> CheckpointMeta:
+    """Restore `state` from a checkpoint after checking it belongs to this run (collective for the sharded format)."""
+    meta = read_meta(path)
+    check_compatible(path, meta, cache_key, state)
+    content = load_payload(path if path.is_file() else path / STATE_FILE)
+    if meta.format == FULL:
+        state.model.load_state_dict(content["model"])
+        state.optimizer.load_state_dict(content["optimizer"])
+    else:
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / DCP_DIR)
+        set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    state.scheduler.load_state_dict(content["scheduler"])
+    if state.scaler is not None and content.get("scaler"):
+        state.scaler.load_state_dict(content["scaler"])
+    rngs = content["rng"]
+    if meta.world_size == ctx.world_size and ctx.rank < len(rngs):
+        set_rng_state(rngs[ctx.rank])
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The final model
+
+
+def save_final(out_dir: Path, model: torch.nn.Module, ctx: DistContext, tokenizer_path: Path,
+               eos_id: int | None) -> Path:
+    """`save_pretrained` (safetensors) plus the tokenizer, atomically, into `out_dir` (collective when sharded)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a progress bar per shard would garble the rank's log
+
+    state_dict = None
+    if is_sharded(model):  # gather full weights onto rank 0's CPU
+        state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    error = None
+    if ctx.is_main:
+        tmp = out_dir.with_name(TMP_PREFIX + out_dir.name)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            use_cache = model.config.use_cache
+            model.config.use_cache = True  # for generation; training never needs the key/value cache
+            try:
+                model.save_pretrained(tmp, state_dict=state_dict)
+            finally:
+                model.config.use_cache = use_cache
+            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
+            if eos_id is not None:
+                eos = tokenizer.convert_ids_to_tokens(eos_id)
+                tokenizer.eos_token = tokenizer.bos_token = tokenizer.pad_token = eos
+            tokenizer.save_pretrained(tmp)
+            fsync_tree(tmp)
+            publish(tmp, out_dir)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    error = broadcast_object(error, ctx)
+    if error:
+        raise RuntimeError(f"saving the final model to {out_dir} failed on rank 0: {error}")
+    return out_dir

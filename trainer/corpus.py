@@ -1,0 +1,330 @@
+"""Where documents come from: the interpreter's own standard library, local files, or a Hugging Face hub dataset.
+
+A corpus does two things: it describes itself as *key material* (`identity()`, what makes two corpora the same for the
+token cache) and it yields its documents in a fixed order (`documents()`). Identity is content, not names or mtimes:
+local files are hashed byte for byte, so editing a file changes the cache key; a hub dataset is pinned to the commit
+its revision resolves to.
+
+`datasets` and `huggingface_hub` are imported only inside the functions that read documents or resolve a hub name,
+because the cache-hit path (compute the key, open the cache) must not pay for them.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import math
+import os
+import platform
+import re
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainer.config import DataConfig
+from trainer.errors import UserError
+
+STDLIB_SOURCE = "stdlib"
+# File suffix → the `datasets` builder that reads it. A .txt file is one document (not one per line).
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SUPPORTED = ", ".join(BUILDERS)
+HASH_CHUNK = 1 << 20
+READ_BATCH_ROWS = 1024  # rows per `datasets` batch: big enough to keep Python per-row work out of the profile
+HUB_TIMEOUT_S = 10.0
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Content fingerprints (shared with the tokenizer and the cache checksums, so there is one way to hash a file)
+
+
+def file_digest(path: Path, digest_size: int = 32) -> str:
+    """blake2b of a file's bytes, read in chunks so a large file never sits in memory."""
+    h = hashlib.blake2b(digest_size=digest_size)
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(files: Iterable[Path], root: Path) -> str:
+    """One digest over (relative name, content) of every file: renaming, editing or adding a file changes it."""
+    h = hashlib.blake2b(digest_size=16)
+    for path in files:
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(bytes.fromhex(file_digest(path)))
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The corpus protocol and the three kinds
+
+
+class Corpus(Protocol):
+    description: str  # for humans: progress lines, --list
+
+    def identity(self) -> dict[str, Any]:
+        """Key material: equal exactly when the documents are equal."""
+
+    def documents(self) -> Iterator[str]:
+        """Every non-empty document, in a deterministic order."""
+
+    def size_hint(self) -> int | None:
+        """How many documents `documents()` will yield at most, when that is known cheaply."""
+
+
+@dataclass
+class StdlibCorpus:
+    """The running interpreter's standard library, one document per `*.py` file: a real code corpus on any machine,
+    with no network. site-packages is excluded (it differs between environments); files sorted by relative path."""
+
+    root: Path = field(default_factory=lambda: Path(sysconfig.get_paths()["stdlib"]))
+    files: list[Path] = field(init=False)
+    description: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.files = stdlib_files(self.root)
+        self.description = f"the Python {platform.python_version()} standard library ({len(self.files)} files)"
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": STDLIB_SOURCE, "python": platform.python_version(), "files": len(self.files),
+                "content": fingerprint(self.files, self.root)}
+
+    def documents(self) -> Iterator[str]:
+        for path in self.files:
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:  # a few test modules are deliberately written in legacy encodings
+                continue
+            if text:
+                yield text
+
+    def size_hint(self) -> int | None:
+        return len(self.files)
+
+
+def stdlib_files(root: Path) -> list[Path]:
+    files: list[Path] = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+        files += [Path(folder, name) for name in names if name.endswith(".py")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+@dataclass
+class LocalCorpus:
+    """Local .txt / .jsonl / .json / .parquet files, read through `datasets.load_dataset` in streaming mode (the files
+    are already on disk, so materialising them as Arrow would only copy them)."""
+
+    source: str
+    text_field: str
+    files: list[Path]
+    root: Path
+    description: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.description = f"{self.source} ({len(self.files)} file{'s' * (len(self.files) != 1)})"
+
+    def identity(self) -> dict[str, Any]:
+        material: dict[str, Any] = {"kind": "local", "files": len(self.files),
+                                    "content": fingerprint(self.files, self.root)}
+        if any(BUILDERS[p.suffix.lower()] != "text" for p in self.files):
+            material["text_field"] = self.text_field  # a .txt file has no fields; elsewhere the field picks the text
+        return material
+
+    def documents(self) -> Iterator[str]:
+        import datasets
+
+        datasets.disable_progress_bars()
+        # One load_dataset call per run of files sharing a builder, so a folder may mix .txt and .jsonl in sorted order.
+        for builder, run in runs_by_builder(self.files):
+            options = {"sample_by": "document"} if builder == "text" else {}
+            names = [str(p) for p in run]
+            try:
+                dataset = datasets.load_dataset(builder, data_files=names, split="train", streaming=True, **options)
+                yield from texts(dataset, self.text_field, self.source)
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - pyarrow/json errors: say which files, in one line
+                raise UserError(f"cannot read {self.source} as {builder} ({type(e).__name__}: "
+                                f"{first_line(e)}); check the files are valid {builder} data") from None
+
+    def size_hint(self) -> int | None:
+        return len(self.files) if all(BUILDERS[p.suffix.lower()] == "text" for p in self.files) else None
+
+
+def runs_by_builder(files: list[Path]) -> Iterator[tuple[str, list[Path]]]:
+    run: list[Path] = []
+    for path in files:
+        if run and BUILDERS[path.suffix.lower()] != BUILDERS[run[-1].suffix.lower()]:
+            yield BUILDERS[run[-1].suffix.lower()], run
+            run = []
+        run.append(path)
+    if run:
+        yield BUILDERS[run[-1].suffix.lower()], run
+
+
+@dataclass
+class HubCorpus:
+    """A dataset on the Hugging Face hub, pinned to the commit its revision resolves to (so "main" moving on means a
+    new cache). With `streaming` the rows are tokenized as they arrive and never materialised on disk."""
+
+    name: str
+    config: str | None
+    split: str
+    revision: str | None
+    streaming: bool
+    text_field: str
+    commit: str | None = None  # what `revision` resolved to; set by identity()
+    description: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.description = f"hub dataset {self.name}" + (f" ({self.config})" if self.config else "") + f" [{self.split}]"
+
+    def identity(self) -> dict[str, Any]:
+        if self.commit is None:
+            self.commit = resolve_hub_commit(self.name, self.revision)
+        return {"kind": "hub", "name": self.name, "config": self.config, "split": self.split,
+                "revision": self.commit, "text_field": self.text_field}
+
+    def documents(self) -> Iterator[str]:
+        import datasets
+
+        datasets.disable_progress_bars()
+        revision = self.commit or self.revision
+        try:
+            dataset = datasets.load_dataset(self.name, self.config, split=self.split, revision=revision,
+                                            streaming=self.streaming)
+            yield from texts(dataset, self.text_field, self.name)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - network, missing config/split: one line instead of a traceback
+            raise UserError(f"cannot load hub dataset {self.name} (config {self.config}, split {self.split}): "
+                            f"{type(e).__name__}: {first_line(e)}") from None
+
+    def size_hint(self) -> int | None:
+        return None
+
+
+def resolve_hub_commit(name: str, revision: str | None) -> str:
+    """The commit sha that `revision` (default: the main branch) points at; one bounded request."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        info = HfApi().dataset_info(name, revision=revision, timeout=HUB_TIMEOUT_S)
+    except RevisionNotFoundError:
+        raise UserError(f"hub dataset {name} has no revision '{revision}'; fix data.revision") from None
+    except RepositoryNotFoundError:
+        raise UserError(f"data.source '{name}' is neither a local path nor a dataset on the Hugging Face hub; "
+                        f"fix the name or point data.source at a local file, folder or glob ({SUPPORTED})") from None
+    except Exception as e:  # noqa: BLE001 - offline mode, DNS, refused, timeout: all mean the same to the user
+        raise UserError(f"data.source '{name}' is not a local path and the Hugging Face hub cannot be reached "
+                        f"({first_line(e)}); use a local file, folder or glob of {SUPPORTED} instead, "
+                        f"e.g. --set data.source=path/to/corpus.jsonl") from None
+    if not info.sha:
+        raise UserError(f"the hub returned no commit for dataset {name}; set data.revision to a commit sha")
+    return info.sha
+
+
+def texts(dataset: Any, text_field: str, origin: str) -> Iterator[str]:
+    """The non-empty `text_field` values of a `datasets` (Iterable)Dataset, read in column batches."""
+    for batch in dataset.iter(batch_size=READ_BATCH_ROWS):
+        if text_field not in batch:
+            raise UserError(f"{origin} has no field '{text_field}' (fields: {', '.join(batch) or 'none'}); "
+                            f"set data.text_field to the one that holds the text")
+        for value in batch[text_field]:
+            if value is None:
+                continue
+            if not isinstance(value, str):
+                raise UserError(f"{origin}: field '{text_field}' holds {type(value).__name__} values, not text; "
+                                f"set data.text_field to a text column")
+            if value:
+                yield value
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Choosing the corpus from data.source
+
+
+def open_corpus(data: DataConfig) -> Corpus:
+    """`stdlib`, an existing local path or glob, or else a hub dataset name."""
+    source = data.source.strip()
+    if source == STDLIB_SOURCE:
+        return StdlibCorpus()
+    files, root = local_files(source)
+    if files is not None:
+        return LocalCorpus(source=source, text_field=data.text_field, files=files, root=root)
+    return HubCorpus(name=source, config=data.hub_config, split=data.split, revision=data.revision,
+                     streaming=data.streaming, text_field=data.text_field)
+
+
+def local_files(source: str) -> tuple[list[Path] | None, Path]:
+    """The files a local source names, sorted; (None, ...) when it can only be a hub name."""
+    path = Path(source).expanduser()
+    if glob.has_magic(source):
+        matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not matches:
+            raise UserError(f"data.source glob '{source}' matches no files")
+        for p in matches:
+            check_suffix(p)
+        return matches, common_root(matches)
+    if path.is_dir():
+        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not found:
+            raise UserError(f"data.source folder {source} holds no {SUPPORTED} files")
+        return found, path
+    if path.is_file():
+        check_suffix(path)
+        return [path], path.parent
+    if looks_like_path(source):
+        raise UserError(f"data.source {source} does not exist; give an existing file, folder or glob of {SUPPORTED}, "
+                        f"'stdlib', or a hub dataset name")
+    return None, path
+
+
+def check_suffix(path: Path) -> None:
+    if path.suffix.lower() not in BUILDERS:
+        raise UserError(f"data.source file {path} is not one of {SUPPORTED}; convert it or pick other files")
+
+
+def looks_like_path(source: str) -> bool:
+    """A string that cannot be a hub id (`name` or `owner/name`) is meant as a path."""
+    return (source.startswith(("/", ".", "~")) or Path(source).suffix.lower() in BUILDERS
+            or HUB_ID.fullmatch(source) is None)
+
+
+def common_root(files: list[Path]) -> Path:
+    root = Path(os.path.commonpath([str(p.resolve()) for p in files]))
+    return root.parent if root.is_file() else root
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sample cap and the validation split
+
+
+def is_validation(index: int, fraction: float) -> bool:
+    """Every 1/fraction-th document is held out: exactly floor(n * fraction) of the first n, spread evenly through the
+    corpus, decided from the index alone (so a stream of unknown length splits the same way every time)."""
+    return math.floor((index + 1) * fraction) > math.floor(index * fraction)
+
+
+def split_documents(documents: Iterable[str], max_samples: int | None,
+                    val_fraction: float) -> Iterator[tuple[str, bool]]:
+    """(document, held out?) for the first `max_samples` documents."""
+    for index, text in enumerate(islice(documents, max_samples)):
+        yield text, is_validation(index, val_fraction)
+
+
+def training_documents(documents: Iterable[str], max_samples: int | None, val_fraction: float) -> Iterator[str]:
+    """The documents that end up in the training split (what a tokenizer trained on the source sees)."""
+    return (text for text, held_out in split_documents(documents, max_samples, val_fraction) if not held_out)

@@ -1,0 +1,212 @@
+"""Process group set-up and teardown, the rank's device, and data-parallel wrapping (DDP or FSDP2).
+
+One rank = one process = one device. The rank learns its place from torchrun's environment (the supervisor uses the
+same contract); with none of those variables it is a single-process run and still gets a (one-member) process group,
+so the rest of the code never branches on "distributed or not".
+
+Two groups exist: the default one (NCCL on GPUs, gloo on CPUs) carries gradients, and a CPU gloo "control" group
+carries small host-side agreements (the stop flag, the run folder, checkpoint status) without ever syncing a GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.config import Config
+from trainer.errors import UserError
+from trainer.model import decoder_layers
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+DDP_BUFFER_SYNC_ARG = ("forward_sync_buffers" if "forward_sync_buffers" in
+                       inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
+
+
+@dataclass(frozen=True)
+class RankEnvironment:
+    """Where this process sits in the job, from torchrun's variables (all defaults for a single-process run)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    launched: bool = False  # started by torchrun or the supervisor (the variables are present)
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "RankEnvironment":
+        env = os.environ if environ is None else environ
+        if not all(name in env for name in TORCHRUN_VARIABLES):
+            return cls()
+        return cls(rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+                   world_size=int(env["WORLD_SIZE"]), launched=True)
+
+
+@dataclass
+class DistContext:
+    """Everything the loop needs to know about its place in the job."""
+
+    env: RankEnvironment
+    device: torch.device
+    backend: str
+    gpu_id: str  # the id in "[GPU <id>]": GPU_RANK, else the CUDA index, else the local rank
+    control: Any  # the CPU gloo ProcessGroup for host-side agreements
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+
+def select_device(cfg: Config, env: RankEnvironment) -> tuple[torch.device, str]:
+    """The one device this rank trains on, and its display id.
+
+    Under the supervisor `CUDA_VISIBLE_DEVICES` holds exactly one GPU, so the device is `cuda:0`. Under plain torchrun
+    on a multi-GPU machine every rank sees all GPUs and takes `cuda:<local rank>`. `system.device_id` picks a GPU only
+    for a run started by hand without `CUDA_VISIBLE_DEVICES`.
+    """
+    want = cfg.system.device
+    cuda = torch.cuda.is_available()
+    if want == "cuda" and not cuda:
+        raise UserError("system.device is 'cuda' but no CUDA GPU is visible; use --set system.device=cpu")
+    if want == "cpu" or not cuda:
+        return torch.device("cpu"), os.environ.get("GPU_RANK", str(env.local_rank))
+    count = torch.cuda.device_count()
+    device_id = cfg.system.device_id
+    if count == 1:
+        index = 0
+    elif not env.launched and device_id is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        index = device_id
+    else:
+        index = env.local_rank
+    if index >= count:
+        raise UserError(f"GPU index {index} requested but only {count} GPU(s) are visible to this process")
+    return torch.device("cuda", index), os.environ.get("GPU_RANK", str(index))
+
+
+def init_distributed(cfg: Config) -> DistContext:
+    """Join the job's process group (or create a one-member group) with explicit timeouts, plus the control group."""
+    env = RankEnvironment.from_environ()
+    device, gpu_id = select_device(cfg, env)
+    backend = cfg.system.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise UserError("system.backend 'nccl' needs CUDA GPUs; use gloo (or auto) on CPUs")
+    timeout = timedelta(seconds=cfg.system.dist_timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.launched:
+        dist.init_process_group(backend, timeout=timeout, device_id=device if backend == "nccl" else None)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)  # a separate gloo group even when gloo carries data
+    return DistContext(env=env, device=device, backend=backend, gpu_id=gpu_id, control=control)
+
+
+def teardown() -> None:
+    """Leave the process group; called on every exit path so no rank leaves sockets or NCCL communicators behind."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Host-side agreements on the control group (never touch the GPU)
+
+
+def agree_any(flag: bool, ctx: DistContext) -> bool:
+    """True on every rank when any rank passed True (all-reduce MAX of a CPU int)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ctx.control)
+    return bool(value.item())
+
+
+def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
+    """Rank `src`'s value of a small picklable object, on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=ctx.control)
+    return box[0]
+
+
+def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
+    """Every rank's value of a small picklable object, in rank order, on every rank."""
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj, group=ctx.control)
+    return out
+
+
+def all_reduce_mean(value: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """The mean over ranks of a device tensor (gloo has no AVG, so SUM then divide)."""
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / ctx.world_size
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data-parallel wrapping
+
+
+def wrap_model(model: torch.nn.Module, cfg: Config, ctx: DistContext,
+               param_dtype: torch.dtype | None) -> torch.nn.Module:
+    """DDP (replicated weights) or FSDP2 (`fully_shard` per decoder layer, then the root).
+
+    A one-member DDP group would only add bucket copies, so a single-process DDP run trains the bare model.
+    `param_dtype` is the compute dtype (bf16/fp16) FSDP gathers weights in; gradients are reduced in fp32.
+    """
+    if cfg.training.strategy == "fsdp":
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model
+    if ctx.world_size == 1:
+        return model
+    # The only buffers are RoPE tables, identical on every rank: no broadcast before each forward.
+    # (torch 2.13 renamed the switch; older releases only know broadcast_buffers.)
+    no_buffer_sync = {DDP_BUFFER_SYNC_ARG: False}
+    return DistributedDataParallel(
+        model,
+        device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+        gradient_as_bucket_view=True,  # gradients live in the communication buckets: no second copy
+        **no_buffer_sync,
+    )
+
+
+@contextmanager
+def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """DDP: skip the gradient all-reduce on accumulation micro-steps (all but the last).
+
+    FSDP2 keeps reducing every micro-step on purpose: skipping would hold unsharded gradients for the whole model
+    (2 bytes per parameter, 16 GB at 8B) until the last micro-step, while the reduce-scatter overlaps with backward.
+    """
+    base = getattr(model, "_orig_mod", model)  # torch.compile wraps the module
+    if isinstance(base, DistributedDataParallel) and not enabled:
+        with base.no_sync():
+            yield
+        return
+    yield
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under torch.compile and DDP (FSDP2 shards in place, so it is its own module)."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    return isinstance(unwrap(model), FSDPModule)

@@ -1,0 +1,202 @@
+"""Will it fit? Per-GPU memory under DDP and under FSDP2 sharding, from exact sizes and no allocation.
+
+Used by `pretrain_main.py --dry-run` and callable by the supervisor (`estimate` + `format_estimate`). Sizes come from
+the model built on the meta device, so an 8B-parameter preset costs nothing to inspect. The figures are estimates:
+weights, gradients and optimizer state are exact byte counts for this code's choices (fp32 master weights, AdamW's two
+fp32 moments, DDP gradients living in its buckets); activations follow what autograd saves per decoder layer for the
+Llama block with SDPA attention (no score matrix), and the overhead is a flat allowance.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from trainer.config import Config, flops_per_token, human, tokens_per_step
+from trainer.model import ModelShape, model_shape
+
+GiB = 1024**3
+FP32 = 4
+OVERHEAD_BYTES = 2 * GiB  # CUDA context, NCCL buffers, allocator slack: a rough flat allowance
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class StrategyEstimate:
+    """One strategy's per-GPU bytes."""
+
+    strategy: str  # "ddp" | "fsdp"
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    overhead: int
+    gpu_memory_bytes: int | None
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+
+    @property
+    def fits(self) -> bool | None:
+        """None when there is no GPU to compare with."""
+        return None if self.gpu_memory_bytes is None else self.total <= self.gpu_memory_bytes
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    world_size: int
+    gpu_memory_bytes: int | None
+    shape: ModelShape
+    compute_bytes: int  # 2 for bf16/fp16 autocast, 4 for fp32
+    micro_batch_tokens: int
+    gradient_checkpointing: bool
+    chosen: str  # training.strategy
+    tokens_per_step: int
+    flops_per_token: int
+    strategies: dict[str, StrategyEstimate] = field(default_factory=dict)
+
+    @property
+    def selected(self) -> StrategyEstimate:
+        return self.strategies[self.chosen]
+
+
+def compute_bytes(cfg: Config) -> int:
+    """Bytes per activation element on a GPU: 16-bit autocast unless AMP is off or fp32 is asked for."""
+    t = cfg.training
+    return FP32 if not t.use_amp or t.precision == "fp32" else 2
+
+
+def activation_bytes_per_token_layer(s: ModelShape, c: int) -> int:
+    """What autograd keeps per token for one Llama decoder layer (c = bytes per compute element):
+    two RMSNorms in fp32 (input + normalised, 8h each); q/k/v/o projection inputs and SDPA's q, k, v and output
+    (6·c·h + 2·c·kv_dim); the SwiGLU MLP's two input casts, gate, SiLU, up and product (2·c·h + 4·c·ffn)."""
+    head_dim = s.hidden_size // s.num_heads
+    kv_dim = s.num_kv_heads * head_dim
+    return 16 * s.hidden_size + 8 * c * s.hidden_size + 2 * c * kv_dim + 4 * c * s.ffn_hidden_size
+
+
+def activation_bytes(s: ModelShape, c: int, tokens: int, checkpointing: bool) -> int:
+    """One micro-batch's activations at the peak (end of forward), plus the loss's logits (16-bit, fp32 copy, fp32
+    log-softmax). With checkpointing, each layer keeps only its fp32 input and one layer is recomputed at a time."""
+    per_layer = activation_bytes_per_token_layer(s, c)
+    layers = s.num_layers * FP32 * s.hidden_size + per_layer if checkpointing else s.num_layers * per_layer
+    logits = (c + 2 * FP32) * s.vocab_size
+    return tokens * (layers + logits)
+
+
+def layer_parameters(s: ModelShape) -> int:
+    embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+    return (s.parameters - embeddings - s.hidden_size) // max(1, s.num_layers)
+
+
+def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None) -> MemoryEstimate:
+    """Per-GPU memory for this config on `world_size` GPUs of `gpu_memory_bytes` each (None: no GPU to compare)."""
+    s = model_shape(cfg)
+    n = max(1, world_size)
+    c = compute_bytes(cfg)
+    p = s.parameters
+    tokens = cfg.training.batch_size * cfg.data.context_length
+    acts = activation_bytes(s, c, tokens, cfg.model.gradient_checkpointing)
+    embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
+    layer = layer_parameters(s)
+    # DDP: fp32 weights, fp32 gradients (the buckets are the gradients), two fp32 AdamW moments, and autocast's
+    # 16-bit copy of every weight, cached from its first use in forward until backward has used it.
+    ddp = StrategyEstimate("ddp", weights=FP32 * p + (c * p if c < FP32 else 0), gradients=FP32 * p,
+                           optimizer=2 * FP32 * p, activations=acts, overhead=OVERHEAD_BYTES,
+                           gpu_memory_bytes=gpu_memory_bytes)
+    # FSDP2: 1/n of everything fp32; gathered 16-bit weights of two layers (current + prefetched) and of the root
+    # (embeddings, kept gathered between forward and backward); one layer's unsharded gradients before reduce-scatter.
+    fsdp = StrategyEstimate("fsdp", weights=FP32 * p // n + c * (2 * layer + embeddings),
+                            gradients=FP32 * p // n + c * 2 * layer, optimizer=2 * FP32 * p // n, activations=acts,
+                            overhead=OVERHEAD_BYTES, gpu_memory_bytes=gpu_memory_bytes)
+    return MemoryEstimate(world_size=n, gpu_memory_bytes=gpu_memory_bytes, shape=s, compute_bytes=c,
+                          micro_batch_tokens=tokens, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                          chosen=cfg.training.strategy, tokens_per_step=tokens_per_step(cfg, n),
+                          flops_per_token=flops_per_token(cfg) if not cfg.model.name_or_path else 0,
+                          strategies={"ddp": ddp, "fsdp": fsdp})
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def format_estimate(est: MemoryEstimate) -> str:
+    """A table of per-GPU memory for both strategies and a verdict for the chosen one."""
+    rows = [("weights", "weights"), ("gradients", "gradients"), ("optimizer state", "optimizer"),
+            ("activations", "activations"), ("overhead", "overhead")]
+    header = f"  {'per-GPU memory, GiB':<28}{'DDP':>10}{f'FSDP ({est.world_size} ranks)':>20}"
+    lines = [header]
+    for title, attr in rows:
+        values = [gib(getattr(est.strategies[k], attr)) for k in STRATEGIES]
+        lines.append(f"  {title:<28}{values[0]:>10}{values[1]:>20}")
+    lines.append(f"  {'total':<28}{gib(est.strategies['ddp'].total):>10}{gib(est.strategies['fsdp'].total):>20}")
+    if est.gpu_memory_bytes is not None:
+        fits = ["yes" if est.strategies[k].fits else "NO" for k in STRATEGIES]
+        lines.append(f"  {f'fits in {gib(est.gpu_memory_bytes)} GiB?':<28}{fits[0]:>10}{fits[1]:>20}")
+    checkpointing = "on" if est.gradient_checkpointing else "off"
+    lines.append(f"  (activations: {est.micro_batch_tokens:,} tokens per micro-batch, "
+                 f"{'16-bit' if est.compute_bytes == 2 else 'fp32'} compute, gradient checkpointing {checkpointing})")
+    chosen = est.selected
+    if chosen.fits is None:
+        lines.append(f"  no GPU detected: this would run on the CPU, where the {est.chosen.upper()} figures are host "
+                     f"memory per rank (fp32 compute)")
+    elif chosen.fits:
+        lines.append(f"  {est.chosen.upper()} (training.strategy) fits: {gib(chosen.total)} of "
+                     f"{gib(est.gpu_memory_bytes or 0)} GiB per GPU")
+    else:
+        other = next(k for k in STRATEGIES if k != est.chosen)
+        hint = (f"; --set training.strategy={other} would fit" if est.strategies[other].fits else
+                "; lower training.batch_size, turn on model.gradient_checkpointing or use more GPUs")
+        lines.append(f"  WARNING: {est.chosen.upper()} (training.strategy) will NOT fit: {gib(chosen.total)} GiB "
+                     f"needed per GPU, {gib(est.gpu_memory_bytes or 0)} GiB available{hint}")
+    return "\n".join(lines)
+
+
+def detect_gpus() -> tuple[int, int | None, str | None]:
+    """(GPU count, the smallest GPU's memory in bytes, its name) via NVML, else torch; (0, None, None) without GPUs."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            if handles:
+                memory = min(int(pynvml.nvmlDeviceGetMemoryInfo(h).total) for h in handles)
+                name = pynvml.nvmlDeviceGetName(handles[0])
+                return len(handles), memory, name.decode() if isinstance(name, bytes) else name
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no driver, no library, no permission: fall back to torch
+        pass
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return 0, None, None
+    _, total = torch.cuda.mem_get_info(0)
+    return torch.cuda.device_count(), int(total), torch.cuda.get_device_name(0)
+
+
+def dry_run_report(cfg: Config, nproc: int | None = None) -> str:
+    """What `--dry-run` prints: sizes, throughput arithmetic and the memory estimate for the GPU count that would be
+    used (WORLD_SIZE, else --nproc, else the GPUs detected, else 1)."""
+    count, memory, name = detect_gpus()
+    world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else (nproc or count or 1)
+    est = estimate(cfg, world, memory)
+    s, t, d = est.shape, cfg.training, cfg.data
+    source = cfg.model.name_or_path or cfg.model.architecture
+    flops = f"{human(est.flops_per_token)} (6N + attention)" if est.flops_per_token else "n/a for a model from a folder"
+    gpus = f"{count} × {name}, {gib(memory)} GiB each" if memory is not None else "none detected"
+    lines = [
+        f"dry run: preset {cfg.preset} — nothing trained, the model was built on the meta device (no weights "
+        f"allocated)",
+        f"  model: {source}, {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} heads ({s.num_kv_heads} KV), "
+        f"FFN {s.ffn_hidden_size}, vocabulary {s.vocab_size:,}",
+        f"  parameters: {human(s.parameters)} ({s.parameters:,})",
+        f"  tokens per step: {est.tokens_per_step:,} ({t.batch_size} sequences × {d.context_length} tokens × "
+        f"{t.grad_accum_nums} micro-steps × {est.world_size} GPUs)",
+        f"  FLOPs per token: {flops}",
+        f"  GPUs: {gpus}; estimate for {est.world_size} rank(s), strategy {t.strategy}",
+        format_estimate(est),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""Config-driven fault injection, for the test suite and for users rehearsing their cluster.
+
+Two kinds, both off by default and set with ``--set debug.<key>=<value>``:
+
+* **NaN injection** — ``inject_nan_module`` (a name from ``model.named_modules()``, e.g. ``model.layers.1.mlp``),
+  ``inject_nan_step``, ``inject_nan_rank``: that module's forward output is multiplied by NaN at that step on that
+  rank. Multiplying (rather than overwriting) keeps the autograd graph, so the NaN flows on through the rest of the
+  forward pass *and* back through backward into the gradients, as a real overflow would. Only training-mode forwards
+  are touched, so an evaluation run at the same step stays clean.
+* **Process faults** — ``inject_fault`` (``raise | exit | sigkill | segv | hang``), ``inject_fault_step``,
+  ``inject_fault_rank`` and ``inject_fault_code`` (the exit status for ``exit``). They fire at the start of that
+  optimizer step, before its first micro-batch, so every other rank is left waiting in that step's collectives —
+  exactly the situation the supervisor has to detect and clean up.
+
+Steps are the loop's own step numbers (whatever ``before_step`` is called with).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import difflib
+import faulthandler
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from trainer.config import DebugConfig
+from trainer.errors import UserError
+
+
+def poison(output: Any) -> Any:
+    """``output`` with every floating-point tensor multiplied by NaN; tuples, lists and dicts keep their shape."""
+    if isinstance(output, torch.Tensor):
+        return output * float("nan") if output.is_floating_point() else output
+    if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
+        return type(output)(*(poison(item) for item in output))
+    if isinstance(output, (tuple, list)):
+        return type(output)(poison(item) for item in output)
+    if isinstance(output, dict):  # includes transformers' ModelOutput, which supports item assignment
+        for key in list(output.keys()):
+            output[key] = poison(output[key])
+        return output
+    return output
+
+
+class FaultInjector:
+    """Config-driven fault injection (``debug.inject_*``); a no-op unless one of them is set."""
+
+    def __init__(self, debug: DebugConfig, rank: int) -> None:
+        self.debug = debug
+        self.rank = rank
+        self.step: int | None = None
+        self.nan_on = debug.inject_nan_module is not None or debug.inject_nan_step is not None
+        self.fault_on = debug.inject_fault is not None or debug.inject_fault_step is not None
+        if self.nan_on and (debug.inject_nan_module is None or debug.inject_nan_step is None):
+            raise UserError("NaN injection needs both debug.inject_nan_module and debug.inject_nan_step, "
+                            "for example --set debug.inject_nan_module=model.layers.1.mlp --set debug.inject_nan_step=3")
+        if self.fault_on and (debug.inject_fault is None or debug.inject_fault_step is None):
+            raise UserError("fault injection needs both debug.inject_fault and debug.inject_fault_step, "
+                            "for example --set debug.inject_fault=sigkill --set debug.inject_fault_step=3")
+        self.enabled = self.nan_on or self.fault_on
+        self.hook: torch.utils.hooks.RemovableHandle | None = None
+
+    def describe(self) -> str | None:
+        """The banner line that makes a run with injection on say so; None when off."""
+        if not self.enabled:
+            return None
+        d = self.debug
+        parts = []
+        if self.nan_on:
+            parts.append(f"NaN in {d.inject_nan_module} output at step {d.inject_nan_step} on rank {d.inject_nan_rank}")
+        if self.fault_on:
+            code = f" (code {d.inject_fault_code})" if d.inject_fault == "exit" else ""
+            parts.append(f"{d.inject_fault}{code} at step {d.inject_fault_step} on rank {d.inject_fault_rank}")
+        return "fault injection ON: " + "; ".join(parts)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hook the named module of the *unwrapped* model (before DDP/FSDP, whose wrappers change the names)."""
+        if not self.nan_on:
+            return
+        name = self.debug.inject_nan_module
+        modules = dict(model.named_modules())
+        if name not in modules:
+            names = [n for n in modules if n]
+            matches = difflib.get_close_matches(str(name), names, n=3, cutoff=0.6)
+            hint = (f"did you mean {', '.join(repr(m) for m in matches)}?" if matches
+                    else f"names look like {', '.join(names[:4])}, ...")
+            raise UserError(f"debug.inject_nan_module: the model has no module '{name}'; {hint}")
+        # prepend: run before any other forward hook on this module (the NaN guard's), so they see the NaN output
+        self.hook = modules[name].register_forward_hook(self._inject_nan, prepend=True)
+
+    def _inject_nan(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if (module.training and self.step == self.debug.inject_nan_step
+                and self.rank == self.debug.inject_nan_rank):
+            return poison(output)
+        return None
+
+    def before_step(self, step: int) -> None:
+        """Record the step for the NaN hook; fire the process fault when this is its step and rank."""
+        self.step = step
+        d = self.debug
+        if not self.fault_on or step != d.inject_fault_step or self.rank != d.inject_fault_rank:
+            return
+        print(f"fault injection: {d.inject_fault} at step {step} on rank {self.rank}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if d.inject_fault == "raise":
+            raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
+        if d.inject_fault == "exit":
+            os._exit(d.inject_fault_code)
+        if d.inject_fault == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if d.inject_fault == "segv":
+            # faulthandler's helper raises a real SIGSEGV (so a registered faulthandler prints the stack);
+            # reading address 0 is the fallback where the private helper is missing
+            getattr(faulthandler, "_sigsegv", lambda: ctypes.string_at(0))()
+        if d.inject_fault == "hang":
+            while True:  # no progress, no exit; a SIGTERM handler that only sets a flag does not end it
+                time.sleep(3600)

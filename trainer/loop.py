@@ -1,0 +1,459 @@
+"""One rank's training run: set-up, the optimizer step, evaluation, logging, checkpoints, and the agreed stop.
+
+Per optimizer step (the order the NaN guard relies on; `step` counts from 0, like the NaN report's "Step:"):
+
+    faults.before_step(step); guard.start_step(step, batch)
+    for each micro-batch (gradient sync only on the last): forward under autocast → loss / grad_accum → backward
+    grad_norm = clip_grad_norm_(...)                      the pre-clip total norm, still on the device
+    found_inf = guard.check(local_loss, grad_norm)        one tiny collective, no host read
+    guard.step_optimizer(...); scheduler.step(); zero_grad; guard.after_step(...)
+    at log steps only: host reads for the log line, the averaged loss, tokens/s, MFU, guard.on_log lines
+    every step: the stop flag all-reduced on the CPU control group (SIGTERM → checkpoint → exit 0 everywhere)
+
+A checkpoint named step_<n> holds the state after n completed steps; resuming from it runs step index n next.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import random
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+from trainer import checkpoint
+from trainer.batches import BatchSampler
+from trainer.cache import TokenCache, prepare
+from trainer.config import Config, flops_per_token, human, tokens_per_step
+from trainer.distributed import (
+    DistContext,
+    agree_any,
+    all_reduce_mean,
+    broadcast_object,
+    gather_objects,
+    gradient_sync,
+    init_distributed,
+    is_sharded,
+    teardown,
+    unwrap,
+    wrap_model,
+)
+from trainer.errors import UserError
+from trainer.faults import FaultInjector
+from trainer.metrics import EtaClock, History, StepRecord, Throughput, get_logger, mfu, step_line
+from trainer.model import build_model, count_parameters, enable_gradient_checkpointing, model_shape
+from trainer.nan_guard import NanGuard
+from trainer.progress import ProgressReporter, device_label
+
+RUNS_DIR = Path("logs")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Precision, optimizer, schedule
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How the step computes: `dtype` is the autocast (and FSDP gather) dtype, None for plain fp32."""
+
+    name: str  # "bf16" | "fp16" | "fp32"
+    dtype: torch.dtype | None
+
+    def autocast(self, device: torch.device) -> Any:
+        if self.dtype is None:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=self.dtype)
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> Precision:
+    """bf16 where the GPU has it, fp16 (with a loss scaler) where not, fp32 on CPUs or when AMP is off."""
+    t = cfg.training
+    if device.type != "cuda" or not t.use_amp or t.precision == "fp32":
+        return Precision("fp32", None)
+    bf16_ok = torch.cuda.is_bf16_supported()
+    if t.precision == "bf16" and not bf16_ok:
+        raise UserError(f"training.precision bf16: {torch.cuda.get_device_name(device)} has no bf16 support; "
+                        f"use --set training.precision=fp16 (or auto)")
+    if t.precision == "bf16" or (t.precision == "auto" and bf16_ok):
+        return Precision("bf16", torch.bfloat16)
+    return Precision("fp16", torch.float16)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms and biases).
+
+    The fused kernel exists on CPUs and GPUs and accepts a device-side `found_inf`, which is how the NaN guard skips a
+    step without a host synchronisation.
+    """
+    t = cfg.training
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.beta1, t.beta2), fused=True)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up, then cosine decay to learning_rate · min_lr_ratio at max_steps."""
+    t = cfg.training
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps, min_lr_rate=t.min_lr_ratio)
+
+
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1] (logits upcast to fp32 for the softmax)."""
+    with precision.autocast(batch.device):
+        logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Stop requests and the run folder
+
+
+class StopRequest:
+    """SIGTERM only sets a flag; the loop acts on it at the next step boundary, together with every other rank."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    @contextmanager
+    def installed(self) -> Iterator["StopRequest"]:
+        self.previous = signal.signal(signal.SIGTERM, self._handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def new_run_dir(cfg: Config) -> Path:
+    """logs/<date>-<time>-<preset>[-n]/ under the working directory, for a run started by hand."""
+    stem = f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{cfg.preset}"
+    for n in range(1, 1000):
+        path = RUNS_DIR / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise UserError(f"cannot create a run folder under {RUNS_DIR}")
+
+
+def agree_run_dir(cfg: Config, ctx: DistContext, given: Path | None) -> Path:
+    """The run folder: the supervisor's, else logging.run_dir, else a new one chosen by rank 0 for every rank."""
+    if given is not None:
+        return given
+    if cfg.logging.run_dir:
+        return Path(cfg.logging.run_dir)
+    path = new_run_dir(cfg) if ctx.is_main else None
+    path = broadcast_object(path, ctx)
+    if ctx.is_main:
+        cfg.save(path / "config.json")  # what the run actually used, as the supervisor would have written it
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # this rank's loss averaged over micro-batches (device)
+    grad_norm: torch.Tensor  # pre-clip total norm (device)
+    lr: float
+
+
+class Trainer:
+    """Builds everything one rank needs, then runs the steps. `run()` returns the process exit code."""
+
+    def __init__(self, cfg: Config, ctx: DistContext, run_dir: Path, progress: ProgressReporter,
+                 stop: StopRequest) -> None:
+        self.cfg, self.ctx, self.run_dir, self.progress, self.stop = cfg, ctx, run_dir, progress, stop
+        self.log = get_logger(cfg.logging.level)
+        self.device = ctx.device
+        self.total = cfg.training.max_steps
+        self.accum = cfg.training.grad_accum_nums
+        self.completed = 0  # optimizer steps done (the step index to run next)
+        self.last_saved: int | None = None
+        self.history: History | None = None
+
+        progress.phase("dataset")
+        info = prepare(cfg, show_progress=False if not ctx.is_main else None)
+        self.cache = TokenCache.open(info.path)
+
+        progress.phase("model")
+        self.precision = resolve_precision(cfg, self.device)
+        torch.manual_seed(cfg.system.seed)  # same seed everywhere: identical initial weights on every rank
+        random.seed(cfg.system.seed)
+        module = build_model(cfg, self.cache.vocab_size, self.cache.eos_id, self.device)
+        if cfg.model.gradient_checkpointing:
+            enable_gradient_checkpointing(module)
+        module.train()
+        self.faults = FaultInjector(cfg.debug, ctx.rank)
+        self.faults.attach(module)  # before wrapping: the wrappers rename modules
+        wrapped = wrap_model(module, cfg, ctx, self.precision.dtype)
+        self.model = torch.compile(wrapped) if cfg.system.compile else wrapped
+        self.module = unwrap(self.model)
+        self.parameters = count_parameters(self.module)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.module, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if self.precision.name == "fp16" else None
+        self.state = checkpoint.TrainState(self.module, self.optimizer, self.scheduler, self.scaler)
+        self.ckpt_root = Path(cfg.checkpoint.dir)
+        self.guard = NanGuard(self.module, cfg, rank=ctx.rank, world_size=ctx.world_size, gpu_id=ctx.gpu_id,
+                              device=self.device, run_dir=run_dir, checkpoint_dir=self.ckpt_root)
+
+        t, d = cfg.training, cfg.data
+        self.sampler = BatchSampler(self.cache.train, d.context_length, t.batch_size, self.accum, ctx.world_size,
+                                    ctx.rank, cfg.system.seed)
+        self.val_sampler = None
+        if t.eval_interval and len(self.cache.val) > d.context_length + 1:
+            self.val_sampler = BatchSampler(self.cache.val, d.context_length, t.batch_size, 1, ctx.world_size,
+                                            ctx.rank, cfg.system.seed)
+        self.tokens_per_step = tokens_per_step(cfg, ctx.world_size)
+        self.flops_per_token = self.model_flops_per_token()
+        self.device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                            else platform.processor() or platform.machine() or "cpu")
+
+        progress.phase("resume")
+        self.resume()
+
+    # -- set-up helpers ----------------------------------------------------------------------------------------------
+
+    def model_flops_per_token(self) -> int:
+        """trainer.config's formula; for a model from a folder, applied to that model's real shape."""
+        if not self.cfg.model.name_or_path:
+            return flops_per_token(self.cfg)
+        s = model_shape(self.cfg, self.cache.vocab_size)
+        shaped = replace(self.cfg, model=replace(
+            self.cfg.model, hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
+            num_kv_heads=s.num_kv_heads, ffn_hidden_size=s.ffn_hidden_size, vocab_size=s.vocab_size,
+            tie_word_embeddings=s.tie_word_embeddings))
+        return flops_per_token(shaped)
+
+    def meta(self) -> checkpoint.CheckpointMeta:
+        return checkpoint.CheckpointMeta(
+            step=self.completed, format=self.state.format, cache_key=self.cache.key, world_size=self.ctx.world_size,
+            data=checkpoint.data_position(self.cfg, self.ctx.world_size),
+            model_shapes=checkpoint.shape_signature(self.module), config=self.cfg.to_dict())
+
+    def resume(self) -> None:
+        path = checkpoint.find_resume(self.cfg) if self.ctx.is_main else None
+        path = broadcast_object(path, self.ctx)  # one decision for every rank
+        if path is None:
+            if self.cfg.checkpoint.resume == "auto" and self.ctx.is_main:
+                self.log.info(f"no checkpoint in {self.ckpt_root}; starting from step 0")
+            return
+        meta = checkpoint.load(path, self.state, self.ctx, self.cache.key)
+        self.completed = meta.step
+        if self.ctx.is_main:
+            self.log.info(f"resumed from {path} at step {meta.step}")
+            if meta.data != checkpoint.data_position(self.cfg, self.ctx.world_size):
+                self.log.warning(f"the data settings changed since {path} ({meta.data}); "
+                                 f"batches will not continue the original order")
+
+    def banner(self) -> None:
+        labels = gather_objects(f"{device_label(self.device.type == 'cuda')} ({self.device_name})", self.ctx)
+        if not self.ctx.is_main:
+            return
+        cfg, t, d = self.cfg, self.cfg.training, self.cfg.data
+        lines = [
+            f"run folder: {self.run_dir}",
+            f"world size: {self.ctx.world_size} ({self.ctx.backend}) | devices: {', '.join(labels)}",
+            f"precision: {self.precision.name} | strategy: {t.strategy} | grad accumulation: {self.accum}"
+            f"{' | gradient checkpointing' if cfg.model.gradient_checkpointing else ''}"
+            f"{' | torch.compile' if cfg.system.compile else ''}",
+            f"batch: {t.batch_size} per GPU per micro-step, {t.batch_size * self.accum} per GPU per step, "
+            f"global {t.batch_size * self.accum * self.ctx.world_size} sequences of {d.context_length} tokens | "
+            f"tokens per step: {self.tokens_per_step:,}",
+            f"parameters: {human(self.parameters)} ({self.parameters:,}) | FLOPs per token: "
+            f"{human(self.flops_per_token)}",
+            f"dataset: cache {self.cache.key} | {len(self.cache.train):,} training tokens, {len(self.cache.val):,} "
+            f"validation tokens | vocabulary {self.cache.vocab_size:,}",
+        ]
+        if self.faults.describe():
+            lines.append(self.faults.describe() or "")
+        for line in lines:
+            self.log.info(line)
+
+    # -- the step ----------------------------------------------------------------------------------------------------
+
+    def fetch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batches of `step` ([accum, B, T+1]) on the host and on the device."""
+        host = torch.from_numpy(self.sampler_stack(step))
+        if self.device.type != "cuda":
+            return host, host
+        host = host.pin_memory()
+        return host, host.to(self.device, non_blocking=True)
+
+    def sampler_stack(self, step: int) -> np.ndarray:
+        return np.stack([self.sampler.get(step, m) for m in range(self.accum)])
+
+    def train_step(self, step: int) -> StepOutput:
+        self.faults.before_step(step)
+        host, batches = self.fetch(step)
+        self.guard.start_step(step, host.flatten(0, 1))
+        loss_sum = torch.zeros((), device=self.device)
+        for m in range(self.accum):
+            with gradient_sync(self.model, enabled=m == self.accum - 1):
+                loss = next_token_loss(self.model, batches[m], self.precision)
+                scaled = loss / self.accum
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            loss_sum += loss.detach()
+        local_loss = loss_sum / self.accum
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip and check the true gradients
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.training.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
+        found_inf = self.guard.check(local_loss, grad_norm)
+        lr = self.scheduler.get_last_lr()[0]
+        self.guard.step_optimizer(self.optimizer, found_inf, scaler=self.scaler)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.completed = step + 1
+        self.guard.after_step(step, local_loss, grad_norm, found_inf, self.save_nan_checkpoint)
+        return StepOutput(local_loss, grad_norm, lr)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over eval_steps batches per rank, averaged over ranks (every rank takes part)."""
+        assert self.val_sampler is not None
+        self.module.eval()
+        total = torch.zeros((), device=self.device)
+        for i in range(self.cfg.training.eval_steps):
+            batch = torch.from_numpy(self.val_sampler.get(i, 0)).to(self.device, non_blocking=True)
+            total += next_token_loss(self.module, batch, self.precision)
+        self.module.train()
+        return float(all_reduce_mean(total / self.cfg.training.eval_steps, self.ctx).item())
+
+    # -- checkpoints -------------------------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        path = checkpoint.save(checkpoint.step_path(self.ckpt_root, self.completed), self.state, self.meta(),
+                               self.ctx)
+        if self.ctx.is_main:
+            checkpoint.prune(self.ckpt_root, self.cfg.checkpoint.keep)
+            self.log.info(f"checkpoint saved: {path}")
+        self.last_saved = self.completed
+        return path
+
+    def save_nan_checkpoint(self, path: Path) -> None:
+        """For the NaN guard: a resumable checkpoint at the path it names (every rank calls it together)."""
+        checkpoint.save(path, self.state, self.meta(), self.ctx)
+
+    # -- the run -----------------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.banner()
+        if self.ctx.is_main:
+            self.history = History(self.run_dir, {"run_dir": str(self.run_dir), "preset": self.cfg.preset,
+                                                  "world_size": self.ctx.world_size, "cache_key": self.cache.key,
+                                                  "parameters": self.parameters,
+                                                  "tokens_per_step": self.tokens_per_step},
+                                   tensorboard=self.cfg.logging.tensorboard)
+        status = "failed"
+        try:
+            status = self.train()
+            return 0
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            if self.history is not None:
+                self.history.save(status)
+                self.history.close()
+
+    def train(self) -> str:
+        """The step loop; returns "completed" or "stopped"."""
+        cfg = self.cfg
+        self.progress.phase("training")
+        if self.completed >= self.total and self.ctx.is_main:
+            self.log.info(f"nothing to train: the checkpoint is at step {self.completed} of {self.total}")
+        started = time.perf_counter()
+        eta = EtaClock(self.completed, self.total, started)
+        throughput = Throughput(self.tokens_per_step, self.completed, started)
+        for step in range(self.completed, self.total):
+            out = self.train_step(step)
+            val_loss = None
+            if self.val_sampler is not None and self.completed % cfg.training.eval_interval == 0:
+                val_loss = self.evaluate()
+            last = self.completed == self.total
+            now = time.perf_counter()
+            eta_s = eta.update(self.completed, now)
+            if step % cfg.logging.log_interval == 0 or last or val_loss is not None:
+                self.report(step, out, val_loss, throughput.update(self.completed, now), eta_s)
+            else:
+                self.progress.step(self.completed, self.total, eta_s=eta_s)
+            if cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last:
+                self.save()
+            if not last and agree_any(self.stop.requested, self.ctx):
+                self.log.info(f"[GPU {self.ctx.gpu_id}] stopping after step {step}: a stop was requested (SIGTERM)")
+                if self.last_saved != self.completed:
+                    self.save()
+                self.progress.phase("stopped")
+                return "stopped"
+        if self.last_saved != self.completed:
+            self.save()
+        if cfg.checkpoint.save_final:
+            final = checkpoint.save_final(self.ckpt_root / checkpoint.FINAL_DIR, self.module, self.ctx,
+                                          self.cache.tokenizer_path, self.cache.eos_id)
+            if self.ctx.is_main:
+                self.log.info(f"final model saved: {final} (AutoModelForCausalLM.from_pretrained)")
+        self.progress.done(self.completed, self.total)
+        return "completed"
+
+    def report(self, step: int, out: StepOutput, val_loss: float | None, tok_s: float | None, eta_s: float) -> None:
+        """A log step: the only place the loop reads device values on the host."""
+        loss = float(out.loss.item())
+        grad_norm = float(out.grad_norm.item())
+        global_loss = float(all_reduce_mean(out.loss, self.ctx).item())
+        line = step_line(self.ctx.gpu_id, step, self.total, loss, out.lr, grad_norm, eta_s)
+        self.log.log(logging.INFO if math.isfinite(loss) else logging.WARNING, line)
+        for text in self.guard.on_log(step):
+            print(text, flush=True)
+        self.progress.step(self.completed, self.total, loss=global_loss, tok_s=tok_s, eta_s=eta_s)
+        if not self.ctx.is_main or self.history is None:
+            return
+        parts = [f"global loss {global_loss:.4f}"]
+        if val_loss is not None:
+            parts.append(f"val loss {val_loss:.4f}")
+        if tok_s is not None:
+            parts.append(f"{tok_s:,.0f} tokens/s")
+            utilisation = mfu(tok_s, self.flops_per_token, self.ctx.world_size, self.device_name)
+            if self.device.type == "cuda" and utilisation is not None:
+                parts.append(f"MFU {utilisation:.1%}")
+        self.log.info(f"[GPU {self.ctx.gpu_id}] Step [{step}/{self.total}] | " + " | ".join(parts))
+        self.history.add(StepRecord(step=step, loss=global_loss, lr=out.lr, grad_norm=grad_norm, tokens_per_s=tok_s,
+                                    val_loss=val_loss))
+
+
+def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter | None = None) -> int:
+    """Run one rank from a resolved config: join the group, train, leave the group (on every exit path)."""
+    progress = progress or ProgressReporter()
+    progress.phase("distributed")
+    with StopRequest().installed() as stop:
+        ctx = init_distributed(cfg)
+        try:
+            folder = agree_run_dir(cfg, ctx, run_dir)
+            return Trainer(cfg, ctx, folder, progress, stop).run()
+        finally:
+            teardown()

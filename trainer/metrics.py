@@ -1,0 +1,176 @@
+"""What a rank reports about training: the log line, throughput and MFU, the history file and plot, TensorBoard.
+
+The log line format is a contract (users grep it):
+    INFO | [GPU 3] Step [120/1000] | Loss: 3.2145 | LR: 3.00e-04 | Grad Norm: 0.8123 | ETA: 0:14:02
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+LOGGER_NAME = "trainer"
+HISTORY_JSON = "training_history.json"
+HISTORY_PNG = "training_history.png"
+TENSORBOARD_DIR = "tensorboard"
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendor data sheets; the first substring found in the device name wins.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+)
+
+
+def get_logger(level: str = "INFO") -> logging.Logger:
+    """The rank's logger: `<LEVEL> | message` on stdout, which the supervisor prefixes with the device label."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(levelname)s | %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)
+    return logger
+
+
+def format_eta(seconds: float) -> str:
+    """h:mm:ss, hours unbounded (a 30-hour run says 30:00:00)."""
+    total = int(round(seconds)) if math.isfinite(seconds) and seconds > 0 else 0
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
+def step_line(gpu_id: str, step: int, total: int, loss: float, lr: float, grad_norm: float, eta_s: float) -> str:
+    """The per-rank step report, without the level prefix (the logger adds it)."""
+    return (f"[GPU {gpu_id}] Step [{step}/{total}] | Loss: {loss:.4f} | LR: {lr:.2e} | Grad Norm: {grad_norm:.4f} | "
+            f"ETA: {format_eta(eta_s)}")
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The bf16 peak of a known GPU, None for anything else (no MFU is shown then)."""
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return flops
+    return None
+
+
+def mfu(tokens_per_s: float, flops_per_token: int, world_size: int, device_name: str) -> float | None:
+    """Model FLOPs utilisation over the whole job: achieved training FLOP/s over the GPUs' summed peak."""
+    peak = peak_flops(device_name)
+    if peak is None:
+        return None
+    return tokens_per_s * flops_per_token / (peak * world_size)
+
+
+class EtaClock:
+    """Remaining time from the average step time. The first step (warm-up, allocator, first collectives) is slow, so
+    once a second step has finished it is left out of the average."""
+
+    def __init__(self, start_step: int, total: int, now: float) -> None:
+        self.total = total
+        self.start_step, self.start_time = start_step, now
+        self.first_done: tuple[int, float] | None = None  # (steps done, time) when the first step finished
+
+    def update(self, steps_done: int, now: float) -> float:
+        """`steps_done` = optimizer steps completed so far; returns seconds left."""
+        if self.first_done is None:
+            self.first_done = (steps_done, now)
+        base_step, base_time = self.first_done
+        if steps_done <= base_step:
+            base_step, base_time = self.start_step, self.start_time
+        per_step = (now - base_time) / max(1, steps_done - base_step)
+        return per_step * (self.total - steps_done)
+
+
+class Throughput:
+    """Tokens per second over the interval since the previous report."""
+
+    def __init__(self, tokens_per_step: int, step: int, now: float) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.step, self.time = step, now
+
+    def update(self, steps_done: int, now: float) -> float | None:
+        steps, elapsed = steps_done - self.step, now - self.time
+        self.step, self.time = steps_done, now
+        return steps * self.tokens_per_step / elapsed if steps > 0 and elapsed > 0 else None
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float | None = None  # averaged over ranks
+    lr: float | None = None
+    grad_norm: float | None = None
+    tokens_per_s: float | None = None
+    val_loss: float | None = None
+
+
+class History:
+    """Rank 0's record of the run: `training_history.json`, `training_history.png` and optional TensorBoard scalars."""
+
+    def __init__(self, run_dir: Path, run_info: dict[str, Any], tensorboard: bool = False) -> None:
+        self.run_dir = run_dir
+        self.run_info = run_info
+        self.records: list[StepRecord] = []
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR))
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+        if self.writer is not None:
+            for name, value in asdict(record).items():
+                if name != "step" and value is not None:
+                    self.writer.add_scalar(f"train/{name}" if name != "val_loss" else "val/loss", value, record.step)
+
+    def save(self, status: str) -> None:
+        """Write the JSON and the plot (atomically; called at the end and when the run fails)."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        data = {"run": {**self.run_info, "status": status}, "steps": [asdict(r) for r in self.records]}
+        tmp = self.run_dir / (HISTORY_JSON + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n")
+        tmp.replace(self.run_dir / HISTORY_JSON)
+        self.plot(self.run_dir / HISTORY_PNG)
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def plot(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+        panels = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm (pre-clip)"),
+                  ("tokens_per_s", "tokens/s")]
+        for ax, (key, title) in zip(axes.flat, panels):
+            points = [(r.step, getattr(r, key)) for r in self.records if getattr(r, key) is not None]
+            if points:
+                ax.plot(*zip(*points), label="train" if key == "loss" else None)
+            if key == "loss":
+                val = [(r.step, r.val_loss) for r in self.records if r.val_loss is not None]
+                if val:
+                    ax.plot(*zip(*val), marker="o", label="validation")
+                ax.legend()
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{self.run_info.get('run_dir', '')}  {self.run_info.get('preset', '')}".strip())
+        fig.tight_layout()
+        tmp = path.with_name(path.name + ".tmp.png")
+        fig.savefig(tmp, dpi=100)
+        plt.close(fig)
+        tmp.replace(path)

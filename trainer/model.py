@@ -1,0 +1,153 @@
+"""The causal language model: a transformers model built from the config, or started from a hub name / local folder.
+
+The rank trains a stock `transformers` model so that the final checkpoint is an ordinary `save_pretrained` folder
+anyone can load with `AutoModelForCausalLM`. Building on the meta device gives exact sizes without allocating weights
+(what `--dry-run` and the memory estimate use for an 8B-parameter preset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
+
+from trainer.config import Config, model_vocab_size
+from trainer.errors import UserError
+
+ATTENTION = "sdpa"  # PyTorch's fused attention: flash / memory-efficient kernels on GPUs, a fused kernel on CPUs
+WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizes and memory arithmetic need to know about a model, whichever way it was specified."""
+
+    parameters: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+
+def llama_config(cfg: Config, vocab_size: int, eos_id: int | None = None) -> LlamaConfig:
+    """The transformers config for `model.architecture = llama` (the only architecture built from fields)."""
+    m = cfg.model
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=m.num_kv_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        initializer_range=m.init_std,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        tie_word_embeddings=m.tie_word_embeddings,
+        # The trained tokenizer has one special token (end of document); it doubles as BOS and padding for generation.
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        use_cache=False,  # training never reuses keys/values; generation turns it back on
+        attn_implementation=ATTENTION,
+    )
+
+
+def has_weights(folder: Path) -> bool:
+    return any(any(folder.glob(pattern)) for pattern in WEIGHT_FILE_PATTERNS)
+
+
+def pretrained_config(name_or_path: str) -> PretrainedConfig:
+    """The architecture of a hub model or local folder (its `config.json`)."""
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.name_or_path '{name_or_path}': cannot read a model config there ({e})") from None
+
+
+def model_config(cfg: Config, vocab_size: int | None = None, eos_id: int | None = None) -> PretrainedConfig:
+    """The transformers config this run trains: from `model.name_or_path` when set, else from the config's fields."""
+    if cfg.model.name_or_path:
+        config = pretrained_config(cfg.model.name_or_path)
+        config.use_cache = False
+        return config
+    return llama_config(cfg, cfg.model.vocab_size or vocab_size or model_vocab_size(cfg), eos_id)
+
+
+def build_model(cfg: Config, vocab_size: int, eos_id: int | None, device: torch.device) -> PreTrainedModel:
+    """The model to train, in fp32 on `device` (the optimizer keeps fp32 master weights; autocast does the rest).
+
+    `vocab_size` is the tokenizer's; a model started from a folder must cover it. The caller seeds the RNG first so
+    that every rank builds the same initial weights.
+    """
+    name = cfg.model.name_or_path
+    config = model_config(cfg, vocab_size, eos_id)
+    if config.vocab_size < vocab_size:
+        raise UserError(
+            f"the model's vocabulary ({config.vocab_size}) is smaller than the tokenizer's ({vocab_size}); "
+            f"use the model's own tokenizer (data.tokenizer) or a larger model.vocab_size"
+        )
+    if name and (not Path(name).is_dir() or has_weights(Path(name))):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32,
+                                                         attn_implementation=ATTENTION)
+        except OSError as e:
+            if Path(name).is_dir():
+                raise UserError(f"model.name_or_path '{name}': cannot load its weights ({e})") from None
+            model = None  # a hub repository with only an architecture: start from fresh weights below
+        if model is not None:
+            model.to(device)
+            model.config.use_cache = False
+            return model
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
+    return model
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer in backward: activations drop to one tensor per layer boundary."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks (the unit FSDP shards and gathers one at a time)."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise UserError(f"{type(model).__name__}: no `.model.layers`; sharded training needs a decoder-layer list")
+    return list(layers)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def shape_signature(model: torch.nn.Module) -> dict[str, list[int]]:
+    """Parameter name → shape, the fingerprint a checkpoint must match to be loaded into this model.
+
+    For a sharded model the global shapes are used, so the signature does not depend on the number of ranks.
+    """
+    return {name: list(p.shape) for name, p in model.named_parameters()}
+
+
+def model_shape(cfg: Config, vocab_size: int | None = None) -> ModelShape:
+    """Exact sizes from a model built on the meta device: no memory is allocated, even for billions of parameters."""
+    config = model_config(cfg, vocab_size)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
+    heads = config.num_attention_heads
+    return ModelShape(
+        parameters=count_parameters(model),
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        ffn_hidden_size=getattr(config, "intermediate_size", 4 * config.hidden_size),
+        vocab_size=config.vocab_size,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )

@@ -1,0 +1,127 @@
+"""`prepare_dataset.py`: build (or reuse) the token cache for a config, and inspect or prune the cache folder.
+
+Same configuration flags as every entry point (preset < --config files < flags), plus --force, --verify, --list and
+--remove KEY. A cache hit imports neither torch, transformers nor datasets, so it answers well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from trainer.cache import CacheEntry, CacheInfo, TokenCache, cache_root, list_caches, prepare, remove_cache
+from trainer.config import Config, add_config_arguments, handle_inspection_flags
+from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prepare_dataset.py",
+        description="Tokenize the configured corpus once into cache/datasets/<key>/ (or reuse it) for every rank.")
+    add_config_arguments(parser)
+    g = parser.add_argument_group("cache")
+    g.add_argument("--force", action="store_true", help="rebuild even when a valid cache exists")
+    g.add_argument("--verify", action="store_true", help="re-hash every file of the cache against its manifest")
+    g.add_argument("--list", action="store_true", help="list the caches: size, age, key material")
+    g.add_argument("--remove", metavar="KEY", help="remove the cache with this key (or a unique prefix)")
+    g.add_argument("--quiet", action="store_true", help="no progress output while building")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = handle_inspection_flags(args)
+        if cfg is None:
+            return 0
+        if args.list:
+            print_caches(cfg)
+        elif args.remove:
+            print(f"removed {remove_cache(cache_root(cfg.data), args.remove)}")
+        else:
+            started = time.perf_counter()
+            info = prepare(cfg, force=args.force, show_progress=False if args.quiet else None)
+            print_info(info, cfg, time.perf_counter() - started)
+            if args.verify:
+                cache = TokenCache.open(info.path)
+                cache.verify()
+                print(f"verify:     ok ({len(cache.manifest['files'])} files match their blake2b checksums)")
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def print_info(info: CacheInfo, cfg: Config, wall: float) -> None:
+    manifest = TokenCache.open(info.path).manifest
+    train, val = manifest["train"], manifest["val"]
+    rate = (info.tokens + info.val_tokens) / info.build_seconds if info.build_seconds > 0 else 0.0
+    status = f"built in {wall:.2f} s" if info.built else f"hit in {wall:.2f} s (no tokenizing)"
+    train_seconds = manifest["tokenizer"].get("train_seconds", 0.0)
+    lines = [
+        ("key", info.key),
+        ("path", str(info.path)),
+        ("status", status),
+        ("source", manifest["description"]["source"]),
+        ("tokenizer", f"{manifest['description']['tokenizer']} (vocabulary {info.vocab_size:,}"
+                      + (f", trained in {train_seconds:.1f} s" if train_seconds else "") + ")"),
+        ("documents", f"{info.documents:,} ({train['documents']:,} training, {val['documents']:,} validation)"),
+        ("tokens", f"{info.tokens:,} training + {info.val_tokens:,} validation"),
+        ("dtype", info.dtype),
+        ("build time", f"{info.build_seconds:.2f} s" + ("" if info.built else " (when built)")),
+        ("tokens/s", f"{rate / 1e6:.2f} M (tokenizing and writing; tokenizer training excluded)"),
+    ]
+    for label, value in lines:
+        print(f"{label + ':':<11} {value}")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def human_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def material_summary(entry: CacheEntry) -> str:
+    if entry.manifest is None:
+        return "-"
+    m = entry.manifest
+    material = m["key_material"]
+    source, tokenizer = material["source"], material["tokenizer"]
+    return (f"source {m['description']['source']} [{source['kind']} {source.get('content') or source.get('revision')}]"
+            f"; tokenizer {m['description']['tokenizer']} [{tokenizer['content'][:12]}]"
+            f"; context {material['context_length']}; max_samples {material['max_samples']}"
+            f"; val_fraction {material['val_fraction']}; format {material['format_version']}")
+
+
+def print_caches(cfg: Config) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    root = cache_root(cfg.data)
+    entries = list_caches(root)
+    if not entries:
+        print(f"no token caches in {root}")
+        return
+    table = Table(title=f"token caches in {root}")
+    for column in ("key", "size", "age", "documents", "tokens", "dtype", "status", "key material"):
+        table.add_column(column, overflow="fold")
+    for e in entries:
+        m = e.manifest or {}
+        table.add_row(e.key, human_bytes(e.bytes), human_age(e.age_seconds),
+                      f"{m['train']['documents'] + m['val']['documents']:,}" if m else "-",
+                      f"{m['train']['tokens'] + m['val']['tokens']:,}" if m else "-", m.get("dtype", "-"),
+                      "ok" if e.problem is None else f"invalid: {e.problem}", material_summary(e))
+    Console(width=200).print(table)

@@ -1,0 +1,91 @@
+"""The command line of one training rank (`pretrain_main.py`): which config, which mode, which exit code.
+
+Three ways to start a rank:
+  * by the supervisor: `--run-config logs/<run-id>/config.json`, the resolved config taken as is (never re-resolved);
+    the run folder is that file's folder;
+  * by hand: `--debug`, `--preset`, `--config`, `--set` ... resolved here; a single-process run whose run folder is
+    logs/<run-id>/ (or logging.run_dir);
+  * under plain `torchrun`: the same flags on every rank, which then find each other through torchrun's environment.
+`--dry-run` resolves everything and prints sizes and a memory estimate without training or allocating weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trainer.config import FLAG_KEYS, Config, add_config_arguments, handle_inspection_flags, print_presets_table
+from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+
+FAILURE_EXIT_CODE = 1
+INTERRUPTED_EXIT_CODE = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_main.py",
+        description="One training rank. Started by the supervisor (--run-config), by hand (a single process), "
+                    "or under torchrun (one process per GPU).")
+    add_config_arguments(parser)
+    parser.add_argument("--run-config", metavar="FILE",
+                        help="the resolved config the supervisor wrote (logs/<run-id>/config.json), used as is")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print parameters, tokens per step, FLOPs per token and a per-GPU memory estimate "
+                             "(DDP and FSDP), then exit; nothing is allocated")
+    parser.add_argument("--nproc", type=int, metavar="N", help="the GPU count --dry-run assumes without WORLD_SIZE")
+    return parser
+
+
+def resolving_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that would change a resolved config (not allowed beside --run-config)."""
+    used = [f"--{attr.replace('_', '-')}" for attr in FLAG_KEYS if getattr(args, attr) is not None]
+    used += ["--preset"] * bool(args.preset) + ["--debug"] * args.debug
+    used += ["--config"] * bool(args.config) + ["--set"] * bool(args.set)
+    return used
+
+
+def load_config(args: argparse.Namespace) -> tuple[Config | None, Path | None]:
+    """(config, run folder): the folder is known only for --run-config; None config = an inspection flag ran."""
+    if args.run_config is None:
+        return handle_inspection_flags(args), None
+    flags = resolving_flags(args)
+    if flags:
+        raise UserError(f"--run-config takes a resolved config as is; drop {', '.join(dict.fromkeys(flags))} "
+                        f"(or resolve a new config without --run-config)")
+    cfg = Config.load(args.run_config)
+    if args.list_presets:
+        print_presets_table()
+        return None, None
+    if args.print_config:
+        print(json.dumps(cfg.to_dict(), indent=2))
+        return None, None
+    return cfg, Path(args.run_config).resolve().parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg, run_dir = load_config(args)
+        if cfg is None:
+            return 0
+        if args.dry_run:
+            from trainer.estimate import dry_run_report
+
+            print(dry_run_report(cfg, args.nproc), flush=True)
+            return 0
+        from trainer.loop import train
+        from trainer.nan_guard import NonFiniteError
+
+        try:
+            return train(cfg, run_dir)
+        except NonFiniteError as e:  # the guard already printed its report and wrote its dumps
+            print(f"ERROR | training stopped: {e}", flush=True)
+            return FAILURE_EXIT_CODE
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return USER_ERROR_EXIT_CODE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT_CODE
