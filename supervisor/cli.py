@@ -148,7 +148,8 @@ def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
         check_fits_on_cpu(cfg)
     cfg.system.device = "cpu"
     why = "system.device=cpu" if forced_cpu else "no GPU found"
-    console_notes.append(f"{why}: starting {args.nproc or DEFAULT_CPU_RANKS} CPU ranks on gloo (--nproc N to change)")
+    count = args.nproc or DEFAULT_CPU_RANKS
+    console_notes.append(f"{why}: starting {count} CPU rank{'s' if count > 1 else ''} on gloo (--nproc N to change)")
     return []
 
 

@@ -13,6 +13,7 @@ tests as ``ID:FREE_MIB:UTIL_PERCENT`` (``0:1000:90,1:80000:5``).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -73,9 +74,10 @@ def fake_gpus(spec: str) -> list[Gpu]:
 
 def nvml_gpus() -> list[Gpu] | None:
     """All GPUs NVML sees, or None when NVML is not there (no driver, no library)."""
-    try:
+    try:  # a cheap probe first: without the driver's library, importing pynvml (a large module) is wasted time
+        ctypes.CDLL("libnvidia-ml.so.1")
         import pynvml
-    except ImportError:
+    except (OSError, ImportError):
         return None
     try:
         pynvml.nvmlInit()

@@ -17,13 +17,12 @@ import importlib.util
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
-from supervisor.control import ControlChannel, open_channel
-from supervisor.footer import Footer
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
-from supervisor.reaper import Reaper
+from supervisor.reaper import TOKEN_ENV, Reaper
 from supervisor.rendezvous import PortReservation
 from supervisor.report import failure_report, success_report
 from supervisor.signals import SignalInbox
@@ -32,11 +31,18 @@ from supervisor.worker import Worker, become_subreaper
 from trainer.config import Config
 from trainer.errors import UserError
 
+if TYPE_CHECKING:
+    from supervisor.control import ControlChannel
+
 
 class Launcher:
     def __init__(self, plan: Plan, cfg: Config, console: Console) -> None:
         self.plan, self.cfg, self.console = plan, cfg, console
-        self.footer = Footer(f"run {plan.run_dir.name}")
+        self.footer: Any = None  # supervisor.footer.Footer, in terminal mode only (rich loads only then)
+        if console.terminal:
+            from supervisor.footer import Footer
+
+            self.footer = Footer(f"run {plan.run_dir.name}")
 
     def run(self) -> int:
         reaper = Reaper()
@@ -52,6 +58,8 @@ class Launcher:
                 return 130
             signals = SignalInbox()
             if self.plan.nnodes > 1:
+                from supervisor.control import open_channel
+
                 assert self.plan.master_port is not None
                 control = open_channel(self.plan.node_rank, self.plan.nnodes, self.plan.master_addr,
                                        self.plan.master_port, self.plan.startup_timeout)
@@ -93,7 +101,7 @@ class Launcher:
         from trainer.cache import prepare
 
         info = prepare(self.cfg)
-        self.console.say(f"dataset: {info.tokens:,} tokens in {info.path}")
+        self.console.say(f"dataset {'built' if info.built else 'ready'}: {info.tokens:,} training tokens in {info.path}")
 
     def config_path(self, restart: int) -> Path:
         if restart == 0:
@@ -123,7 +131,7 @@ class Launcher:
         workers: list[Worker] = []
         try:
             for spec in plan.ranks:
-                env = plan.rank_env(spec, master_port, config_path, restart)
+                env = {**plan.rank_env(spec, master_port, config_path, restart), TOKEN_ENV: reaper.token}
                 try:
                     worker = Worker.spawn(spec, plan.argv(config_path), env)
                 except OSError as e:
@@ -138,10 +146,11 @@ class Launcher:
                 tails[w.spec.rank] = pump.add(w.stderr_fd, prefix, 2, log_fds[w.spec.rank], keep_tail=True)
             pump.start()
             watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control, restart)
-            self.footer.rows = watch.footer_rows
-            if restart:
-                self.footer.title = f"run {plan.run_dir.name} · restart {restart}/{plan.max_restarts}"
-            self.console.start_footer(lambda: self.footer)
+            if self.footer is not None:
+                self.footer.rows = watch.footer_rows
+                if restart:
+                    self.footer.title = f"run {plan.run_dir.name} · restart {restart}/{plan.max_restarts}"
+                self.console.start_footer(lambda: self.footer)
             return watch.run()
         except BaseException:
             for w in workers:  # spawning failed part-way: take down what did start

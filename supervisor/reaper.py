@@ -7,22 +7,31 @@ any thread exists, so the fork is safe) into a session of its own, where neither
 groups exist (``+pgid`` / ``-pgid``). The pipe's write end lives only in the supervisor, so when the supervisor dies
 for any reason the kernel closes it, the sentinel reads end-of-file and SIGKILLs every group it still knows.
 A clean exit says ``exit`` first and nothing is killed.
+
+A descendant that left its rank's process group (``setsid``, a double-forked daemon) is out of reach of ``killpg``,
+and with the supervisor gone it is re-parented to init, so no tree leads to it either. Such processes still carry
+the run's environment, so the sentinel finally kills every process of ours whose environment holds
+``SUPERVISOR_RUN_TOKEN=<this run's token>`` (the way some CI servers find a build's leftovers).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import uuid
+
+TOKEN_ENV = "SUPERVISOR_RUN_TOKEN"
 
 
 class Reaper:
     def __init__(self) -> None:
+        self.token = uuid.uuid4().hex  # every rank's environment carries it (see Plan.rank_env's caller)
         read_end, self.fd = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the sentinel
             try:
                 os.close(self.fd)
-                sentinel(read_end)
+                sentinel(read_end, f"{TOKEN_ENV}={self.token}".encode())
             finally:
                 os._exit(0)
         os.close(read_end)
@@ -53,7 +62,7 @@ class Reaper:
             pass
 
 
-def sentinel(read_end: int) -> None:
+def sentinel(read_end: int, marker: bytes) -> None:
     os.setsid()
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGUSR1, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_IGN)
@@ -75,6 +84,7 @@ def sentinel(read_end: int) -> None:
                     os.killpg(pgid, signal.SIGKILL)
                 except OSError:
                     pass
+            kill_marked(marker)
             return
         pending += data
         *lines, pending = pending.split(b"\n")
@@ -85,3 +95,19 @@ def sentinel(read_end: int) -> None:
                 groups.add(int(line[1:]))
             elif line[:1] == b"-":
                 groups.discard(int(line[1:]))
+
+
+def kill_marked(marker: bytes) -> None:
+    """SIGKILL every process whose environment holds `marker`; twice, for anything forked during the first pass."""
+    me = os.getpid()
+    for _ in range(2):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == me:
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker not in f.read().split(b"\0"):
+                        continue
+                os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                continue

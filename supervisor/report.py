@@ -18,6 +18,8 @@ TAIL_LINES = 20
 
 def duration(seconds: float) -> str:
     """12.3 s under a minute, else h:mm:ss (the log line's ETA format)."""
+    if seconds < 10:
+        return f"{seconds:.2f} s"
     if seconds < 60:
         return f"{seconds:.1f} s"
     minutes, secs = divmod(int(seconds), 60)

@@ -26,8 +26,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
 from supervisor.console import Console
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
@@ -46,7 +44,7 @@ FAILED_FIRST = "failed first"
 FAILED_AFTER = "failed after the first failure"
 STALLED = "stalled"
 STOPPED = "stopped by the supervisor"
-KILLED = "killed after the grace period"
+KILLED = "killed (SIGKILL)"
 STUCK = "did not die (left behind)"
 
 
@@ -312,7 +310,7 @@ class Watch:
             if now - st.last_seen < allowance:
                 continue
             since = time.strftime("%H:%M:%S", time.localtime(st.last_seen_wall))
-            last = f"last step {st.step}/{st.total}" if st.event is not None and st.total else "no step yet"
+            last = "no step yet" if st.step == 0 else f"last step {st.step}" + (f"/{st.total}" if st.total else "")
             if st.event == "phase" and st.phase:
                 last += f", last phase '{st.phase}'"
             detail = f"{w.label} (rank {w.spec.rank}) stalled: no progress for {now - st.last_seen:.1f} s " \
@@ -330,6 +328,10 @@ class Watch:
     def sweep(self) -> None:
         """Kill every process we still have below us except the sentinel: children that left their rank's process
         group, and orphans re-parented to us. Then reap them, so none is left even as a zombie."""
+        if direct_children() == {self.reaper.pid}:
+            return  # the common case, known without walking the process table
+        import psutil
+
         try:
             leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid != self.reaper.pid]
         except psutil.Error:
@@ -348,3 +350,17 @@ class Watch:
             rows.append((w, self.states[w.spec.rank], status))
         return rows
 
+
+
+def direct_children() -> set[int] | None:
+    """Our child pids from /proc (every thread's list), or None where the kernel does not publish them.
+
+    Anything below us hangs from a child of ours: ranks are reaped by now, and orphans come to us (subreaper)."""
+    children: set[int] = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                children.update(int(pid) for pid in f.read().split())
+    except OSError:
+        return None
+    return children

@@ -452,7 +452,7 @@ def write_cache(folder: Path, key: str, material: dict[str, Any], corpus: Corpus
     train = TokenStream(folder / TOKENS_FILE, folder / OFFSETS_FILE)
     val = TokenStream(folder / VAL_TOKENS_FILE, folder / VAL_OFFSETS_FILE)
     try:
-        progress.phase(f"tokenizing {corpus.description}", total=capped(corpus.size_hint(), data.max_samples))
+        progress.phase("tokenizing", total=capped(corpus.size_hint(), data.max_samples))
         pairs = split_documents(corpus.documents(), data.max_samples, data.val_fraction)
         with closing(encode_pipelined(tokenizer, eos_id, document_batches(pairs, BATCH_CHARS))) as batches:
             for batch in batches:
@@ -478,22 +478,32 @@ def write_cache(folder: Path, key: str, material: dict[str, Any], corpus: Corpus
         raise UserError(f"the corpus gives {train.tokens:,} training tokens, fewer than one context window "
                         f"({data.context_length:,} + 1); use more documents (data.max_samples, data.source) or a "
                         f"shorter data.context_length")
+    write_manifest(folder, key=key, material=material, description={"source": corpus.description,
+                                                                     "tokenizer": spec.description},
+                   train=train, val=val, vocab_size=vocab_size, eos_id=eos_id, eos_token=spec.eos_token,
+                   tokenizer_train_seconds=spec.train_seconds, build_seconds=time.perf_counter() - started)
+
+
+def write_manifest(folder: Path, *, key: str, material: dict[str, Any], description: dict[str, str],
+                   train: TokenStream, val: TokenStream, vocab_size: int, eos_id: int, eos_token: str,
+                   tokenizer_train_seconds: float, build_seconds: float) -> None:
+    """The last file of a build: counts, sizes and checksums of everything else in `folder`, and the key material."""
     files = {path.name: {"bytes": path.stat().st_size, "blake2b": file_digest(path)}
              for path in sorted(folder.iterdir())}
     manifest = {
         "format_version": FORMAT_VERSION,
         "key": key,
         "key_material": material,
-        "description": {"source": corpus.description, "tokenizer": spec.description},
+        "description": description,
         "dtype": train.dtype.name,
         "vocab_size": vocab_size,
         "eos_id": eos_id,
-        "eos_token": spec.eos_token,
+        "eos_token": eos_token,
         "train": {"documents": train.documents, "tokens": train.tokens},
         "val": {"documents": val.documents, "tokens": val.tokens},
         "files": files,
-        "tokenizer": {"train_seconds": spec.train_seconds},
-        "build": {"seconds": time.perf_counter() - started, "created": time.time(), "host": platform.node(),
+        "tokenizer": {"train_seconds": tokenizer_train_seconds},
+        "build": {"seconds": build_seconds, "created": time.time(), "host": platform.node(),
                   "python": platform.python_version()},
     }
     write_json_durably(folder / MANIFEST_FILE, manifest)
@@ -529,9 +539,9 @@ def obtain_tokenizer(data: DataConfig, corpus: Corpus, source: dict[str, Any], r
             return spec
         with staging(parent, recipe_key, "tokenizer") as folder:
             started = time.perf_counter()
-            progress.phase(f"training a byte-level BPE ({data.vocab_size:,} tokens) on {corpus.description}",
-                           total=capped(corpus.size_hint(), data.max_samples))
-            documents = progress.counted(training_documents(corpus.documents(), data.max_samples, data.val_fraction))
+            progress.message(f"training a byte-level BPE of {data.vocab_size:,} tokens on {corpus.description}")
+            progress.phase("training BPE", total=capped(corpus.size_hint(), data.max_samples))
+            documents = training_documents(progress.counted(corpus.documents()), data.max_samples, data.val_fraction)
             train_bpe(documents, data.vocab_size, folder)
             progress.end_phase()
             if progress.phase_documents == 0:
@@ -587,6 +597,7 @@ def prepare(cfg: Config, *, force: bool = False, show_progress: bool | None = No
             if not force and (cache := try_open(final, progress)) is not None:
                 return cache_info(cache, built=False)
             started = time.perf_counter()
+            progress.message(f"building token cache {key} from {corpus.description} with {spec.description}")
             with staging(root, key, "token cache") as folder:
                 write_cache(folder, key, material, corpus, spec, data, progress)
                 publish(folder, final)
@@ -704,9 +715,9 @@ class BuildProgress:
                                        TimeElapsedColumn)
 
             self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("docs · {task.fields[tokens]} tokens"), TimeElapsedColumn(),
+                                 TextColumn("documents{task.fields[tokens]}"), TimeElapsedColumn(),
                                  console=Console(stderr=True), transient=False)
-            self._task = self._bar.add_task(name, total=total, tokens="0")
+            self._task = self._bar.add_task(name, total=total, tokens="")
             self._bar.start()
         elif self.mode == "plain":
             self.message(f"{name} ...")
@@ -715,7 +726,8 @@ class BuildProgress:
         self.phase_documents += documents
         self.phase_tokens += tokens
         if self._bar is not None:
-            self._bar.update(self._task, advance=documents, tokens=f"{self.phase_tokens:,}")
+            self._bar.update(self._task, advance=documents,
+                             tokens=f" · {self.phase_tokens:,} tokens" if self.phase_tokens else "")
         elif self.mode == "plain" and time.perf_counter() - self._last_line >= self.PLAIN_INTERVAL_S:
             self._last_line = time.perf_counter()
             self.reporter.phase(f"prepare: {self._name}"[:200])

@@ -10,6 +10,8 @@ Llama block with SDPA attention (no score matrix), and the overhead is a flat al
 from __future__ import annotations
 
 import os
+
+import psutil
 from dataclasses import dataclass, field
 
 from trainer.config import Config, flops_per_token, human, tokens_per_step
@@ -117,39 +119,47 @@ def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None) -> Memo
                           strategies={"ddp": ddp, "fsdp": fsdp})
 
 
-def gib(n: int) -> str:
-    return f"{n / GiB:.1f}"
+def size(n: int) -> str:
+    """Bytes in the unit that keeps a few digits (tiny models are MiB, large ones GiB)."""
+    for unit, scale in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def format_estimate(est: MemoryEstimate) -> str:
     """A table of per-GPU memory for both strategies and a verdict for the chosen one."""
     rows = [("weights", "weights"), ("gradients", "gradients"), ("optimizer state", "optimizer"),
             ("activations", "activations"), ("overhead", "overhead")]
-    header = f"  {'per-GPU memory, GiB':<28}{'DDP':>10}{f'FSDP ({est.world_size} ranks)':>20}"
-    lines = [header]
+    lines = [f"  {'per-GPU memory':<20}{'DDP':>14}{f'FSDP ({est.world_size} ranks)':>20}"]
     for title, attr in rows:
-        values = [gib(getattr(est.strategies[k], attr)) for k in STRATEGIES]
-        lines.append(f"  {title:<28}{values[0]:>10}{values[1]:>20}")
-    lines.append(f"  {'total':<28}{gib(est.strategies['ddp'].total):>10}{gib(est.strategies['fsdp'].total):>20}")
+        values = [size(getattr(est.strategies[k], attr)) for k in STRATEGIES]
+        lines.append(f"  {title:<20}{values[0]:>14}{values[1]:>20}")
+    lines.append(f"  {'total':<20}{size(est.strategies['ddp'].total):>14}{size(est.strategies['fsdp'].total):>20}")
     if est.gpu_memory_bytes is not None:
         fits = ["yes" if est.strategies[k].fits else "NO" for k in STRATEGIES]
-        lines.append(f"  {f'fits in {gib(est.gpu_memory_bytes)} GiB?':<28}{fits[0]:>10}{fits[1]:>20}")
+        lines.append(f"  {f'fits in {size(est.gpu_memory_bytes)}?':<20}{fits[0]:>14}{fits[1]:>20}")
     checkpointing = "on" if est.gradient_checkpointing else "off"
     lines.append(f"  (activations: {est.micro_batch_tokens:,} tokens per micro-batch, "
-                 f"{'16-bit' if est.compute_bytes == 2 else 'fp32'} compute, gradient checkpointing {checkpointing})")
+                 f"{'16-bit' if est.compute_bytes == 2 else 'fp32'} compute, gradient checkpointing {checkpointing}; "
+                 f"overhead: a flat allowance for the CUDA context and communication buffers)")
     chosen = est.selected
     if chosen.fits is None:
-        lines.append(f"  no GPU detected: this would run on the CPU, where the {est.chosen.upper()} figures are host "
-                     f"memory per rank (fp32 compute)")
+        host = psutil.virtual_memory().total
+        need = (chosen.total - chosen.overhead) * est.world_size
+        verdict = "fits in" if need <= host else "does NOT fit in"
+        lines.append(f"  no GPU detected: on the CPU the {est.chosen.upper()} figures (less the overhead) are host memory "
+                     f"per rank: {est.world_size} × {size(chosen.total - chosen.overhead)} {verdict} this machine's "
+                     f"{size(host)}")
     elif chosen.fits:
-        lines.append(f"  {est.chosen.upper()} (training.strategy) fits: {gib(chosen.total)} of "
-                     f"{gib(est.gpu_memory_bytes or 0)} GiB per GPU")
+        lines.append(f"  {est.chosen.upper()} (training.strategy) fits: {size(chosen.total)} of "
+                     f"{size(est.gpu_memory_bytes or 0)} per GPU")
     else:
         other = next(k for k in STRATEGIES if k != est.chosen)
         hint = (f"; --set training.strategy={other} would fit" if est.strategies[other].fits else
                 "; lower training.batch_size, turn on model.gradient_checkpointing or use more GPUs")
-        lines.append(f"  WARNING: {est.chosen.upper()} (training.strategy) will NOT fit: {gib(chosen.total)} GiB "
-                     f"needed per GPU, {gib(est.gpu_memory_bytes or 0)} GiB available{hint}")
+        lines.append(f"  WARNING: {est.chosen.upper()} (training.strategy) will NOT fit: {size(chosen.total)} needed "
+                     f"per GPU, {size(est.gpu_memory_bytes or 0)} available{hint}")
     return "\n".join(lines)
 
 
@@ -186,7 +196,9 @@ def dry_run_report(cfg: Config, nproc: int | None = None) -> str:
     s, t, d = est.shape, cfg.training, cfg.data
     source = cfg.model.name_or_path or cfg.model.architecture
     flops = f"{human(est.flops_per_token)} (6N + attention)" if est.flops_per_token else "n/a for a model from a folder"
-    gpus = f"{count} × {name}, {gib(memory)} GiB each" if memory is not None else "none detected"
+    gpus = f"{count} × {name}, {size(memory)} each" if memory is not None else "none detected"
+    micro_steps = f"{t.grad_accum_nums} micro-step{'s' * (t.grad_accum_nums > 1)}"
+    ranks = f"{est.world_size} GPU{'s' * (est.world_size > 1)}"
     lines = [
         f"dry run: preset {cfg.preset} — nothing trained, the model was built on the meta device (no weights "
         f"allocated)",
@@ -194,7 +206,7 @@ def dry_run_report(cfg: Config, nproc: int | None = None) -> str:
         f"FFN {s.ffn_hidden_size}, vocabulary {s.vocab_size:,}",
         f"  parameters: {human(s.parameters)} ({s.parameters:,})",
         f"  tokens per step: {est.tokens_per_step:,} ({t.batch_size} sequences × {d.context_length} tokens × "
-        f"{t.grad_accum_nums} micro-steps × {est.world_size} GPUs)",
+        f"{micro_steps} × {ranks})",
         f"  FLOPs per token: {flops}",
         f"  GPUs: {gpus}; estimate for {est.world_size} rank(s), strategy {t.strategy}",
         format_estimate(est),

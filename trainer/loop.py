@@ -53,7 +53,13 @@ from trainer.distributed import (
 from trainer.errors import UserError
 from trainer.faults import FaultInjector
 from trainer.metrics import EtaClock, History, StepRecord, Throughput, get_logger, mfu, step_line
-from trainer.model import build_model, count_parameters, enable_gradient_checkpointing, model_shape
+from trainer.model import (
+    build_model,
+    count_parameters,
+    enable_gradient_checkpointing,
+    model_shape,
+    use_maskless_causal_attention,
+)
 from trainer.nan_guard import NanGuard
 from trainer.progress import ProgressReporter, device_label
 
@@ -203,6 +209,7 @@ class Trainer:
         torch.manual_seed(cfg.system.seed)  # same seed everywhere: identical initial weights on every rank
         random.seed(cfg.system.seed)
         module = build_model(cfg, self.cache.vocab_size, self.cache.eos_id, self.device)
+        use_maskless_causal_attention(module)
         if cfg.model.gradient_checkpointing:
             enable_gradient_checkpointing(module)
         module.train()

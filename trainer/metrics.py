@@ -29,13 +29,27 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
+class StdoutHandler(logging.StreamHandler):
+    """Writes each record to whatever `sys.stdout` is at that moment (so a redirect or a capture is followed)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+        self.setFormatter(logging.Formatter("%(levelname)s | %(message)s"))
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def get_logger(level: str = "INFO") -> logging.Logger:
     """The rank's logger: `<LEVEL> | message` on stdout, which the supervisor prefixes with the device label."""
     logger = logging.getLogger(LOGGER_NAME)
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(levelname)s | %(message)s"))
-        logger.addHandler(handler)
+    if not any(isinstance(h, StdoutHandler) for h in logger.handlers):
+        logger.addHandler(StdoutHandler())
         logger.propagate = False
     logger.setLevel(level)
     return logger

@@ -17,6 +17,7 @@ from trainer.config import Config, model_vocab_size
 from trainer.errors import UserError
 
 ATTENTION = "sdpa"  # PyTorch's fused attention: flash / memory-efficient kernels on GPUs, a fused kernel on CPUs
+MASKLESS_ATTENTION = "sdpa_causal_no_mask"  # the same kernel, registered under a name no mask builder knows
 WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
 
 
@@ -106,6 +107,23 @@ def build_model(cfg: Config, vocab_size: int, eos_id: int | None, device: torch.
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
     return model
+
+
+def use_maskless_causal_attention(model: PreTrainedModel) -> None:
+    """Train with SDPA's built-in causal masking and no mask builder.
+
+    transformers builds a mask before every forward and, with no attention mask given, first checks whether the
+    position ids describe packed sequences — a device-to-host read that stalls the GPU queue once per micro-batch.
+    Training windows are never packed or padded (one causal sequence per row), so the check is pointless: the same
+    SDPA function, registered under a name that has no mask builder, gets `attention_mask=None` and uses
+    `is_causal=True` (identical outputs, no host read). The name is not written by `save_pretrained`, so a saved
+    model loads with plain "sdpa" anywhere.
+    """
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(MASKLESS_ATTENTION, sdpa_attention_forward)
+    model.set_attn_implementation(MASKLESS_ATTENTION)
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:

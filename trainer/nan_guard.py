@@ -504,8 +504,8 @@ class NanGuard:
         raise NonFiniteError(
             f"{length} consecutive non-finite steps (steps {first}-{event.step}) reached "
             f"debug.max_nonfinite_steps={self.max_consecutive}; last: {self.reason(event)}. Dumps: {dumps}. "
-            f"To find the module where the NaN starts, resume from the nan_grad checkpoint with --debug "
-            f"(or --set debug.nan_localize=true).")
+            f"To find the module where it starts, resume from the nan_grad checkpoint with "
+            f"--set debug.nan_localize=true (or --debug): the next non-finite step is then traced module by module.")
 
     # -- reports and dumps ------------------------------------------------------------------------------------------
 

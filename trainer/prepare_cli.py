@@ -7,6 +7,7 @@ Same configuration flags as every entry point (preset < --config files < flags),
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -94,34 +95,46 @@ def human_age(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-def material_summary(entry: CacheEntry) -> str:
+def material_lines(entry: CacheEntry) -> list[str]:
+    """The key material, readable: what the source and tokenizer are, then the exact values that were hashed."""
     if entry.manifest is None:
-        return "-"
+        return []
     m = entry.manifest
-    material = m["key_material"]
-    source, tokenizer = material["source"], material["tokenizer"]
-    return (f"source {m['description']['source']} [{source['kind']} {source.get('content') or source.get('revision')}]"
-            f"; tokenizer {m['description']['tokenizer']} [{tokenizer['content'][:12]}]"
-            f"; context {material['context_length']}; max_samples {material['max_samples']}"
-            f"; val_fraction {material['val_fraction']}; format {material['format_version']}")
+    material = dict(m["key_material"])
+    source, tokenizer = material.pop("source"), material.pop("tokenizer")
+    return [f"source:    {m['description']['source']} {json.dumps(source, sort_keys=True)}",
+            f"tokenizer: {m['description']['tokenizer']} {json.dumps(tokenizer, sort_keys=True)}",
+            "settings:  " + ", ".join(f"{k} {v}" for k, v in sorted(material.items()))]
 
 
 def print_caches(cfg: Config) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
+    """A rich table on a terminal; plain, greppable blocks (nothing wrapped) when piped."""
     root = cache_root(cfg.data)
     entries = list_caches(root)
     if not entries:
         print(f"no token caches in {root}")
         return
-    table = Table(title=f"token caches in {root}")
-    for column in ("key", "size", "age", "documents", "tokens", "dtype", "status", "key material"):
-        table.add_column(column, overflow="fold")
+    rows = []
     for e in entries:
         m = e.manifest or {}
-        table.add_row(e.key, human_bytes(e.bytes), human_age(e.age_seconds),
-                      f"{m['train']['documents'] + m['val']['documents']:,}" if m else "-",
-                      f"{m['train']['tokens'] + m['val']['tokens']:,}" if m else "-", m.get("dtype", "-"),
-                      "ok" if e.problem is None else f"invalid: {e.problem}", material_summary(e))
-    Console(width=200).print(table)
+        rows.append((e.key, human_bytes(e.bytes), human_age(e.age_seconds),
+                     f"{m['train']['documents'] + m['val']['documents']:,}" if m else "-",
+                     f"{m['train']['tokens'] + m['val']['tokens']:,}" if m else "-", m.get("dtype", "-"),
+                     "ok" if e.problem is None else f"invalid: {e.problem}", material_lines(e)))
+    if not sys.stdout.isatty():
+        print(f"token caches in {root}")
+        for key, size, age, documents, tokens, dtype, status, material in rows:
+            print(f"{key}  {size}  {age} old  {documents} documents  {tokens} tokens  {dtype}  {status}")
+            for line in material:
+                print(f"    {line}")
+        return
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"token caches in {root}")
+    for column in ("key", "size", "age", "documents", "tokens", "dtype", "status", "key material"):
+        table.add_column(column, overflow="fold", no_wrap=column != "key material")
+    for *cells, material in rows:
+        table.add_row(*map(escape, cells), escape("\n".join(material)))
+    Console().print(table)

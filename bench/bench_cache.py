@@ -1,0 +1,294 @@
+"""Token cache benchmark: figures measured side by side in one run, printed as ratios against the anchors.
+
+    python bench/bench_cache.py [--rounds 3] [--vocab-size 8192] [--skip-large]
+
+1. Throughput on the default corpus (every stdlib `*.py` file, byte-level BPE trained once on it; training time is
+   reported apart and excluded, as the anchor does), each method in its own fresh process, interleaved over rounds:
+     ours   `prepare(force=True)`: key, read, encode, write, checksum, fsync, rename (the whole build)
+     map    `datasets.Dataset.map(batched=True, num_proc=<cores>)` + `save_to_disk`, the same tokenizer
+     raw    `Tokenizer.encode_batch` over all documents held in memory (the practical limit)
+   Targets: ours >= 1.5x map and >= 0.95x raw.
+2. Peak RSS of a build, for the default corpus and, through a local JSONL source, for 1x against 3x the corpus
+   (bounded: it must not grow with the source).
+3. Cache-hit wall time of `python prepare_dataset.py` (target <= 1 s).
+4. Reading: 2 processes memory-map a large cache and read all of it through BatchSampler; their private memory (USS)
+   and anonymous memory growth against the file size, next to a reader that loads a private copy (np.fromfile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+
+from trainer.batches import BatchSampler  # noqa: E402
+from trainer.cache import (OFFSETS_FILE, TOKENS_FILE, VAL_OFFSETS_FILE, VAL_TOKENS_FILE, TokenCache,  # noqa: E402
+                           TokenStream, digest, prepare, publish, staging, write_manifest)
+from trainer.config import Config  # noqa: E402
+from trainer.corpus import StdlibCorpus  # noqa: E402
+from trainer.tokenizer import export, load_fast  # noqa: E402
+
+ANCHORS = {"map": 0.47, "raw": 0.74}  # M tokens/s on the reference 2-core machine (ANCHORS.md)
+
+
+def config_for(cache_dir: Path, **data: object) -> Config:
+    return Config.from_dict({"data": {"source": "stdlib", "tokenizer": "bpe", "vocab_size": 8192,
+                                      "context_length": 1024, "max_samples": None, "val_fraction": 0.01,
+                                      "cache_dir": str(cache_dir), **data}})
+
+
+def child(mode: str, *args: str) -> dict:
+    """Run one measurement in a fresh interpreter (no warm tokenizer threads, no forked parallelism, own RSS)."""
+    out = subprocess.run([sys.executable, __file__, "--child", mode, *args], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def max_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Child measurements
+
+
+def child_ours(config: str) -> dict:
+    cfg = Config.load(config)
+    before = max_rss_mb()
+    started = time.perf_counter()
+    info = prepare(cfg, force=True, show_progress=False)
+    seconds = time.perf_counter() - started
+    return {"tokens": info.tokens + info.val_tokens, "seconds": seconds, "rss_before_mb": before,
+            "rss_peak_mb": max_rss_mb(), "documents": info.documents}
+
+
+def child_raw(tokenizer_folder: str) -> dict:
+    tokenizer = load_fast(Path(tokenizer_folder))
+    documents = list(StdlibCorpus().documents())
+    started = time.perf_counter()
+    encodings = tokenizer.encode_batch(documents)
+    tokens = sum(len(e.ids) for e in encodings)
+    return {"tokens": tokens, "seconds": time.perf_counter() - started}
+
+
+def child_map(tokenizer_folder: str) -> dict:
+    import datasets
+    from transformers import PreTrainedTokenizerFast
+
+    datasets.disable_progress_bars()
+    documents = list(StdlibCorpus().documents())
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(Path(tokenizer_folder) / "tokenizer.json"),
+                                 eos_token="<|endoftext|>")
+    work = Path(tempfile.mkdtemp(prefix="bench-map-"))
+    try:
+        started = time.perf_counter()
+        dataset = datasets.Dataset.from_dict({"text": documents})
+
+        def tokenize(batch: dict) -> dict:
+            ids = hf(batch["text"])["input_ids"]
+            return {"ids": [x + [hf.eos_token_id] for x in ids], "len": [len(x) + 1 for x in ids]}
+
+        mapped = dataset.map(tokenize, batched=True, remove_columns=["text"], num_proc=os.cpu_count(),
+                             cache_file_name=str(work / "m.arrow"))
+        mapped.save_to_disk(str(work / "saved"))
+        seconds = time.perf_counter() - started
+        return {"tokens": int(sum(mapped["len"])), "seconds": seconds}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def child_reader(path: str, copy: str) -> dict:
+    """Read the whole cache (one epoch of BatchSampler windows), say READ, wait for the parent, then measure."""
+    process = psutil.Process()
+    base = process.memory_full_info()
+    cache = TokenCache.open(Path(path))
+    tokens = np.fromfile(cache.path / "tokens.bin", dtype=cache.train.dtype) if copy == "1" else cache.train
+    sampler = BatchSampler(tokens, context_length=1024, micro_batch_size=64, grad_accum=1, world_size=1, rank=0,
+                           seed=0)
+    total = 0
+    for step in range(-(-sampler.windows_per_epoch // 64)):
+        total += int(sampler.get(step, 0)[:, 0].sum())
+    print("READ", flush=True)
+    sys.stdin.readline()
+    after = process.memory_full_info()
+    return {"uss_mb": after.uss / 2**20, "pss_mb": after.pss / 2**20, "rss_mb": after.rss / 2**20,
+            "uss_growth_mb": (after.uss - base.uss) / 2**20, "anon_mb": rss_anon_mb(), "checksum": total}
+
+
+def rss_anon_mb() -> float:
+    """Anonymous resident memory: what a process holds privately, as opposed to file pages it maps."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parent steps
+
+
+def throughput(work: Path, rounds: int, vocab_size: int) -> tuple[Config, Path]:
+    cfg = config_for(work / "cache", vocab_size=vocab_size)
+    config = work / "ours.json"
+    cfg.save(config)
+    first = prepare(cfg, show_progress=False)  # trains the BPE once (excluded, reported apart) and builds
+    manifest = TokenCache.open(first.path).manifest
+    tokenizer_folder = first.path
+    print(f"corpus: {first.documents:,} documents, {first.tokens + first.val_tokens:,} tokens with BPE "
+          f"{vocab_size:,}; tokenizer training {manifest['tokenizer']['train_seconds']:.1f} s (excluded below)")
+    print(f"{'round':<6} {'ours M tok/s':>13} {'map M tok/s':>12} {'raw M tok/s':>12} {'ours/map':>9} {'ours/raw':>9}"
+          f" {'build RSS peak':>15}")
+    ratios_map, ratios_raw, rows = [], [], []
+    for r in range(rounds):
+        ours = child("ours", str(config))
+        mapped = child("map", str(tokenizer_folder))
+        raw = child("raw", str(tokenizer_folder))
+        rate = {k: v["tokens"] / v["seconds"] / 1e6 for k, v in (("ours", ours), ("map", mapped), ("raw", raw))}
+        ratios_map.append(rate["ours"] / rate["map"])
+        ratios_raw.append(rate["ours"] / rate["raw"])
+        rows.append((rate, ours))
+        print(f"{r + 1:<6} {rate['ours']:>13.3f} {rate['map']:>12.3f} {rate['raw']:>12.3f} {ratios_map[-1]:>8.2f}x "
+              f"{ratios_raw[-1]:>8.2f}x {ours['rss_peak_mb']:>11.0f} MB")
+    median_map, median_raw = statistics.median(ratios_map), statistics.median(ratios_raw)
+    print(f"median: ours/map {median_map:.2f}x (target >= 1.5x), ours/raw {median_raw:.2f}x (target >= 0.95x)")
+    best = max(r["ours"] for r, _ in rows)
+    print(f"anchors (reference machine): ours best {best:.2f} M tok/s vs map anchor {ANCHORS['map']} "
+          f"and raw anchor {ANCHORS['raw']} M tok/s (compare the ratios above, not these, across machines)")
+    print(f"build RSS: {rows[-1][1]['rss_before_mb']:.0f} MB after imports, peak {rows[-1][1]['rss_peak_mb']:.0f} MB")
+    return cfg, config
+
+
+def hit_wall(config: Path, runs: int = 5) -> None:
+    walls = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--config", str(config)], check=True,
+                       capture_output=True, cwd=ROOT)
+        walls.append(time.perf_counter() - started)
+    print(f"cache hit, python prepare_dataset.py: median {statistics.median(walls):.2f} s wall over {runs} runs "
+          f"(target <= 1.0 s)")
+
+
+def large_source_rss(work: Path, cfg: Config, scale: int = 3) -> None:
+    """RSS peak building from a local JSONL of the corpus repeated `scale` times, against 1x of the same file."""
+    info = prepare(cfg, show_progress=False)
+    source = work / "stdlib_x3.jsonl"
+    documents = list(StdlibCorpus().documents())
+    with open(source, "w") as f:
+        for _ in range(scale):
+            for text in documents:
+                f.write(json.dumps({"text": text}) + "\n")
+    peaks = {}
+    for label, max_samples in (("1x", len(documents)), (f"{scale}x", None)):
+        config = work / f"large_{label}.json"
+        config_for(work / "cache", source=str(source), tokenizer=str(info.path), max_samples=max_samples).save(config)
+        peaks[label] = child("ours", str(config))
+    for label, result in peaks.items():
+        print(f"build from {source.name} at {label}: {result['tokens']:,} tokens, "
+              f"{result['tokens'] / result['seconds'] / 1e6:.2f} M tok/s, RSS peak {result['rss_peak_mb']:.0f} MB "
+              f"(after imports {result['rss_before_mb']:.0f} MB)")
+    a, b = peaks["1x"]["rss_peak_mb"], peaks[f"{scale}x"]["rss_peak_mb"]
+    print(f"RSS peak {scale}x / 1x source: {b / a:.2f} (bounded: stays near 1.0 while the tokens grow {scale}x)")
+
+
+def large_cache(work: Path, cfg: Config, target_bytes: int) -> Path:
+    """A valid cache of about `target_bytes`: the default corpus's tokens repeated, written by the cache's own writer."""
+    source = TokenCache.open(prepare(cfg, show_progress=False).path)
+    ids = np.asarray(source.train, dtype=np.uint32)
+    offsets = np.asarray(source.doc_offsets)
+    lengths = np.diff(offsets)
+    repeats = max(1, target_bytes // source.train.nbytes)
+    material = {"synthetic": "the default corpus's training tokens repeated", "source_key": source.key,
+                "repeats": int(repeats)}
+    key = digest(material)
+    root = work / "cache"
+    with staging(root, key, "synthetic cache") as folder:
+        export(load_fast(source.path), source.path, folder, source.manifest["eos_token"])
+        train = TokenStream(folder / TOKENS_FILE, folder / OFFSETS_FILE)
+        val = TokenStream(folder / VAL_TOKENS_FILE, folder / VAL_OFFSETS_FILE)
+        for _ in range(repeats):
+            train.append(ids, lengths)
+        train.close()
+        val.close()
+        write_manifest(folder, key=key, material=material, description={"source": "synthetic", "tokenizer": "-"},
+                       train=train, val=val, vocab_size=source.vocab_size, eos_id=source.eos_id,
+                       eos_token=source.manifest["eos_token"], tokenizer_train_seconds=0.0, build_seconds=0.0)
+        publish(folder, root / key)
+    return root / key
+
+
+def readers(path: Path, copy: bool) -> list[dict]:
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", "reader", str(path), "1" if copy else "0"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "READ"
+        results = []
+        for p in procs:
+            p.stdin.write("measure\n")
+            p.stdin.flush()
+        for p in procs:
+            results.append(json.loads(p.stdout.read().strip().splitlines()[-1]))
+            p.wait(timeout=60)
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def reading_memory(work: Path, cfg: Config) -> None:
+    small = TokenCache.open(prepare(cfg, show_progress=False).path)
+    big = TokenCache.open(large_cache(work, cfg, target_bytes=1 << 30))
+    print(f"{'cache':<28} {'file MB':>8} {'reader':>13} {'USS MB':>8} {'USS growth':>11} {'anon MB':>8} "
+          f"{'PSS MB':>8} {'RSS MB':>8}")
+    for label, cache, copy in (("default corpus, memmap", small, False), ("large, memmap", big, False),
+                               ("large, private copy", big, True)):
+        size = cache.train.nbytes / 2**20
+        for i, r in enumerate(readers(cache.path, copy)):
+            print(f"{label:<28} {size:>8.0f} {f'process {i + 1}':>13} {r['uss_mb']:>8.0f} {r['uss_growth_mb']:>11.0f} "
+                  f"{r['anon_mb']:>8.0f} {r['pss_mb']:>8.0f} {r['rss_mb']:>8.0f}")
+    print("memmap readers share one page-cache copy: their private memory (USS, anonymous) stays flat as the file grows; "
+          "a private copy costs the whole file in every process")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--skip-large", action="store_true", help="skip the 3x-source and 1 GB-cache memory runs")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        mode, *rest = args.child
+        result = {"ours": child_ours, "raw": child_raw, "map": child_map, "reader": child_reader}[mode](*rest)
+        print(json.dumps(result))
+        return
+    print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; load average "
+          f"{os.getloadavg()[0]:.1f} at start")
+    work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
+    try:
+        cfg, config = throughput(work, args.rounds, args.vocab_size)
+        hit_wall(config)
+        if not args.skip_large:
+            large_source_rss(work, cfg)
+            reading_memory(work, cfg)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

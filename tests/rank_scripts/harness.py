@@ -1,0 +1,150 @@
+"""The test side: run the real supervisor as a subprocess on the rank programs beside this file, and check what is
+left running afterwards. Imported by tests/test_supervisor_*.py (as ``rank_scripts.harness``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "rank_scripts" / "worker.py"
+SPAM = ROOT / "tests" / "rank_scripts" / "spam.py"
+PYTHON = sys.executable
+SEAM_KEYS = ("SUPERVISOR_FAKE_GPUS", "CUDA_VISIBLE_DEVICES", "GPU_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+             "MASTER_ADDR", "MASTER_PORT", "SUPERVISOR_PROGRESS_FD")
+
+_started: list["Run"] = []
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SEAM_KEYS}
+    env["PYTHONPATH"] = str(ROOT)
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Run:
+    proc: subprocess.Popen
+    tmp: Path
+    log_dir: Path
+    pid_dir: Path
+    out_path: Path
+    err_path: Path
+    returncode: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    elapsed: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+    def wait(self, timeout: float = 60) -> "Run":
+        try:
+            self.returncode = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_everything(self)
+            raise
+        self.elapsed = time.monotonic() - self.started
+        self.stdout = self.out_path.read_text(errors="replace")
+        self.stderr = self.err_path.read_text(errors="replace")
+        return self
+
+    def run_dir(self) -> Path:
+        (folder,) = [p for p in self.log_dir.iterdir() if p.is_dir()]
+        return folder
+
+    def pids(self) -> list[int]:
+        return [int(p) for f in sorted(self.pid_dir.glob("rank*.pids")) for p in f.read_text().split()]
+
+    def wait_for_ranks(self, count: int, timeout: float = 20) -> list[int]:
+        """Wait until `count` ranks wrote their pid files (they are up, children started)."""
+        deadline = time.monotonic() + timeout
+        while len(list(self.pid_dir.glob("rank*.pids"))) < count:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"ranks did not start: {self.err_path.read_text()[-2000:]}")
+            time.sleep(0.02)
+        return self.pids()
+
+
+def start(tmp: Path, *args: str, entry: Path | None = WORKER, entry_args: tuple[str, ...] = (),
+          env: dict[str, str] | None = None, stdout: int | None = None, tag: str = "") -> Run:
+    """Start ``python -m supervisor ARGS --entry ENTRY -- ENTRY_ARGS`` in `tmp` (logs and pid files there too)."""
+    log_dir, pid_dir = tmp / f"logs{tag}", tmp / f"pids{tag}"
+    pid_dir.mkdir(parents=True, exist_ok=True)
+    out_path, err_path = tmp / f"stdout{tag}.txt", tmp / f"stderr{tag}.txt"
+    cmd = [PYTHON, "-m", "supervisor", "--log-dir", str(log_dir), *args]
+    if entry is not None:
+        cmd += ["--entry", str(entry)]
+    if entry is WORKER:
+        entry_args = ("--pid-dir", str(pid_dir), *entry_args)
+    if entry_args:
+        cmd += ["--", *entry_args]
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=tmp, env=env or clean_env(), stdout=stdout if stdout is not None else out,
+                                stderr=err, stdin=subprocess.DEVNULL)
+    started = Run(proc, tmp, log_dir, pid_dir, out_path, err_path)
+    _started.append(started)
+    return started
+
+
+def run(tmp: Path, *args: str, timeout: float = 60, **kwargs) -> Run:
+    return start(tmp, *args, **kwargs).wait(timeout)
+
+
+def alive(pid: int) -> bool:
+    """Running, sleeping or stopped; a zombie has finished (it only waits for its parent to read its status)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def survivors(pids: list[int], timeout: float = 3.0) -> list[int]:
+    """The pids still alive after up to `timeout` seconds (PDEATHSIG and the sentinel act within milliseconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [p for p in pids if alive(p)]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
+
+
+def ours(pid: int) -> bool:
+    """A recorded pid still running one of our programs (a pid may have been reused since: leave others alone)."""
+    try:
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return False
+    return "sleep 300" in cmdline or str(WORKER) in cmdline
+
+
+def kill_everything(run: Run) -> None:
+    """Clean-up: the supervisor, its whole tree, and every process a rank recorded that still runs our programs."""
+    pids = []
+    try:
+        pids = [p.pid for p in psutil.Process(run.proc.pid).children(recursive=True)]
+    except psutil.Error:
+        pass
+    if run.proc.poll() is None:
+        run.proc.kill()
+        run.proc.wait()
+    for pid in pids + [p for p in (run.pids() if run.pid_dir.exists() else []) if ours(p)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def cleanup():
+    """Use in every test that starts a supervisor: whatever a failing test left behind is killed."""
+    yield
+    while _started:
+        kill_everything(_started.pop())

@@ -1,0 +1,395 @@
+"""The token cache: keys and hits, the files and manifest, round trips, races, SIGKILLed builds, corruption, bad input.
+
+Corpora stay tiny (a few dozen stdlib files, a 300-token BPE, short contexts) so the whole file runs in seconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from trainer import cache as cache_module
+from trainer.cache import (BUILD_PREFIX, TOKENIZERS_DIR, CacheInfo, TokenCache, TokenStream, list_caches, prepare,
+                           process_tag)
+from trainer.config import PROJECT_ROOT, Config
+from trainer.corpus import open_corpus, split_documents
+from trainer.errors import UserError
+
+TINY = {"source": "stdlib", "vocab_size": 300, "context_length": 32, "max_samples": 24, "val_fraction": 0.1}
+
+
+def make_config(cache_dir: Path, **data: object) -> Config:
+    return Config.from_dict({"data": {**TINY, "cache_dir": str(cache_dir), **data}})
+
+
+def write_config(path: Path, cfg: Config) -> Path:
+    path.write_text(json.dumps({"data": cfg.to_dict()["data"]}))
+    return path
+
+
+def leftovers(root: Path) -> list[Path]:
+    return [p for parent in (root, root / TOKENIZERS_DIR) if parent.is_dir()
+            for p in parent.iterdir() if p.name.startswith((BUILD_PREFIX, ".trash-"))]
+
+
+def final_folders(root: Path) -> list[Path]:
+    return [e.path for e in list_caches(root)]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, CacheInfo]:
+    cfg = make_config(tmp_path_factory.mktemp("cache"))
+    return cfg, prepare(cfg, show_progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Build, hit, layout
+
+
+def test_build_writes_the_layout_and_manifest(built: tuple[Config, CacheInfo]) -> None:
+    cfg, info = built
+    assert info.built and info.path.name == info.key and info.dtype == "uint16" and info.vocab_size == 300
+    cache = TokenCache.open(info.path)
+    m = cache.manifest
+    assert sorted(m["files"]) == ["doc_offsets.npy", "tokenizer.json", "tokenizer_config.json", "tokens.bin",
+                                  "val_doc_offsets.npy", "val_tokens.bin"]
+    assert set(m["key_material"]) == {"format_version", "source", "tokenizer", "context_length", "max_samples",
+                                      "val_fraction"}
+    assert m["key_material"]["source"]["kind"] == "stdlib" and m["key_material"]["tokenizer"]["kind"] == "bpe"
+    assert m["train"]["documents"] + m["val"]["documents"] == info.documents == 24
+    assert m["val"]["documents"] == 2  # every 10th of 24 documents
+    assert (info.path / "tokens.bin").stat().st_size == info.tokens * 2 == cache.train.nbytes
+    assert isinstance(cache.train, np.memmap) and not cache.train.flags.writeable
+    assert cache.train.dtype == np.dtype("<u2") and len(cache.val) == info.val_tokens > 0
+    offsets = cache.doc_offsets
+    assert offsets[0] == 0 and offsets[-1] == info.tokens and len(offsets) == m["train"]["documents"] + 1
+    assert np.all(cache.train[offsets[1:] - 1] == cache.eos_id)  # every document ends with the end-of-document id
+    assert (info.path / "manifest.json").stat().st_mtime_ns >= (info.path / "tokens.bin").stat().st_mtime_ns
+
+
+def test_unchanged_config_is_a_hit_without_tokenizing(built: tuple[Config, CacheInfo],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg, info = built
+
+    def no_tokenizing(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cache hit must not tokenize or train")
+
+    monkeypatch.setattr(cache_module, "write_cache", no_tokenizing)
+    monkeypatch.setattr(cache_module, "train_bpe", no_tokenizing)
+    hit = prepare(cfg, show_progress=False)
+    assert not hit.built and hit.key == info.key and hit.tokens == info.tokens
+    assert hit.build_seconds == pytest.approx(TokenCache.open(info.path).manifest["build"]["seconds"])
+
+
+def test_round_trip_decode_with_transformers(built: tuple[Config, CacheInfo]) -> None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg, info = built
+    cache = TokenCache.open(info.path)
+    pairs = list(split_documents(open_corpus(cfg.data).documents(), cfg.data.max_samples, cfg.data.val_fraction))
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(cache.tokenizer_path))
+    for tokens, offsets, held_out in ((cache.train, cache.doc_offsets, False), (cache.val, cache.val_doc_offsets, True)):
+        originals = [text for text, held in pairs if held == held_out]
+        decoded = [fast.decode(tokens[a:b - 1].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+        assert decoded == originals
+    auto = AutoTokenizer.from_pretrained(str(cache.path))
+    assert auto.eos_token == "<|endoftext|>" and auto.eos_token_id == cache.eos_id
+
+
+@pytest.mark.parametrize("change", [{"context_length": 64}, {"max_samples": 23}, {"val_fraction": 0.2},
+                                    {"vocab_size": 310}])
+def test_any_key_input_changes_the_key(built: tuple[Config, CacheInfo], change: dict[str, object]) -> None:
+    cfg, info = built
+    other = prepare(make_config(Path(cfg.data.cache_dir), **change), show_progress=False)
+    assert other.built and other.key != info.key
+    assert prepare(cfg, show_progress=False).key == info.key  # the original is still there, still a hit
+
+
+def test_editing_a_local_file_changes_the_key(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20)
+    cfg = make_config(tmp_path / "cache", source=str(corpus), max_samples=None)
+    first = prepare(cfg, show_progress=False)
+    path = corpus / "3.txt"
+    stat = path.stat()
+    path.write_text(path.read_text().replace("quick", "QUICK", 1))  # same size; the mtime is put back below
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    edited = prepare(cfg, show_progress=False)
+    assert edited.built and edited.key != first.key
+    path.write_text(path.read_text().replace("QUICK", "quick", 1))
+    again = prepare(cfg, show_progress=False)
+    assert not again.built and again.key == first.key
+
+
+def test_a_local_tokenizer_folder_and_its_content_in_the_key(built: tuple[Config, CacheInfo], tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    cfg, info = built
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((info.path / name).read_bytes())
+    pretrained = make_config(tmp_path / "cache", tokenizer=str(folder))
+    first = prepare(pretrained, show_progress=False)
+    assert first.built and first.vocab_size == 300
+    assert np.array_equal(TokenCache.open(first.path).train, TokenCache.open(info.path).train)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.add_tokens(["<|an-extra-token|>"])
+    tok.save(str(folder / "tokenizer.json"))
+    changed = prepare(pretrained, show_progress=False)
+    assert changed.built and changed.key != first.key and changed.vocab_size == 301
+
+
+def test_a_slow_tokenizer_folder_is_converted(built: tuple[Config, CacheInfo], tmp_path: Path) -> None:
+    from tokenizers import Tokenizer
+
+    cfg, info = built
+    folder = tmp_path / "gpt2-style"
+    folder.mkdir()
+    Tokenizer.from_file(str(info.path / "tokenizer.json")).model.save(str(folder))  # vocab.json + merges.txt only
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}))
+    converted = prepare(make_config(tmp_path / "cache", tokenizer=str(folder)), show_progress=False)
+    assert np.array_equal(TokenCache.open(converted.path).train, TokenCache.open(info.path).train)
+
+
+def test_ids_widen_to_uint32_when_one_does_not_fit(tmp_path: Path) -> None:
+    stream = TokenStream(tmp_path / "t.bin", tmp_path / "o.npy")
+    stream.append(np.array([1, 2, 0, 65535, 0], dtype=np.uint32), np.array([3, 2]))
+    assert stream.dtype == np.dtype("<u2")
+    stream.append(np.array([70000, 5, 0], dtype=np.uint32), np.array([3]))
+    stream.close()
+    assert stream.dtype == np.dtype("<u4")
+    assert np.fromfile(tmp_path / "t.bin", dtype="<u4").tolist() == [1, 2, 0, 65535, 0, 70000, 5, 0]
+    assert np.load(tmp_path / "o.npy").tolist() == [0, 3, 5, 8]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Concurrency and crashes (real processes, real signals)
+
+
+def cli(config: Path) -> list[str]:
+    return [sys.executable, str(PROJECT_ROOT / "prepare_dataset.py"), "--config", str(config)]
+
+
+def test_three_processes_at_once_build_exactly_once(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "cfg.json", make_config(tmp_path / "cache", max_samples=80))
+    procs = [subprocess.Popen(cli(config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p)
+    assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outputs]
+    statuses = [next(line for line in out.splitlines() if line.startswith("status:")) for out, _ in outputs]
+    assert sum("built" in s for s in statuses) == 1 and sum("hit" in s for s in statuses) == 2, statuses
+    assert len({next(line for line in out.splitlines() if line.startswith("key:")) for out, _ in outputs}) == 1
+    assert len(final_folders(tmp_path / "cache")) == 1 and not leftovers(tmp_path / "cache")
+
+
+def test_a_build_killed_at_random_points_is_never_accepted(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path / "timing", max_samples=150, vocab_size=400)
+    config = write_config(tmp_path / "cfg.json", cfg)
+    started = time.perf_counter()
+    subprocess.run(cli(config), check=True, capture_output=True, timeout=120)
+    full = time.perf_counter() - started  # one whole run: start-up, BPE training, tokenizing, publishing
+    rng = random.Random(1234)
+    # Uniform kill times over a whole run, plus kills timed from the moment each phase's build folder appears.
+    plans = [("after", rng.uniform(0.1, 1.0) * full) for _ in range(3)]
+    plans += [("tokenizer", rng.uniform(0, 0.05)), ("tokens", rng.uniform(0, 0.05))]
+    killed_mid_build = []
+    for trial, (trigger, delay) in enumerate(plans):
+        root = tmp_path / f"cache{trial}"
+        trial_config = write_config(tmp_path / f"cfg{trial}.json", make_config(root, max_samples=150, vocab_size=400))
+        proc = subprocess.Popen(cli(trial_config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            watch = root / TOKENIZERS_DIR if trigger == "tokenizer" else root
+            deadline = time.monotonic() + 60
+            while trigger != "after" and proc.poll() is None and time.monotonic() < deadline and not any(
+                    p.name.startswith(BUILD_PREFIX) for p in (watch.iterdir() if watch.is_dir() else [])):
+                time.sleep(0.002)
+            time.sleep(delay)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            kill_tree(proc)
+        for folder in final_folders(root):  # a folder that survived must be complete and intact
+            TokenCache.open(folder).verify()
+        completed = bool(final_folders(root))
+        killed_mid_build.append(bool(leftovers(root)))
+        info = prepare(make_config(root, max_samples=150, vocab_size=400), show_progress=False)
+        assert info.built != completed, (trigger, delay)
+        assert not leftovers(root), (trigger, delay)
+        TokenCache.open(info.path).verify()
+    assert any(killed_mid_build), "no kill landed inside a build; the test proves nothing"
+
+
+def test_leftovers_of_dead_builders_are_removed_and_live_ones_kept(built: tuple[Config, CacheInfo],
+                                                                   tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    cfg = make_config(root)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = root / f"{BUILD_PREFIX}{'0' * 32}-{dead.pid}-{round(time.time() * 1000)}"
+    live = root / f"{BUILD_PREFIX}{'1' * 32}-{process_tag()}"
+    for folder in (stale, live):
+        folder.mkdir(parents=True)
+        (folder / "tokens.bin").write_bytes(b"partial")
+    prepare(cfg, show_progress=False)
+    assert not stale.exists() and live.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Validation and corruption
+
+
+def copy_of(info: CacheInfo, tmp_path: Path) -> tuple[Config, Path]:
+    """A private copy of the shared cache folder, to damage."""
+    import shutil
+
+    cfg = make_config(tmp_path / "cache")
+    shutil.copytree(Path(info.path).parent, tmp_path / "cache")
+    return cfg, tmp_path / "cache" / info.key
+
+
+def test_verify_detects_a_flipped_byte(built: tuple[Config, CacheInfo], tmp_path: Path) -> None:
+    _, info = built
+    _, folder = copy_of(info, tmp_path)
+    with open(folder / "tokens.bin", "r+b") as f:
+        f.seek(101)
+        byte = f.read(1)
+        f.seek(101)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    cache = TokenCache.open(folder)  # same sizes: the O(1) check cannot see it...
+    with pytest.raises(UserError, match="tokens.bin does not match its checksum"):
+        cache.verify()  # ...the checksum does
+
+
+@pytest.mark.parametrize("damage", ["truncate", "drop_manifest", "bad_version", "offsets"])
+def test_a_damaged_cache_is_refused_and_rebuilt(built: tuple[Config, CacheInfo], tmp_path: Path, damage: str) -> None:
+    _, info = built
+    cfg, folder = copy_of(info, tmp_path)
+    if damage == "truncate":
+        with open(folder / "tokens.bin", "r+b") as f:
+            f.truncate(100)
+    elif damage == "drop_manifest":
+        (folder / "manifest.json").unlink()
+    elif damage == "bad_version":
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["format_version"] = 0
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    else:
+        offsets = np.load(folder / "doc_offsets.npy")
+        offsets[-1] += 1
+        np.save(folder / "doc_offsets.npy", offsets)
+    with pytest.raises(UserError):
+        TokenCache.open(folder)
+    rebuilt = prepare(cfg, show_progress=False)
+    assert rebuilt.built and rebuilt.key == info.key and not leftovers(tmp_path / "cache")
+    TokenCache.open(rebuilt.path).verify()
+
+
+def test_force_rebuilds_in_place(built: tuple[Config, CacheInfo], tmp_path: Path) -> None:
+    _, info = built
+    cfg, folder = copy_of(info, tmp_path)
+    again = prepare(cfg, force=True, show_progress=False)
+    assert again.built and again.path == folder and not leftovers(tmp_path / "cache")
+    assert np.array_equal(TokenCache.open(folder).train, TokenCache.open(info.path).train)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input: one clear error, no partial cache
+
+
+def assert_nothing_left(root: Path) -> None:
+    assert not final_folders(root) and not leftovers(root)
+
+
+def test_empty_corpus(tmp_path: Path) -> None:
+    (tmp_path / "corpus").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "corpus" / name).write_text("")
+    with pytest.raises(UserError, match="holds no documents"):
+        prepare(make_config(tmp_path / "cache", source=str(tmp_path / "corpus")), show_progress=False)
+    assert_nothing_left(tmp_path / "cache")
+
+
+def test_corpus_shorter_than_one_context_window(tmp_path: Path) -> None:
+    (tmp_path / "tiny.txt").write_text("hello world")
+    with pytest.raises(UserError, match="fewer than one context window"):
+        prepare(make_config(tmp_path / "cache", source=str(tmp_path / "tiny.txt"), context_length=512),
+                show_progress=False)
+    assert_nothing_left(tmp_path / "cache")
+
+
+def test_unknown_tokenizer_path(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="does not exist"):
+        prepare(make_config(tmp_path / "cache", tokenizer=str(tmp_path / "no-such-tokenizer")), show_progress=False)
+    assert_nothing_left(tmp_path / "cache")
+
+
+def test_vocabulary_larger_than_uint32(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="does not fit 32-bit token ids"):
+        prepare(make_config(tmp_path / "cache", vocab_size=2**32 + 1), show_progress=False)
+    assert_nothing_left(tmp_path / "cache")
+
+
+def test_unwritable_cache_folder(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(UserError, match="not writable"):
+        prepare(make_config(tmp_path / "a-file" / "cache"), show_progress=False)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through any permission bits")
+def test_read_only_cache_folder(tmp_path: Path) -> None:
+    (tmp_path / "ro").mkdir(mode=0o555)
+    with pytest.raises(UserError, match="not writable"):
+        prepare(make_config(tmp_path / "ro"), show_progress=False)
+
+
+def test_disk_full_while_writing(built: tuple[Config, CacheInfo], tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(self: TokenStream, ids: np.ndarray, lengths: np.ndarray) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(TokenStream, "append", full)
+    root = tmp_path / "cache"
+    with pytest.raises(UserError, match="no space left on the device"):
+        prepare(make_config(root), show_progress=False)
+    assert not final_folders(root) and not leftovers(root)
+
+
+def test_the_hit_path_imports_no_heavy_library(built: tuple[Config, CacheInfo], tmp_path: Path) -> None:
+    cfg, info = built
+    config = write_config(tmp_path / "cfg.json", cfg)
+    code = (
+        "import json, sys\n"
+        "from trainer.config import Config\n"
+        "from trainer.cache import prepare\n"
+        f"info = prepare(Config.from_dict(json.load(open({str(config)!r}))), show_progress=False)\n"
+        "heavy = [m for m in ('torch', 'transformers', 'datasets', 'tokenizers', 'rich') if m in sys.modules]\n"
+        "print(json.dumps({'built': info.built, 'heavy': heavy}))\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert json.loads(result.stdout) == {"built": False, "heavy": []}

@@ -1,0 +1,154 @@
+"""Data parallelism on 2 CPU ranks (gloo): DDP gradients, no_sync, FSDP2 against DDP, sharded checkpoints, and the
+final model gathered from shards; plus the rank environment and device rules."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rank_support import free_port, tiny_config, token_cache_dir  # noqa: F401 (fixture)
+from trainer import checkpoint
+from trainer.cache import prepare
+from trainer.config import Config
+from trainer.distributed import (
+    RankEnvironment,
+    agree_any,
+    gradient_sync,
+    init_distributed,
+    is_sharded,
+    select_device,
+    teardown,
+    unwrap,
+    wrap_model,
+)
+from trainer.loop import Precision, build_optimizer, build_scheduler, next_token_loss
+from trainer.model import build_model, shape_signature
+
+FP32 = Precision("fp32", None)
+WORLD = 2
+
+
+def test_rank_environment_from_torchrun_variables() -> None:
+    env = RankEnvironment.from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
+                                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    assert env == RankEnvironment(rank=3, local_rank=1, world_size=4, launched=True)
+    assert RankEnvironment.from_environ({}) == RankEnvironment()  # a single-process run
+
+
+def test_cpu_device_and_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tiny_config(tmp_path, tmp_path)
+    monkeypatch.delenv("GPU_RANK", raising=False)
+    assert select_device(cfg, RankEnvironment(rank=1, local_rank=1, world_size=2, launched=True)) == (
+        torch.device("cpu"), "1")
+    monkeypatch.setenv("GPU_RANK", "6")
+    assert select_device(cfg, RankEnvironment())[1] == "6"
+
+
+def batch_for(rank: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(100 * seed + rank))
+
+
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    """All gradients as one vector (a sharded gradient is gathered to its full value first)."""
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for p in model.parameters()]
+    return torch.cat([g.flatten() for g in grads])
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten()
+                      for p in model.parameters()])
+
+
+def same_on_all_ranks(value: torch.Tensor) -> bool:
+    gathered = [torch.empty_like(value) for _ in range(WORLD)]
+    dist.all_gather(gathered, value)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def fresh(cfg: Config) -> torch.nn.Module:
+    torch.manual_seed(cfg.system.seed)
+    return build_model(cfg, 300, 0, torch.device("cpu"))
+
+
+def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) -> None:
+    """One of two ranks; any failed assertion fails the spawn (and the test) with this rank's traceback."""
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    root = Path(folder)
+    cfg = tiny_config(root, Path(cache_dir), model={"num_layers": 2})
+    ctx = init_distributed(cfg)
+    try:
+        assert (ctx.rank, ctx.world_size, ctx.backend) == (rank, WORLD, "gloo")
+        assert agree_any(rank == 1, ctx) and not agree_any(False, ctx)  # the control-plane vote
+
+        # DDP: the gradient is the mean of the ranks' local gradients, identical everywhere.
+        local = fresh(cfg)
+        next_token_loss(local, batch_for(rank), FP32).backward()
+        expected = flat_grads(local)
+        dist.all_reduce(expected)
+        expected /= WORLD
+        ddp = wrap_model(fresh(cfg), cfg, ctx, None)
+        with gradient_sync(ddp, enabled=False):  # an accumulation micro-step: no all-reduce
+            next_token_loss(ddp, batch_for(rank), FP32).backward()
+        assert not same_on_all_ranks(flat_grads(unwrap(ddp)))
+        unwrap(ddp).zero_grad(set_to_none=False)
+        with gradient_sync(ddp, enabled=True):
+            next_token_loss(ddp, batch_for(rank), FP32).backward()
+        ddp_grads = flat_grads(unwrap(ddp))
+        assert same_on_all_ranks(ddp_grads)
+        assert torch.allclose(ddp_grads, expected, atol=1e-6)
+
+        # FSDP2 (fully_shard per decoder layer, then the root) computes the same gradients and the same update.
+        sharded_cfg = tiny_config(root, Path(cache_dir), model={"num_layers": 2}, training={"strategy": "fsdp"})
+        fsdp = wrap_model(fresh(sharded_cfg), sharded_cfg, ctx, None)
+        assert is_sharded(fsdp)
+        next_token_loss(fsdp, batch_for(rank), FP32).backward()
+        assert torch.allclose(flat_grads(fsdp), ddp_grads, atol=1e-6)
+        norm = torch.nn.utils.clip_grad_norm_(list(fsdp.parameters()), 0.1).full_tensor()  # the pre-clip norm
+        assert torch.allclose(norm, torch.nn.utils.clip_grad_norm_(list(ddp.parameters()), 0.1), rtol=1e-5)
+        assert torch.allclose(norm, ddp_grads.norm(), rtol=1e-5)
+        optimizers = [build_optimizer(m, cfg) for m in (unwrap(ddp), fsdp)]
+        for optimizer in optimizers:
+            optimizer.step()
+        assert torch.allclose(flat_params(fsdp), flat_params(unwrap(ddp)), atol=1e-6)
+
+        # Sharded checkpoint (torch.distributed.checkpoint) round trip into a fresh sharded model and optimizer.
+        state = checkpoint.TrainState(fsdp, optimizers[1], build_scheduler(optimizers[1], sharded_cfg))
+        meta = checkpoint.CheckpointMeta(step=1, format=state.format, cache_key="k", world_size=WORLD, data={},
+                                         model_shapes=shape_signature(fsdp), config={})
+        path = checkpoint.save(root / "ckpt" / "step_000001", state, meta, ctx)
+        restored_model = wrap_model(fresh(sharded_cfg), sharded_cfg, ctx, None)
+        restored_optim = build_optimizer(restored_model, sharded_cfg)
+        restored = checkpoint.TrainState(restored_model, restored_optim, build_scheduler(restored_optim, sharded_cfg))
+        assert checkpoint.load(path, restored, ctx, "k").format == checkpoint.SHARDED
+        assert torch.equal(flat_params(restored_model), flat_params(fsdp))
+        for s in (state, restored):  # same optimizer state → same next update
+            next_token_loss(s.model, batch_for(rank, seed=1), FP32).backward()
+            s.optimizer.step()
+        assert torch.equal(flat_params(restored_model), flat_params(fsdp))
+
+        # The final model is gathered from the shards onto rank 0 and saved with save_pretrained.
+        checkpoint.save_final(root / "final", fsdp, ctx, Path(tokenizer), eos_id=0)
+        params = flat_params(fsdp)  # a collective: every rank gathers
+        if rank == 0:
+            torch.save(params, root / "fsdp_params.pt")
+    finally:
+        teardown()
+
+
+def test_ddp_and_fsdp_on_two_cpu_ranks(tmp_path: Path, token_cache_dir: Path) -> None:
+    cache = prepare(tiny_config(tmp_path, token_cache_dir), show_progress=False)
+    mp.spawn(worker, args=(free_port(), str(tmp_path), str(token_cache_dir), str(cache.path / "tokenizer.json")),
+             nprocs=WORLD, join=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    expected = torch.load(tmp_path / "fsdp_params.pt", weights_only=True)
+    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), expected)
+    assert AutoTokenizer.from_pretrained(tmp_path / "final").eos_token_id == 0

@@ -1,0 +1,83 @@
+"""The supervisor's command line: config resolution, the run folder, user errors (exit 2, nothing started)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rank_scripts.harness import WORKER, cleanup, run  # noqa: F401  (cleanup: fixture)
+from supervisor.cli import check_fits_on_cpu
+from supervisor.plan import Plan, RankSpec
+from trainer.config import Config, apply_layer, preset_layer
+from trainer.errors import UserError
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--set", "training.max_steps=-1"), "error: training.max_steps must be positive, got -1"),
+    (("--set", "training.max_stepz=3"), "error: command line: unknown key 'max_stepz' in section 'training'"),
+    (("--entry", "missing.py"), "error: --entry missing.py: no such file"),
+    (("--nnodes", "2"), "error: --nnodes > 1 needs --master-addr and --master-port"),
+    (("--nnodes", "2", "--master-addr", "h", "--master-port", "1234", "--max-restarts", "1"),
+     "error: --max-restarts works on a single node only"),
+    (("--nproc", "0"), "error: --nproc must be at least 1, got 0"),
+])
+def test_user_errors_are_one_line_and_exit_2(tmp_path, cleanup, args, message):
+    r = run(tmp_path, *args, entry=WORKER if "--entry" not in args else None)
+    assert r.returncode == 2
+    assert r.stderr.startswith(message) and r.stderr.count("\n") == 1, r.stderr
+    assert not r.log_dir.exists()
+
+
+def test_config_is_resolved_once_and_written_to_the_run_folder(tmp_path, cleanup):
+    r = run(tmp_path, "--debug", "--max-steps", "7", "--set", "training.batch_size=3", "--nproc", "2",
+            entry_args=("--steps", "1"))
+    assert r.returncode == 0, r.stderr
+    run_dir = r.run_dir()
+    assert run_dir.name.endswith("-debug") and run_dir.parent == r.log_dir
+    cfg = Config.load(run_dir / "config.json")
+    assert (cfg.preset, cfg.training.max_steps, cfg.training.batch_size) == ("debug", 7, 3)
+    assert cfg.logging.run_dir == str(run_dir)
+    assert cfg.system.device == "cpu"
+    assert "run " + run_dir.name in (run_dir / "supervisor.log").read_text()
+
+
+def test_inspection_flags_start_nothing(tmp_path, cleanup):
+    r = run(tmp_path, "--debug", "--print-config")
+    assert r.returncode == 0
+    assert json.loads(r.stdout)["preset"] == "debug"
+    assert not r.log_dir.exists()
+
+
+def test_trainer_entry_gets_the_run_config(tmp_path):
+    plan = Plan(entry=Path("/x/pretrain_main.py"), entry_args=["--extra"], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)])
+    assert plan.argv(tmp_path / "config.json")[1:] == ["/x/pretrain_main.py", "--run-config",
+                                                       str(tmp_path / "config.json"), "--extra"]
+    other = Plan(entry=Path("/x/train.py"), entry_args=["--extra"], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)])
+    assert other.argv(tmp_path / "config.json")[1:] == ["/x/train.py", "--extra"]
+
+
+def preset(name: str, **overrides: dict) -> Config:
+    cfg = Config()
+    apply_layer(cfg, preset_layer(name), name)
+    apply_layer(cfg, overrides, "test")
+    return cfg
+
+
+def test_gpu_presets_refuse_a_cpu_unless_forced():
+    with pytest.raises(UserError, match=r"preset 'production' \([\d.]+B parameters, fsdp, bf16\) needs GPUs.*--debug"):
+        check_fits_on_cpu(preset("production"))
+    check_fits_on_cpu(preset("production", system={"device": "cpu"}))
+    check_fits_on_cpu(preset("debug"))
+    check_fits_on_cpu(preset("small"))
+    with pytest.raises(UserError, match="system.device=cuda but no GPU"):
+        check_fits_on_cpu(preset("debug", system={"device": "cuda"}))
+
+
+def test_production_on_a_cpu_machine_is_refused_before_anything_starts(tmp_path, cleanup):
+    if not (Path(__file__).parents[1] / "pretrain_main.py").exists():
+        pytest.skip("pretrain_main.py is not there")
+    r = run(tmp_path, entry=None)
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: preset 'production'") and "--debug" in r.stderr

@@ -1,0 +1,85 @@
+"""Kill-all on the first failure, for every way a rank can fail; the exit code; the report; the hang watchdog."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from rank_scripts.harness import cleanup, clean_env, run, survivors  # noqa: F401  (cleanup: fixture)
+
+FAKE = clean_env(SUPERVISOR_FAKE_GPUS="0,1,2,3")
+COMMON = ("--gpus", "0,1,2", "--grace-period", "5")
+CHILDREN = ("--children", "1", "--escaped-child")
+
+
+@pytest.mark.parametrize("fault, code", [("raise", 1), ("exit", 3), ("sigkill", 137), ("segv", 139)])
+def test_first_failure_stops_every_rank(tmp_path, cleanup, fault, code):
+    r = run(tmp_path, *COMMON, entry_args=("--fail", fault, "--fail-rank", "1", *CHILDREN), env=FAKE)
+    assert r.returncode == code, r.stderr[-3000:]
+    pids = r.pids()
+    assert len(pids) == 3 * 3  # three ranks, each with two children
+    assert survivors(pids, timeout=1.0) == []
+    assert f"GPU1 (rank 1, pid {pids[3]}) failed with" in r.stderr
+
+
+def test_report_names_every_rank_and_the_failing_stderr(tmp_path, cleanup):
+    r = run(tmp_path, *COMMON, entry_args=("--fail", "raise", "--fail-rank", "2", "--fail-step", "4"), env=FAKE)
+    assert r.returncode == 1
+    report = r.stderr[r.stderr.index("supervisor: run failed"):]
+    assert "GPU2 (rank 2) failed: exit 1" in report
+    pids = r.pids()
+    for rank, pid in enumerate(pids):
+        row = next(line for line in report.splitlines() if re.match(rf"supervisor:\s+GPU{rank}\s", line))
+        assert f" {rank} " in row and f" {pid} " in row
+        assert ("failed first" in row) == (rank == 2)
+        assert ("stopped by the supervisor" in row or "failed after" in row) == (rank != 2), row
+    assert re.search(r"last \d+ stderr lines of GPU2 \(rank 2\):", report)
+    assert "supervisor:   | RuntimeError: injected fault" in report
+    assert "exit code 1; logs in" in report
+    log = (r.run_dir() / "supervisor.log").read_text()
+    assert "GPU2 (rank 2) failed: exit 1" in log and "RuntimeError: injected fault" in log
+
+
+def test_success_report_has_steps_and_final_loss(tmp_path, cleanup):
+    r = run(tmp_path, "--nproc", "2", entry_args=("--steps", "4"))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"supervisor: run finished in [\d.]+ s: step 4/4, final loss 2\.5000; logs in ", r.stderr)
+
+
+def test_ranks_exiting_zero_early_are_normal(tmp_path, cleanup):
+    """Rank 1 finishes first; the run goes on until every rank is done, then succeeds."""
+    r = run(tmp_path, "--nproc", "2", entry_args=("--steps", "3", "--fail", "exit", "--code", "0"))
+    assert r.returncode == 0, r.stderr
+    assert "rank 0 finished 3 steps" in r.stdout
+
+
+def test_hang_is_noticed_dumped_and_stopped(tmp_path, cleanup):
+    hang_timeout = 1.0
+    r = run(tmp_path, *COMMON, "--hang-timeout", str(hang_timeout), "--startup-timeout", "10",
+            entry_args=("--fail", "hang", "--fail-rank", "1", "--fail-step", "3", *CHILDREN), env=FAKE)
+    assert r.returncode == 124, r.stderr[-3000:]
+    m = re.search(r"GPU1 \(rank 1\) stalled: no progress for ([\d.]+) s \(since \d\d:\d\d:\d\d; last step 2\)", r.stderr)
+    assert m, r.stderr[-3000:]
+    assert float(m[1]) < hang_timeout + 1.0
+    for gpu in (0, 1, 2):  # every rank printed its Python stacks into its own log before the stop
+        assert "most recent call first" in (r.run_dir() / f"gpu{gpu}.log").read_text()
+    assert re.search(r"GPU1\s+1\s+\d+\s+\S+ \(\d+\)\s+stalled", r.stderr)
+    assert 'line' in r.stderr[r.stderr.index("last "):], "the stalled rank's stack is in the report"
+    assert survivors(r.pids(), timeout=1.0) == []
+
+
+def test_silence_before_the_first_step_gets_the_startup_allowance(tmp_path, cleanup):
+    """A slow start (no step for longer than --hang-timeout) is not a hang; only --startup-timeout applies."""
+    r = run(tmp_path, "--nproc", "1", "--hang-timeout", "0.3", "--startup-timeout", "30",
+            entry_args=("--steps", "3", "--startup-time", "1.0"))
+    assert r.returncode == 0, r.stderr
+
+
+def test_failing_rank_wins_over_the_ranks_it_brings_down(tmp_path, cleanup):
+    """Real gloo: rank 1 exits 3 in the middle of all-reduces; rank 0 then errors out of its collective.
+    The run still exits 3, and rank 0 is not blamed."""
+    r = run(tmp_path, "--nproc", "2", entry_args=("--gloo", "--fail", "exit", "--fail-step", "5"), timeout=120)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "CPU1 (rank 1) failed: exit 3" in r.stderr
+    assert survivors(r.pids(), timeout=1.0) == []

@@ -1,0 +1,85 @@
+"""Rank output through the real supervisor: every line whole, once, under the right prefix, in console and log."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from rank_scripts.harness import SPAM, WORKER, cleanup, clean_env, run, start  # noqa: F401  (cleanup: fixture)
+from supervisor.pump import clean_cr, collapse_cr
+
+GPUS = [1, 3, 5, 7]  # physical ids in rank order, through the fake-GPU seam
+LINES = 20000
+LONG = 3 << 20  # one line three times the pump's read size
+
+
+def check_stream(text: str, stream: str, expect_every: int) -> None:
+    """Every line of `text` is `GPU<id>:r<rank> <stream> <n> <pad>` (or a known extra) with the id matching the rank."""
+    seen: dict[int, list[int]] = {r: [] for r in range(len(GPUS))}
+    extras: dict[int, list[str]] = {r: [] for r in range(len(GPUS))}
+    pattern = re.compile(rf"GPU(\d+):r(\d) {stream} (\d+) (x+)")
+    for line in text.splitlines():
+        if line.startswith("supervisor: "):
+            continue
+        m = pattern.fullmatch(line)
+        if m:
+            gpu, rank, n, pad = int(m[1]), int(m[2]), int(m[3]), m[4]
+            assert GPUS[rank] == gpu, line[:80]
+            assert len(pad) == rank * 7 + 20, line[:80]
+            seen[rank].append(n)
+            continue
+        m = re.fullmatch(r"GPU(\d+):r(\d) (.*)", line, re.S)
+        assert m, f"malformed line: {line[:120]!r}"
+        assert GPUS[int(m[2])] == int(m[1]), line[:80]
+        extras[int(m[2])].append(m[3])
+    for rank in seen:
+        assert seen[rank] == list(range(0, LINES, expect_every)), f"rank {rank} {stream}: lines lost or reordered"
+        if stream == "out":
+            assert extras[rank] == ["long " + "y" * LONG + " end", "progress 100%", "partial-out"]
+        else:
+            assert extras[rank] == ["partial-err"]
+
+
+def test_four_ranks_flooding_both_streams(tmp_path, cleanup):
+    r = run(tmp_path, "--gpus", ",".join(map(str, GPUS)), entry=SPAM, entry_args=(str(LINES), str(LONG)),
+            env=clean_env(SUPERVISOR_FAKE_GPUS="0,1,2,3,4,5,6,7"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    check_stream(r.stdout, "out", 1)
+    check_stream(r.stderr, "err", 3)
+    for rank, gpu in enumerate(GPUS):
+        log = (r.run_dir() / f"gpu{gpu}.log").read_text().splitlines()
+        assert sum(1 for line in log if line.startswith(f"r{rank} out ")) == LINES
+        assert sum(1 for line in log if line.startswith(f"r{rank} err ")) == len(range(0, LINES, 3))
+        assert f"r{rank} progress 100%" in log and f"r{rank} partial-out" in log and f"r{rank} partial-err" in log
+        assert not any(line.startswith("GPU") for line in log), "log files hold the rank's lines unprefixed"
+
+
+def test_reader_leaving_does_not_stop_the_run(tmp_path, cleanup):
+    """`| head -1`: console output stops, the run and the log files go on."""
+    r = start(tmp_path, "--nproc", "2", entry=SPAM, entry_args=("5000",), stdout=subprocess.PIPE)
+    assert r.proc.stdout is not None
+    first = r.proc.stdout.readline()
+    r.proc.stdout.close()
+    r.wait()
+    assert first.startswith(b"CPU")
+    assert r.returncode == 0, r.stderr
+    for rank in (0, 1):
+        log = (r.run_dir() / f"cpu{rank}.log").read_text()
+        assert log.count(f"r{rank} out ") == 5000
+
+
+def test_supervisor_messages_stay_off_the_rank_prefixes(tmp_path, cleanup):
+    """`2>&1 | grep GPU2:` keeps exactly the rank's lines."""
+    r = run(tmp_path, "--gpus", "2", entry=WORKER, entry_args=("--steps", "2"),
+            env=clean_env(SUPERVISOR_FAKE_GPUS="0,1,2"))
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stdout.splitlines() if line.startswith("GPU2:")] == \
+        ["GPU2:rank 0 started (pid %s, resumed=False)" % r.pids()[0], "GPU2:rank 0 finished 2 steps"]
+    assert all(line.startswith("supervisor: ") for line in r.stderr.splitlines())
+
+
+def test_carriage_returns_keep_the_last_segment():
+    assert clean_cr(b"10%\r50%\r100%\nnext\n") == b"100%\nnext\n"
+    assert clean_cr(b"windows\r\nline\r\n") == b"windows\nline\n"
+    assert collapse_cr(b"10%\r20%\r30") == b"30"
+    assert collapse_cr(b"almost\r") == b"almost\r", "a final \\r may be half of \\r\\n"
