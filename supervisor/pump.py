@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from supervisor.console import Console, write_all
 
 CHUNK = 1 << 20
-TRICKLE = 262144
-TRICKLE_WAIT = 0.002
+TRICKLE = 64 << 10  # a read smaller than this: the writers are slower than we are, let data pile up a little
+TRICKLE_WAIT = 0.001
 MAX_LINE = 8 << 20
 TAIL_BYTES = 64 << 10
 CR_SEGMENT = re.compile(rb"[^\r\n]*\r")

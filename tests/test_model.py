@@ -11,7 +11,13 @@ from transformers import LlamaForCausalLM
 from rank_support import tiny_config
 from trainer.config import Config, parameter_count
 from trainer.errors import UserError
-from trainer.model import build_model, count_parameters, model_shape, shape_signature
+from trainer.model import (
+    build_model,
+    count_parameters,
+    model_shape,
+    shape_signature,
+    use_maskless_causal_attention,
+)
 
 CPU = torch.device("cpu")
 
@@ -83,3 +89,19 @@ def test_shape_signature_names_every_parameter(tmp_path: Path) -> None:
     signature = shape_signature(model)
     assert signature["model.embed_tokens.weight"] == [300, 32]
     assert len(signature) == len(list(model.parameters()))
+
+
+def test_maskless_causal_attention_is_sdpa_without_host_reads(tmp_path: Path) -> None:
+    from trainer.nan_guard import HostSyncCounter
+
+    model = build_model(cfg_for(tmp_path, num_layers=2), 300, 0, CPU)
+    batch = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with HostSyncCounter() as counter:
+        expected = model(input_ids=batch).logits
+    assert counter.count > 0  # transformers' mask builder reads the position ids back every forward
+    use_maskless_causal_attention(model)
+    with HostSyncCounter() as counter:
+        got = model(input_ids=batch).logits
+    assert counter.count == 0 and torch.equal(got, expected)
+    model.save_pretrained(tmp_path / "saved")
+    assert "sdpa_causal_no_mask" not in (tmp_path / "saved" / "config.json").read_text()

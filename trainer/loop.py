@@ -163,12 +163,11 @@ def new_run_dir(cfg: Config) -> Path:
 
 
 def agree_run_dir(cfg: Config, ctx: DistContext, given: Path | None) -> Path:
-    """The run folder: the supervisor's, else logging.run_dir, else a new one chosen by rank 0 for every rank."""
+    """The run folder: the supervisor's (`given`), else logging.run_dir, else a new logs/<run-id>/ that rank 0
+    picks for every rank. Outside the supervisor rank 0 also records the resolved config there."""
     if given is not None:
         return given
-    if cfg.logging.run_dir:
-        return Path(cfg.logging.run_dir)
-    path = new_run_dir(cfg) if ctx.is_main else None
+    path = (Path(cfg.logging.run_dir) if cfg.logging.run_dir else new_run_dir(cfg)) if ctx.is_main else None
     path = broadcast_object(path, ctx)
     if ctx.is_main:
         cfg.save(path / "config.json")  # what the run actually used, as the supervisor would have written it
@@ -271,6 +270,8 @@ class Trainer:
             return
         meta = checkpoint.load(path, self.state, self.ctx, self.cache.key)
         self.completed = meta.step
+        if path.resolve() == checkpoint.step_path(self.ckpt_root, meta.step).resolve():
+            self.last_saved = meta.step  # already on disk where this run saves: no need to write it again
         if self.ctx.is_main:
             self.log.info(f"resumed from {path} at step {meta.step}")
             if meta.data != checkpoint.data_position(self.cfg, self.ctx.world_size):
@@ -395,15 +396,18 @@ class Trainer:
         self.progress.phase("training")
         if self.completed >= self.total and self.ctx.is_main:
             self.log.info(f"nothing to train: the checkpoint is at step {self.completed} of {self.total}")
+        if agree_any(self.stop.requested, self.ctx):  # SIGTERM during set-up: nothing trained, nothing to save
+            self.log.info(f"[GPU {self.ctx.gpu_id}] stopping before the first step: a stop was requested (SIGTERM)")
+            return "stopped"
         started = time.perf_counter()
         eta = EtaClock(self.completed, self.total, started)
         throughput = Throughput(self.tokens_per_step, self.completed, started)
         for step in range(self.completed, self.total):
             out = self.train_step(step)
             val_loss = None
-            if self.val_sampler is not None and self.completed % cfg.training.eval_interval == 0:
-                val_loss = self.evaluate()
             last = self.completed == self.total
+            if self.val_sampler is not None and (self.completed % cfg.training.eval_interval == 0 or last):
+                val_loss = self.evaluate()
             now = time.perf_counter()
             eta_s = eta.update(self.completed, now)
             if step % cfg.logging.log_interval == 0 or last or val_loss is not None:
@@ -440,7 +444,7 @@ class Trainer:
         self.progress.step(self.completed, self.total, loss=global_loss, tok_s=tok_s, eta_s=eta_s)
         if not self.ctx.is_main or self.history is None:
             return
-        parts = [f"global loss {global_loss:.4f}"]
+        parts = [f"[all {self.ctx.world_size} ranks] step {step}/{self.total}", f"mean loss {global_loss:.4f}"]
         if val_loss is not None:
             parts.append(f"val loss {val_loss:.4f}")
         if tok_s is not None:
@@ -448,7 +452,7 @@ class Trainer:
             utilisation = mfu(tok_s, self.flops_per_token, self.ctx.world_size, self.device_name)
             if self.device.type == "cuda" and utilisation is not None:
                 parts.append(f"MFU {utilisation:.1%}")
-        self.log.info(f"[GPU {self.ctx.gpu_id}] Step [{step}/{self.total}] | " + " | ".join(parts))
+        self.log.info(" | ".join(parts))
         self.history.add(StepRecord(step=step, loss=global_loss, lr=out.lr, grad_norm=grad_norm, tokens_per_s=tok_s,
                                     val_loss=val_loss))
 

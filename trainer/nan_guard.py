@@ -27,8 +27,9 @@ Debug mode (``cfg.debug.nan_localize``; the debug preset, ``--debug``)
     ``after_step`` syncs every step; on a non-finite step the ranks concerned (local loss or local gradients
     non-finite; rank 0 when only the all-reduced norm is) print the NaN report, naming every parameter with NaN/Inf
     gradients and the first module, in execution order, whose forward output went non-finite. Debug mode keeps a host
-    copy of the local gradients (4 bytes per parameter): it is meant for small models. Under FSDP2 the hooks on the
-    sharded parameters never fire; the guard then reads this rank's gradient shards after clipping instead.
+    copy of the local gradients (4 bytes per parameter): it is meant for small models. Under FSDP2 the hook sees
+    this rank's gradient shard after the reduce-scatter (still before clipping), which mixes every rank's
+    gradients, so only the local loss tells which rank went non-finite.
 
 Dump files (debug mode with ``debug.nan_dump``, and always when the run stops)
     ``<checkpoint.dir>/nan_grad_step_<step>.pt`` — written through the loop's ``save_checkpoint``, which every rank
@@ -74,6 +75,8 @@ FLAGS_PER_RANK = 3
 STAT_FIELDS = ("min", "max", "mean", "nan", "inf", "numel")  # tensor_stats' layout
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 GRAD_VALUES_SHOWN = 5
+LOCAL_GRADIENTS = "local, before the all-reduce and clipping"
+SHARDED_GRADIENTS = "this rank's shards, after the reduce-scatter (FSDP2)"
 # torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -297,7 +300,7 @@ class NanGuard:
         self.forward_names: list[tuple[str, str]] = []
         self.forward_stats: list[torch.Tensor] = []
         self.grad_snapshots: dict[str, np.ndarray] = {}
-        self.gradients_source = "local, before the all-reduce and clipping"
+        self.gradients_source = LOCAL_GRADIENTS
         self.hooks: list[Any] = []
         if self.debug_mode:
             self.install_debug_hooks()
@@ -333,8 +336,11 @@ class NanGuard:
 
     def grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if param.grad is not None:  # every micro-batch overwrites: the last one holds the accumulated gradient
-                self.grad_snapshots[name] = to_host(param.grad)
+            if param.grad is None:
+                return
+            if hasattr(param.grad, "to_local"):  # FSDP2 calls the hook itself, after reducing into the shard
+                self.gradients_source = SHARDED_GRADIENTS
+            self.grad_snapshots[name] = to_host(param.grad)  # per micro-batch: the last one holds the accumulated sum
         return hook
 
     def remove_hooks(self) -> None:
@@ -351,6 +357,7 @@ class NanGuard:
             self.forward_names.clear()
             self.forward_stats.clear()
             self.grad_snapshots.clear()
+            self.gradients_source = LOCAL_GRADIENTS
 
     def check(self, local_loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
         """``found_inf`` (float32 on the device, identical on every rank): 1.0 when any rank's local loss or the
@@ -375,12 +382,15 @@ class NanGuard:
         return out.view(self.world_size, local.numel())
 
     def local_gradients_nonfinite(self) -> bool:
-        """Debug mode: were this rank's own gradients non-finite? Needs the host copies from the grad hooks; where
-        they never fired (FSDP2's sharded parameters), copy the gradient shards as they stand now, after clipping."""
+        """Debug mode: were this rank's own gradients non-finite? Known only from the grad hooks' host copies of
+        local gradients. Reduced shards (FSDP2) hold every rank's contribution, so they say nothing about this
+        rank alone: False. Where no hook fired, copy the gradients as they stand now (after clipping) for the report."""
         if not self.grad_snapshots:
             self.grad_snapshots = {name: to_host(p.grad) for name, p in self.model.named_parameters()
                                    if p.grad is not None}
-            self.gradients_source = "this rank's shards, after clipping"
+            self.gradients_source = "as they stand after clipping"
+        if self.gradients_source != LOCAL_GRADIENTS:
+            return False
         return any(not np.isfinite(g).all() for g in self.grad_snapshots.values())
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor,
@@ -499,6 +509,9 @@ class NanGuard:
     def raise_if_stopped(self) -> None:
         if self.stop is None:
             return
+        for line in self.log_lines:  # the loop never gets to print them: this ends the run
+            print(line, flush=True)
+        self.log_lines = []
         event, (first, length) = self.stop, self.stop_streak
         dumps = ", ".join(self.dump_paths.get(event.step, [])) or "written by the ranks concerned"
         raise NonFiniteError(

@@ -1,0 +1,317 @@
+"""Supervisor benchmark: the supervisor and torchrun side by side in one run, 2 CPU ranks on gloo.
+
+    python bench/bench_supervisor.py [--repeats 3] [--skip-torchrun]
+
+The rank programs are the anchors of ANCHORS.md ("Launcher"), copied into bench/supervisor_anchors/:
+1. failure → every rank gone: fail.py (rank 1 ``os._exit(3)`` at step 20, the others inside a gloo all-reduce);
+   seconds from its death to the launcher's exit, median over the repeats, and the exit code each launcher returns.
+   Goal: ≤ 0.15 s and the rank's own code.
+2. a stalled rank: hang_progress.py (hang.py plus the progress channel); when the supervisor notices, and whether
+   every rank's stack reached its log; torchrun is given the same time and more. Goal: hang timeout + 1 s.
+3. 2 ranks × 3 M log lines (spam2.py): wall time against the same two ranks writing straight to /dev/null. Two
+   direct baselines: with the environment every launcher's ranks run in here (PYTHONUNBUFFERED=1, the rank
+   contract: a write per line), and block-buffered. Goal: ≤ 1.3× direct. The supervisor's log files are checked
+   afterwards: every line whole, none lost.
+4. start of 2 no-op ranks (noop.py), median, against spawning the two interpreters bare. Goal: ≤ 0.3 s over bare.
+5. SIGKILL to the launcher while 2 ranks sleep (sleeper.py): ranks still alive a second later; for the supervisor
+   also with ranks that have children of their own, one of them in a session of its own. Goal: 0.
+
+The machine is shared and noisy: compare the figures of one run with each other, not across runs. Bytecode for the
+project is compiled first, as any installed environment has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import compileall
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+ANCHORS = ROOT / "bench" / "supervisor_anchors"
+WORKER = ROOT / "tests" / "rank_scripts" / "worker.py"
+PY = sys.executable
+TORCHRUN = str(Path(PY).parent / "torchrun")
+RANK_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def supervisor_cmd(work: Path, script: Path, *args: str, options: tuple[str, ...] = ()) -> list[str]:
+    return [PY, "-m", "supervisor", "--nproc", "2", "--set", "system.device=cpu", "--no-footer",
+            "--log-dir", str(work / "logs"), *options, "--entry", str(script), "--", *args]
+
+
+def torchrun_cmd(script: Path, *args: str, options: tuple[str, ...] = ()) -> list[str]:
+    return [TORCHRUN, "--standalone", "--nproc-per-node", "2", *options, str(script), *args]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    try:
+        procs = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        procs = []
+    for p in [*procs]:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def run_to_end(cmd: list[str], work: Path, stdout=None, timeout: float = 300) -> tuple[int, float]:
+    started = time.perf_counter()
+    with open(work / "launcher.err", "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=work, env=RANK_ENV, stdout=stdout or subprocess.DEVNULL, stderr=err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc)
+            raise
+    return code, time.perf_counter() - started
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. failure
+
+
+def failure(launcher: str, repeats: int) -> tuple[float, list[int]]:
+    latencies, codes = [], []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            died_at = work / "died_at"
+            script = work / "fail.py"
+            script.write_text((ANCHORS / "fail.py").read_text().replace("DIED_AT", str(died_at)))
+            cmd = supervisor_cmd(work, script) if launcher == "supervisor" else torchrun_cmd(script)
+            code, _ = run_to_end(cmd, work)
+            ended = time.time()
+            latencies.append(ended - float(died_at.read_text()))
+            codes.append(code)
+    return statistics.median(latencies), codes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. a stalled rank
+
+
+def stall(launcher: str, hang_timeout: float) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        stalled_at = work / "stalled_at"
+        script = ANCHORS / "hang_progress.py"
+        if launcher == "supervisor":
+            cmd = supervisor_cmd(work, script, str(stalled_at),
+                                 options=("--hang-timeout", str(hang_timeout), "--startup-timeout", "120",
+                                          "--grace-period", "2"))
+        else:
+            cmd = torchrun_cmd(script, str(stalled_at))
+        with open(work / "launcher.err", "wb") as err:
+            proc = subprocess.Popen(cmd, cwd=work, env=RANK_ENV, stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            while not stalled_at.exists():
+                if proc.poll() is not None:
+                    return f"ended before the stall (exit {proc.returncode})"
+                time.sleep(0.05)
+            stalled = float(stalled_at.read_text())
+            try:
+                code = proc.wait(hang_timeout + 10)
+            except subprocess.TimeoutExpired:
+                return f"not noticed: still running {time.time() - stalled:.0f} s after the stall"
+            text = (work / "launcher.err").read_text()
+            m = re.search(r"no progress for ([\d.]+) s", text)
+            logs = list((work / "logs").glob("*/cpu*.log"))
+            dumped = sum("most recent call first" in log.read_text() for log in logs)
+            noticed = f"{float(m[1]):.2f} s" if m else "?"
+            return (f"noticed after {noticed} of silence (timeout {hang_timeout:g} s), stacks of {dumped}/{len(logs)} "
+                    f"ranks in their logs, exit {code}, all gone {time.time() - stalled:.1f} s after the stall")
+        finally:
+            kill_tree(proc)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. log lines
+
+
+def direct_spam(lines_env: dict[str, str]) -> float:
+    started = time.perf_counter()
+    procs = [subprocess.Popen([PY, str(ANCHORS / "spam2.py")], env={**lines_env, "RANK": str(r)},
+                              stdout=subprocess.DEVNULL) for r in (0, 1)]
+    for p in procs:
+        p.wait()
+    return time.perf_counter() - started
+
+
+def check_logs(folder: Path, lines: int) -> str:
+    """Every line of each rank's log whole (the anchor's format), and all of them there."""
+    problems = []
+    for rank in (0, 1):
+        data = (folder / f"cpu{rank}.log").read_bytes()
+        head = f"INFO | [GPU {rank}] Step [".encode()
+        whole = data.startswith(head) and data.count(b"\n" + head) == lines - 1 and data.count(b"\n") == lines
+        if not whole:
+            problems.append(f"cpu{rank}.log")
+    return "every line whole" if not problems else "BROKEN: " + ", ".join(problems)
+
+
+def log_lines(launcher: str) -> tuple[float, str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        script = ANCHORS / "spam2.py"
+        if launcher == "supervisor":
+            _, wall = run_to_end(supervisor_cmd(work, script), work)
+            return wall, check_logs(next((work / "logs").iterdir()), 3_000_000)
+        _, wall = run_to_end(torchrun_cmd(script, options=("--tee", "3", "--log-dir", str(work / "tr"))), work)
+        return wall, ""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. start-up
+
+
+def bare_noop() -> float:
+    started = time.perf_counter()
+    procs = [subprocess.Popen([PY, str(ANCHORS / "noop.py")], env=RANK_ENV) for _ in range(2)]
+    for p in procs:
+        p.wait()
+    return time.perf_counter() - started
+
+
+def startup(launcher: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            script = ANCHORS / "noop.py"
+            cmd = supervisor_cmd(work, script) if launcher == "supervisor" else torchrun_cmd(script)
+            times.append(run_to_end(cmd, work)[1])
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 5. SIGKILL the launcher
+
+
+def orphans(launcher: str, grandchildren: bool = False) -> tuple[int, int]:
+    """(still alive a second after the launcher's SIGKILL, how many there were)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if grandchildren:
+            cmd = supervisor_cmd(work, WORKER, "--children", "2", "--escaped-child", "--pid-dir", str(work))
+        elif launcher == "supervisor":
+            cmd = supervisor_cmd(work, ANCHORS / "sleeper.py")
+        else:
+            cmd = torchrun_cmd(ANCHORS / "sleeper.py")
+        out = work / "out.txt"
+        with open(out, "wb") as f:
+            proc = subprocess.Popen(cmd, cwd=work, env=RANK_ENV, stdout=f, stderr=subprocess.STDOUT)
+        pids: list[int] = []
+        deadline = time.monotonic() + 120
+        while len(pids) < (8 if grandchildren else 2) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            if grandchildren:
+                files = list(work.glob("rank*.pids"))
+                pids = [int(p) for f in files for p in f.read_text().split()] if len(files) == 2 else []
+            else:
+                pids = [int(p) for p in re.findall(r"pid (\d+)", out.read_text())]
+        time.sleep(0.5)
+        proc.kill()
+        proc.wait()
+        time.sleep(1.0)
+        left = [p for p in pids if alive(p)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        return len(left), len(pids)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-torchrun", action="store_true")
+    args = parser.parse_args()
+    compileall.compile_dir(ROOT / "supervisor", quiet=1)
+    compileall.compile_dir(ROOT / "trainer", quiet=1)
+    launchers = ["supervisor"] + ([] if args.skip_torchrun else ["torchrun"])
+    rows: list[tuple[str, str, str, str, str]] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    say("1. failure -> every rank gone")
+    fail = {name: failure(name, args.repeats) for name in launchers}
+    for name, (median, codes) in fail.items():
+        say(f"   {name}: median {median:.3f} s, exit codes {codes}")
+
+    say("2. a stalled rank")
+    hang = {name: stall(name, 2.0) for name in launchers}
+    for name, text in hang.items():
+        say(f"   {name}: {text}")
+
+    say("3. 2 ranks x 3 M log lines")
+    direct_env = direct_spam(RANK_ENV)
+    buffered_env = {k: v for k, v in RANK_ENV.items() if k != "PYTHONUNBUFFERED"}
+    direct_buffered = direct_spam(buffered_env)
+    lines = {name: log_lines(name) for name in launchers}
+    say(f"   direct, rank environment (a write per line): {direct_env:.2f} s; direct, block-buffered: "
+        f"{direct_buffered:.2f} s")
+    for name, (wall, check) in lines.items():
+        say(f"   {name}: {wall:.2f} s = {wall / direct_env:.2f}x direct, {wall / direct_buffered:.2f}x buffered {check}")
+
+    say("4. start of 2 no-op ranks")
+    bare = statistics.median(bare_noop() for _ in range(max(5, args.repeats)))
+    start = {name: startup(name, max(5, args.repeats)) for name in launchers}
+    say(f"   bare: {bare:.3f} s; " + "; ".join(f"{n}: {t:.3f} s (+{t - bare:.3f} s)" for n, t in start.items()))
+
+    say("5. SIGKILL the launcher")
+    kill = {name: orphans(name) for name in launchers}
+    deep = orphans("supervisor", grandchildren=True)
+    say("   " + "; ".join(f"{n}: {left} of {total} ranks survive" for n, (left, total) in kill.items())
+        + f"; supervisor with grandchildren: {deep[0]} of {deep[1]} processes survive")
+
+    def cell(name: str, fn) -> str:
+        return fn(name) if name in launchers else "-"
+
+    rows.append(("failure -> group gone (median)",
+                 cell("supervisor", lambda n: f"{fail[n][0]:.3f} s, exit {fail[n][1][0]}"),
+                 cell("torchrun", lambda n: f"{fail[n][0]:.3f} s, exit {fail[n][1][0]}"),
+                 "-", "<= 0.15 s, the rank's code (3)"))
+    rows.append(("stalled rank (hang timeout 2 s)", cell("supervisor", lambda n: hang[n].split(",")[0]),
+                 cell("torchrun", lambda n: hang[n].split(",")[0]), "-", "<= timeout + 1 s"))
+    rows.append(("2 x 3 M log lines",
+                 cell("supervisor", lambda n: f"{lines[n][0]:.2f} s ({lines[n][0] / direct_env:.2f}x)"),
+                 cell("torchrun", lambda n: f"{lines[n][0]:.2f} s ({lines[n][0] / direct_env:.2f}x)"),
+                 f"direct {direct_env:.2f} s (buffered {direct_buffered:.2f} s)", "<= 1.3x direct"))
+    rows.append(("start of 2 no-op ranks", cell("supervisor", lambda n: f"{start[n]:.3f} s (+{start[n] - bare:.3f})"),
+                 cell("torchrun", lambda n: f"{start[n]:.3f} s (+{start[n] - bare:.3f})"),
+                 f"bare {bare:.3f} s", "<= +0.3 s"))
+    rows.append(("SIGKILL launcher: survivors", cell("supervisor", lambda n: f"{kill[n][0]}/{kill[n][1]} "
+                                                     f"(grandchildren incl.: {deep[0]}/{deep[1]})"),
+                 cell("torchrun", lambda n: f"{kill[n][0]}/{kill[n][1]}"), "-", "0"))
+    header = ("measure", "supervisor", "torchrun", "reference", "goal")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    print()
+    for row in [header, tuple("-" * w for w in widths), *rows]:
+        print(" | ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""--dry-run and the memory estimate: sizes from the meta device, per-GPU memory under DDP and FSDP, the verdict."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rank_support import MAIN, PYTHON, base_env
+from trainer.config import Config, apply_layer, flops_per_token, human, parameter_count, preset_layer
+from trainer.estimate import GiB, estimate, format_estimate
+from trainer.rank_cli import main
+
+PRODUCTION_PARAMETERS = 7_241_732_096
+
+
+def preset(name: str, **training: object) -> Config:
+    cfg = Config()
+    apply_layer(cfg, preset_layer(name), name)
+    apply_layer(cfg, {"training": dict(training)}, "test")
+    return cfg
+
+
+def test_debug_dry_run_prints_sizes_and_the_estimate(capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--debug", "--dry-run", "--nproc", "2"]) == 0
+    out = capsys.readouterr().out
+    cfg = preset("debug")
+    assert f"parameters: {human(parameter_count(cfg))} ({parameter_count(cfg):,})" in out
+    assert "tokens per step: 1,024 (4 sequences × 128 tokens × 1 micro-step × 2 GPUs)" in out
+    assert f"FLOPs per token: {human(flops_per_token(cfg))}" in out
+    assert "FSDP (2 ranks)" in out and "optimizer state" in out and "activations" in out
+    assert "no GPU detected" in out
+
+
+def test_world_size_comes_first(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert main(["--debug", "--dry-run", "--nproc", "2"]) == 0
+    assert "estimate for 4 rank(s)" in capsys.readouterr().out
+
+
+def test_production_estimate_on_eight_80_gib_gpus() -> None:
+    cfg = preset("production", strategy="ddp")
+    est = estimate(cfg, world_size=8, gpu_memory_bytes=80 * GiB)
+    p = est.shape.parameters
+    assert p == PRODUCTION_PARAMETERS == parameter_count(cfg)
+    ddp, fsdp = est.strategies["ddp"], est.strategies["fsdp"]
+    assert (ddp.weights, ddp.gradients, ddp.optimizer) == (4 * p + 2 * p, 4 * p, 8 * p)  # fp32 + bf16 copies
+    assert fsdp.optimizer == 8 * p // 8 and fsdp.gradients < ddp.gradients / 4
+    assert ddp.fits is False and fsdp.fits is True
+    text = format_estimate(est)
+    assert "WARNING: DDP (training.strategy) will NOT fit" in text and "training.strategy=fsdp would fit" in text
+    assert "FSDP (training.strategy) fits" in format_estimate(estimate(preset("production"), 8, 80 * GiB))
+
+
+def test_checkpointing_and_batch_drive_activations() -> None:
+    base = estimate(preset("production"), 8, None)
+    no_ckpt = preset("production")
+    no_ckpt.model.gradient_checkpointing = False
+    assert estimate(no_ckpt, 8, None).selected.activations > 5 * base.selected.activations
+    bigger = preset("production", batch_size=4)
+    assert estimate(bigger, 8, None).selected.activations == 2 * base.selected.activations
+
+
+def test_production_dry_run_never_allocates_the_weights(tmp_path: Path) -> None:
+    """The real command; its peak memory stays far below the 29 GB that 7.2B fp32 parameters would take."""
+    code = ("import resource, runpy, sys\n"
+            f"sys.argv = [{MAIN!r}, '--preset', 'production', '--dry-run', '--nproc', '8']\n"
+            "try:\n"
+            f"    runpy.run_path({MAIN!r}, run_name='__main__')\n"
+            "finally:\n"
+            "    print('peak_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
+    result = subprocess.run([PYTHON, "-c", code], cwd=tmp_path, env=base_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"parameters: 7.2B ({PRODUCTION_PARAMETERS:,})" in result.stdout
+    assert "tokens per step: 262,144" in result.stdout and "FSDP (8 ranks)" in result.stdout
+    peak_kib = int(result.stderr.split("peak_kib")[1].split()[0])
+    assert peak_kib < 2 * 1024 * 1024
