@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -58,8 +57,15 @@ def child(mode: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def proc_status_mb(field: str) -> float:
+    """A memory figure of this process from /proc/self/status: VmHWM (peak RSS of this process image; unlike
+    ru_maxrss it does not inherit the parent's peak across fork+exec), VmRSS, or RssAnon (private, not file-backed)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
 def max_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return proc_status_mb("VmHWM")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -123,16 +129,13 @@ def child_reader(path: str, copy: str) -> dict:
     for step in range(-(-sampler.windows_per_epoch // 64)):
         total += int(sampler.get(step, 0)[:, 0].sum())
     print("READ", flush=True)
-    sys.stdin.readline()
+    sys.stdin.readline()  # both readers hold their mappings while each measures
     after = process.memory_full_info()
-    return {"uss_mb": after.uss / 2**20, "pss_mb": after.pss / 2**20, "rss_mb": after.rss / 2**20,
-            "uss_growth_mb": (after.uss - base.uss) / 2**20, "anon_mb": rss_anon_mb(), "checksum": total}
-
-
-def rss_anon_mb() -> float:
-    """Anonymous resident memory: what a process holds privately, as opposed to file pages it maps."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
+    print(json.dumps({"uss_mb": after.uss / 2**20, "pss_mb": after.pss / 2**20, "rss_mb": after.rss / 2**20,
+                      "uss_growth_mb": (after.uss - base.uss) / 2**20, "anon_mb": proc_status_mb("RssAnon"),
+                      "checksum": total}), flush=True)
+    sys.stdin.readline()  # exit only once the other reader has measured too
+    return {}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -232,15 +235,18 @@ def large_cache(work: Path, cfg: Config, target_bytes: int) -> Path:
 def readers(path: Path, copy: bool) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, __file__, "--child", "reader", str(path), "1" if copy else "0"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(2)]
+    def tell(message: str) -> None:
+        for p in procs:
+            p.stdin.write(message + "\n")
+            p.stdin.flush()
+
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "READ"
-        results = []
+        tell("measure")
+        results = [json.loads(p.stdout.readline()) for p in procs]
+        tell("exit")
         for p in procs:
-            p.stdin.write("measure\n")
-            p.stdin.flush()
-        for p in procs:
-            results.append(json.loads(p.stdout.read().strip().splitlines()[-1]))
             p.wait(timeout=60)
         return results
     finally:
@@ -275,7 +281,8 @@ def main() -> None:
     if args.child:
         mode, *rest = args.child
         result = {"ours": child_ours, "raw": child_raw, "map": child_map, "reader": child_reader}[mode](*rest)
-        print(json.dumps(result))
+        if result:
+            print(json.dumps(result))
         return
     print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; load average "
           f"{os.getloadavg()[0]:.1f} at start")

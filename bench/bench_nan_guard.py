@@ -1,7 +1,8 @@
 """The NaN guard's cost on CPU: step time with the production guard on vs off, and host synchronisations per step.
 
 Two identical tiny-Llama trainers (same seed, same batches) take turns step by step — on/off, then off/on, so drift in
-a shared machine's speed hits both alike — and the medians are compared. Each step follows trainer/loop.py's order;
+a shared machine's speed hits both alike. Printed: both medians, the median of the per-step differences (the steadier
+figure on a busy machine), and the guard's own calls timed alone. Each step follows trainer/loop.py's order;
 every `--log-interval` steps both do the loop's log-step host reads (loss and grad norm), and the guarded one also
 calls `on_log`. Host synchronisations are counted with `trainer.nan_guard.HostSyncCounter` (a TorchDispatchMode
 counting `aten._local_scalar_dense` — item/bool/float — plus wrapped `Tensor.tolist`/`Tensor.cpu`) around whole steps.
@@ -137,8 +138,8 @@ def main() -> None:
     pairs = [a - b for a, b in zip(on.times, off.times)]
     print(f"production - off, median of per-step differences: {statistics.median(pairs) * 1e6:+.0f} us "
           f"({statistics.median(pairs) / base:+.2%})")
-    print(f"guard calls timed alone (check + step_optimizer vs optimizer.step, best of 200): {cost * 1e6:+.0f} us per step "
-          f"= {cost / base:+.3%} of the median step")
+    print(f"guard calls timed alone (check + step_optimizer vs optimizer.step, best of 200): "
+          f"{cost * 1e6:+.0f} us per step = {cost / base:+.3%} of the median step")
     print("host syncs counted with trainer.nan_guard.HostSyncCounter (item/bool/float via aten._local_scalar_dense, "
           "Tensor.tolist, Tensor.cpu) over whole steps, log steps included")
 

@@ -22,7 +22,6 @@ keeps the last 64 KiB, from which the failure report takes the failing rank's la
 from __future__ import annotations
 
 import os
-import re
 import selectors
 import threading
 import time
@@ -35,18 +34,17 @@ TRICKLE = 64 << 10  # a read smaller than this: the writers are slower than we a
 TRICKLE_WAIT = 0.001
 MAX_LINE = 8 << 20
 TAIL_BYTES = 64 << 10
-CR_SEGMENT = re.compile(rb"[^\r\n]*\r")
 
 
 def clean_cr(lines: bytes) -> bytes:
-    """Complete lines → each keeps only its last carriage-return segment; ``\\r\\n`` is a newline."""
-    return CR_SEGMENT.sub(b"", lines.replace(b"\r\n", b"\n"))
+    """Complete lines → each keeps only its last carriage-return segment; ``\r\n`` is a newline.
 
-
-def collapse_cr(partial: bytes) -> bytes:
-    """A partial line: drop what a later ``\\r`` overwrote (a final ``\\r`` may yet be the start of ``\\r\\n``)."""
-    cut = partial.rfind(b"\r", 0, len(partial) - 1)
-    return partial[cut + 1:] if cut >= 0 else partial
+    Linear in the input: one ``rfind`` per line (a regular expression here would rescan long lines quadratically).
+    """
+    lines = lines.replace(b"\r\n", b"\n")
+    if b"\r" not in lines:
+        return lines
+    return b"\n".join(line[line.rfind(b"\r") + 1:] for line in lines.split(b"\n"))
 
 
 @dataclass
@@ -56,7 +54,8 @@ class Stream:
     console_fd: int  # 1 or 2
     log_fd: int | None
     keep_tail: bool  # stderr: remember the last lines for the report
-    carry: bytes = b""
+    carry: bytearray = field(default_factory=bytearray)  # the unfinished last line
+    carry_cr: bool = False  # the carry holds a carriage return
     tail: bytes = b""
     nl_prefix: bytes = field(init=False)
 
@@ -141,9 +140,9 @@ class Pump(threading.Thread):
 
     def close_stream(self, stream: Stream) -> None:
         if stream.carry:
-            line = stream.carry + b"\n"
-            stream.carry = b""
-            self.emit(stream, b"", clean_cr(line) if b"\r" in line else line)
+            line = bytes(stream.carry) + b"\n"
+            stream.carry = bytearray()
+            self.emit(stream, b"", clean_cr(line) if stream.carry_cr else line)
         self.selector.unregister(stream.fd)
         os.close(stream.fd)
         stream.fd = -1
@@ -152,27 +151,33 @@ class Pump(threading.Thread):
     # -- chunks → lines --------------------------------------------------------------------------------------------
 
     def feed(self, stream: Stream, data: bytes) -> None:
-        head = stream.carry
-        if b"\r" in data or b"\r" in head:
-            data, head = head + data, b""
-            end = data.rfind(b"\n")
-            if end >= 0:
-                stream.carry = collapse_cr(data[end + 1:])
-                self.emit(stream, b"", clean_cr(data[: end + 1]))
-            else:
-                stream.carry = collapse_cr(data)
+        end = data.rfind(b"\n")
+        if end < 0:
+            self.extend_carry(stream, data)
+            return
+        if stream.carry_cr or b"\r" in data:
+            self.emit(stream, b"", clean_cr(bytes(stream.carry) + data[: end + 1]))
         else:
-            end = data.rfind(b"\n")
-            if end >= 0:
-                stream.carry = data[end + 1:]
-                self.emit(stream, head, data, end + 1)
-            else:
-                stream.carry = head + data
-        if len(stream.carry) > MAX_LINE:
-            piece, stream.carry = stream.carry + b"\n", b""
-            self.emit(stream, b"", piece)
+            self.emit(stream, stream.carry, data, end + 1)
+        stream.carry, stream.carry_cr = bytearray(), False
+        self.extend_carry(stream, data[end + 1:])
 
-    def emit(self, stream: Stream, head: bytes, data: bytes, size: int | None = None) -> None:
+    def extend_carry(self, stream: Stream, piece: bytes) -> None:
+        """Append to the unfinished line, in amortised linear time whatever the line's length."""
+        if not piece:
+            return
+        cut = piece.rfind(b"\r", 0, len(piece) - 1) if b"\r" in piece else -1
+        if cut >= 0:  # a later \r overwrote everything before it (a final \r may yet be half of \r\n)
+            stream.carry = bytearray(piece[cut + 1:])
+        else:
+            stream.carry += piece
+        stream.carry_cr = stream.carry_cr or b"\r" in piece
+        if len(stream.carry) > MAX_LINE:
+            line = bytes(stream.carry) + b"\n"
+            stream.carry, stream.carry_cr = bytearray(), False
+            self.emit(stream, b"", clean_cr(line) if b"\r" in line else line)
+
+    def emit(self, stream: Stream, head: bytes | bytearray, data: bytes, size: int | None = None) -> None:
         """Write `head` + `data[:size]` (complete lines; `head` is the carried start of the first one)."""
         size = len(data) if size is None else size
         lines = memoryview(data)[:size]

@@ -142,6 +142,26 @@ def test_editing_a_local_file_changes_the_key(tmp_path: Path) -> None:
     assert not again.built and again.key == first.key
 
 
+def test_a_hub_source_is_keyed_by_its_resolved_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    from trainer import corpus as corpus_module
+
+    texts = [f"hub document {i}: " + "lorem ipsum dolor sit amet " * 30 for i in range(8)]
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda *args, **kwargs: datasets.Dataset.from_dict({"text": texts}).to_iterable_dataset())
+    head = {"commit": "aaa"}  # what the hub says the revision points at, as the branch moves on
+    monkeypatch.setattr(corpus_module, "resolve_hub_commit", lambda name, revision: head["commit"])
+    cfg = make_config(tmp_path / "cache", source="someone/data", max_samples=None, streaming=True)
+    first = prepare(cfg, show_progress=False)
+    assert first.built and first.documents == 8
+    assert TokenCache.open(first.path).manifest["key_material"]["source"]["revision"] == "aaa"
+    assert not prepare(cfg, show_progress=False).built
+    head["commit"] = "bbb"
+    moved = prepare(cfg, show_progress=False)
+    assert moved.built and moved.key != first.key
+
+
 def test_a_local_tokenizer_folder_and_its_content_in_the_key(built: tuple[Config, CacheInfo], tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 

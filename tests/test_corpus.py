@@ -96,6 +96,27 @@ def test_a_name_that_is_not_a_path_is_a_hub_dataset() -> None:
     assert isinstance(corpus, HubCorpus) and corpus.streaming and corpus.config == "en"
 
 
+def test_hub_dataset_is_read_at_its_resolved_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    from trainer import corpus as corpus_module
+
+    calls = []
+
+    def load_dataset(name: str, config: str | None, split: str, revision: str, streaming: bool) -> object:
+        calls.append((name, config, split, revision, streaming))
+        return datasets.Dataset.from_dict({"body": ["first", "", "second"], "n": [1, 2, 3]}).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(corpus_module, "resolve_hub_commit", lambda name, revision: f"sha-of-{revision}")
+    corpus = open_corpus(DataConfig(source="someone/data", hub_config="en", split="validation", revision="v1",
+                                    streaming=True, text_field="body"))
+    assert corpus.identity() == {"kind": "hub", "name": "someone/data", "config": "en", "split": "validation",
+                                 "revision": "sha-of-v1", "text_field": "body"}
+    assert list(corpus.documents()) == ["first", "second"]
+    assert calls == [("someone/data", "en", "validation", "sha-of-v1", True)]
+
+
 @pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
                          ids=["offline-mode", "unreachable-endpoint"])
 def test_hub_name_offline_fails_with_one_line(env: dict[str, str]) -> None:

@@ -49,7 +49,8 @@ def make_cfg(*, localize: bool = False, dump: bool = False, max_nonfinite: int =
     cfg = Config()
     cfg.debug.nan_localize, cfg.debug.nan_dump, cfg.debug.max_nonfinite_steps = localize, dump, max_nonfinite
     if nan_step is not None:
-        cfg.debug.inject_nan_module, cfg.debug.inject_nan_step, cfg.debug.inject_nan_rank = NAN_MODULE, nan_step, nan_rank
+        cfg.debug.inject_nan_module, cfg.debug.inject_nan_step = NAN_MODULE, nan_step
+        cfg.debug.inject_nan_rank = nan_rank
     if checkpoint_dir is not None:
         cfg.checkpoint.dir = str(checkpoint_dir)
     return cfg
@@ -81,8 +82,7 @@ class MiniLoop:
                               gpu_id=str(self.rank), device=torch.device("cpu"), run_dir=self.out / "run",
                               checkpoint_dir=Path(self.cfg.checkpoint.dir))
         self.wrapped = self.wrap(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1, fused=self.fused,
-                                           foreach=False if not self.fused else None)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1, fused=self.fused)
 
     def save_checkpoint(self, path: Path) -> None:
         """Like trainer.checkpoint.save: every rank calls it, rank 0 writes."""

@@ -34,6 +34,8 @@ from rank_support import (  # noqa: F401 (fixture)
 )
 from trainer.config import Config
 
+STEPS = 60  # the two-rank runs: long enough that a SIGTERM sent after step 3 lands mid-run
+
 
 def test_single_process_run_by_hand(tmp_path: Path, token_cache_dir: Path) -> None:
     """`python pretrain_main.py --debug --set ...`: run folder logs/<run-id>/, checkpoints in .checkpoints/, a final
@@ -120,7 +122,8 @@ def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
 
 def write_run_config(folder: Path, cache_dir: Path, ckpt: Path, resume: str | None = None) -> Path:
     """What the supervisor writes to logs/<run-id>/config.json (the run folder is the file's folder)."""
-    cfg = tiny_config(folder, cache_dir, training={"max_steps": 40}, checkpoint={"dir": str(ckpt), "resume": resume})
+    cfg = tiny_config(folder, cache_dir, training={"max_steps": STEPS},
+                      checkpoint={"dir": str(ckpt), "resume": resume})
     cfg.save(folder / "config.json")
     return folder / "config.json"
 
@@ -145,7 +148,7 @@ def test_sigterm_on_one_rank_stops_both_with_a_checkpoint_and_resume_is_exact(tm
     assert all("stopping after step" in out for _, out, _ in results)
     (saved,) = [p.name for p in ckpt.iterdir()]
     stop_step = int(saved.removeprefix("step_"))
-    assert 3 <= stop_step < 40
+    assert 3 <= stop_step < STEPS
     assert history(tmp_path / "stopped")["run"]["status"] == "stopped"
     phases = [e["phase"] for e in pipes[0].events if e["event"] == "phase"]
     assert phases[:5] == ["distributed", "dataset", "model", "resume", "training"] and phases[-1] == "stopped"
@@ -159,7 +162,7 @@ def test_sigterm_on_one_rank_stops_both_with_a_checkpoint_and_resume_is_exact(tm
     assert f"resumed from {ckpt / saved} at step {stop_step}" in results[0][1]
     expected = history_losses(tmp_path / "straight")
     got = history_losses(tmp_path / "resumed")
-    assert sorted(got) == list(range(stop_step, 40))
+    assert sorted(got) == list(range(stop_step, STEPS))
     assert all(got[s] == expected[s] for s in got)  # bit-identical to the uninterrupted run
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
+import pytest
+
 from rank_scripts.harness import SPAM, WORKER, cleanup, clean_env, run, start  # noqa: F401  (cleanup: fixture)
-from supervisor.pump import clean_cr, collapse_cr
+from supervisor.console import Console
+from supervisor.pump import MAX_LINE, Pump, clean_cr
 
 GPUS = [1, 3, 5, 7]  # physical ids in rank order, through the fake-GPU seam
 LINES = 20000
@@ -81,5 +85,41 @@ def test_supervisor_messages_stay_off_the_rank_prefixes(tmp_path, cleanup):
 def test_carriage_returns_keep_the_last_segment():
     assert clean_cr(b"10%\r50%\r100%\nnext\n") == b"100%\nnext\n"
     assert clean_cr(b"windows\r\nline\r\n") == b"windows\nline\n"
-    assert collapse_cr(b"10%\r20%\r30") == b"30"
-    assert collapse_cr(b"almost\r") == b"almost\r", "a final \\r may be half of \\r\\n"
+
+
+def feed_pump(tmp_path, chunks: list[bytes]) -> tuple[bytes, bytes, int]:
+    """Feed chunks to a pump's stream by hand (no thread); what reached the console and the log file."""
+    console_path, log_path = tmp_path / "console", tmp_path / "log"
+    console_fd = os.open(console_path, os.O_WRONLY | os.O_CREAT)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT)
+    read_end, write_end = os.pipe()
+    os.close(write_end)
+    pump = Pump(Console(terminal=False))
+    stream = pump.add(read_end, b"GPU0:", console_fd, log_fd, keep_tail=True)
+    largest_carry = 0
+    for chunk in chunks:
+        pump.feed(stream, chunk)
+        largest_carry = max(largest_carry, len(stream.carry))
+    pump.close_stream(stream)
+    for fd in (console_fd, log_fd, pump.wake_r, pump.wake_w):
+        os.close(fd)
+    assert largest_carry <= MAX_LINE
+    return console_path.read_bytes(), log_path.read_bytes(), largest_carry
+
+
+@pytest.mark.timeout(20)
+def test_long_lines_next_to_carriage_returns_stay_linear(tmp_path):
+    """A multi-MiB line arriving in small pieces, then a progress line in the same chunk as its end."""
+    long = b"y" * (6 << 20)
+    pieces = [long[i:i + 4096] for i in range(0, len(long), 4096)]
+    console, log, _ = feed_pump(tmp_path, [b"start\n" + pieces[0], *pieces[1:], b"\nbar 1%\rbar 100%\ntail"])
+    assert console == b"GPU0:start\nGPU0:" + long + b"\nGPU0:bar 100%\nGPU0:tail\n"
+    assert log == b"start\n" + long + b"\nbar 100%\ntail\n"
+
+
+@pytest.mark.timeout(20)
+def test_a_bar_that_never_ends_its_line_is_bounded(tmp_path):
+    updates = [f"\r{i / 1000:.1%} |{'#' * (i // 20)}".encode() for i in range(20000)]
+    console, _, largest_carry = feed_pump(tmp_path, updates)
+    assert console == b"GPU0:" + updates[-1][1:] + b"\n"
+    assert largest_carry <= max(len(u) for u in updates), "only the segment on screen is kept"

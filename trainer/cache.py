@@ -594,7 +594,7 @@ def prepare(cfg: Config, *, force: bool = False, show_progress: bool | None = No
             return cache_info(cache, built=False)
         ensure_writable(root)
         with build_lock(root, key, progress):
-            if not force and (cache := try_open(final, progress)) is not None:
+            if not force and (cache := try_open(final)) is not None:  # built by the process we waited for
                 return cache_info(cache, built=False)
             started = time.perf_counter()
             progress.message(f"building token cache {key} from {corpus.description} with {spec.description}")
@@ -607,14 +607,15 @@ def prepare(cfg: Config, *, force: bool = False, show_progress: bool | None = No
         progress.close()
 
 
-def try_open(final: Path, progress: "BuildProgress") -> TokenCache | None:
-    """The cache if it exists and validates; an invalid one is reported and then rebuilt over."""
+def try_open(final: Path, progress: "BuildProgress | None" = None) -> TokenCache | None:
+    """The cache if it exists and validates, else None (an invalid one is reported, then rebuilt over)."""
     if not (final / MANIFEST_FILE).is_file():
         return None
     try:
         return TokenCache.open(final)
     except UserError as e:
-        progress.message(f"rebuilding: {e}")
+        if progress is not None:
+            progress.message(f"rebuilding: {e}")
         return None
 
 

@@ -148,9 +148,9 @@ def format_estimate(est: MemoryEstimate) -> str:
         host = psutil.virtual_memory().total
         need = (chosen.total - chosen.overhead) * est.world_size
         verdict = "fits in" if need <= host else "does NOT fit in"
-        lines.append(f"  no GPU detected: on the CPU the {est.chosen.upper()} figures (less the overhead) are host memory "
-                     f"per rank: {est.world_size} × {size(chosen.total - chosen.overhead)} {verdict} this machine's "
-                     f"{size(host)}")
+        lines.append(f"  no GPU detected: on the CPU the {est.chosen.upper()} figures (less the overhead) are host "
+                     f"memory per rank: {est.world_size} × {size(chosen.total - chosen.overhead)} {verdict} this "
+                     f"machine's {size(host)}")
     elif chosen.fits:
         lines.append(f"  {est.chosen.upper()} (training.strategy) fits: {size(chosen.total)} of "
                      f"{size(est.gpu_memory_bytes or 0)} per GPU")

@@ -45,7 +45,6 @@ from trainer.distributed import (
     gather_objects,
     gradient_sync,
     init_distributed,
-    is_sharded,
     teardown,
     unwrap,
     wrap_model,
@@ -297,23 +296,21 @@ class Trainer:
             f"dataset: cache {self.cache.key} | {len(self.cache.train):,} training tokens, {len(self.cache.val):,} "
             f"validation tokens | vocabulary {self.cache.vocab_size:,}",
         ]
-        if self.faults.describe():
-            lines.append(self.faults.describe() or "")
+        if injection := self.faults.describe():
+            lines.append(injection)
         for line in lines:
             self.log.info(line)
 
     # -- the step ----------------------------------------------------------------------------------------------------
 
     def fetch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's micro-batches of `step` ([accum, B, T+1]) on the host and on the device."""
-        host = torch.from_numpy(self.sampler_stack(step))
+        """This rank's micro-batches of `step` ([accum, B, T+1]) on the host and on the device. On a GPU the host
+        copy is pinned so the transfer is asynchronous: the CPU goes on queueing kernels meanwhile."""
+        host = torch.from_numpy(np.stack([self.sampler.get(step, m) for m in range(self.accum)]))
         if self.device.type != "cuda":
             return host, host
         host = host.pin_memory()
         return host, host.to(self.device, non_blocking=True)
-
-    def sampler_stack(self, step: int) -> np.ndarray:
-        return np.stack([self.sampler.get(step, m) for m in range(self.accum)])
 
     def train_step(self, step: int) -> StepOutput:
         self.faults.before_step(step)

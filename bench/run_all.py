@@ -1,0 +1,63 @@
+"""Regenerate BENCHMARKS.md: run every benchmark in this folder, one after another, and write one page.
+
+    python bench/run_all.py            # all benchmarks, then BENCHMARKS.md
+    python bench/run_all.py cache      # only bench_cache.py (the page keeps the other sections as they were)
+
+Each `bench_<name>.py` prints its own figures and ratios, measured side by side against its anchor in the same run;
+this script records the machine, the command and the output verbatim. Not part of CI: about 10-15 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+PAGE = ROOT / "BENCHMARKS.md"
+ORDER = ["cache", "supervisor", "training", "nan_guard"]
+SECTION = re.compile(r"^## bench_(\w+)\n.*?(?=^## bench_|\Z)", re.S | re.M)
+
+
+def machine() -> str:
+    import psutil
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"{psutil.virtual_memory().total / 2**30:.0f} GiB, {gpu}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def run(name: str) -> str:
+    script = BENCH / f"bench_{name}.py"
+    command = f"python bench/{script.name}"
+    print(f"== {command}", flush=True)
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True)
+    took = time.perf_counter() - start
+    print(out.stdout[-4000:], out.stderr[-2000:] if out.returncode else "", flush=True)
+    status = "" if out.returncode == 0 else f" — **exited {out.returncode}**"
+    return (f"## bench_{name}\n\n`{command}` ({took:.0f} s{status})\n\n```text\n{out.stdout.strip()}\n"
+            + (f"{out.stderr.strip()[-2000:]}\n" if out.returncode else "") + "```\n\n")
+
+
+def main(names: list[str]) -> None:
+    sections = {m.group(1): m.group(0) for m in SECTION.finditer(PAGE.read_text())} if PAGE.exists() else {}
+    for name in names or ORDER:
+        sections[name] = run(name)
+    intro = (ROOT / "bench" / "INTRO.md").read_text()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    body = "".join(sections[n] for n in ORDER if n in sections)
+    PAGE.write_text(f"{intro}\nLast regenerated {stamp} on: {machine()}.\n\n{body}")
+    print(f"wrote {PAGE}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
