@@ -7,6 +7,8 @@ Terminal mode (stdout and stderr both a terminal, footer not disabled): everythi
 on stdout with a live footer under the scrolling lines; rich is imported only then.
 
 If the reader of our output goes away (``| head``), console output stops quietly; log files keep being written.
+If the reader stalls (a paused pager), the writes block, and so in turn do the ranks on their full pipes; the
+console counts the time spent inside its writes so that the hang watchdog does not take that for a stalled rank.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 Buffer = bytes | bytearray | memoryview
 SAY_PREFIX = "supervisor: "
+SAY_WAIT = 0.05  # how long a supervisor message waits for the console lock before it is queued instead
 LABEL_STYLES = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 
 
@@ -46,6 +49,9 @@ class Console:
         self.rich: Any = None  # rich.console.Console in terminal mode
         self.live: Any = None
         self.styles: dict[str, str] = {}
+        self._writing_time = 0.0  # seconds spent in finished console writes
+        self._writing_since: float | None = None  # start of the write in progress
+        self._pending: list[Callable[[], None]] = []  # supervisor messages waiting for the console
         if terminal:
             from rich.console import Console as RichConsole
 
@@ -69,21 +75,33 @@ class Console:
     # -- the supervisor's own messages ----------------------------------------------------------------------------
 
     def say(self, message: str, style: str = "bold") -> None:
-        """A supervisor message: console (stderr, or the terminal) and supervisor.log."""
+        """A supervisor message: console (stderr, or the terminal) and supervisor.log.
+
+        Never blocks for long: the watcher's loop calls this, and it must go on stopping ranks even while a paused
+        reader holds the console. If the pump is stuck in a console write, the message waits in `_pending` and
+        goes out before the pump's next write (or at `close`)."""
         self.log(message)
         if self.rich is not None:
             from rich.text import Text
 
-            self.rich.print(Text(SAY_PREFIX + message, style=style))
+            rendered = Text(SAY_PREFIX + message, style=style)
+            self._pending.append(lambda: self.rich.print(rendered))
         else:
-            text = "".join(f"{SAY_PREFIX}{line}\n" for line in message.splitlines())
-            self._write(2, [text.encode()])
+            data = "".join(f"{SAY_PREFIX}{line}\n" for line in message.splitlines()).encode()
+            self._pending.append(lambda: write_all(2, [data]))
+        if self.lock.acquire(timeout=SAY_WAIT):
+            try:
+                self._flush_pending()
+            finally:
+                self.lock.release()
 
     # -- rank output ----------------------------------------------------------------------------------------------
 
     def write_lines(self, fd: int, buffers: Sequence[Buffer]) -> None:
         """Plain mode: whole lines, already prefixed, written as one unit."""
-        self._write(fd, buffers)
+        with self.lock:
+            self._flush_pending()
+            self._timed(lambda: write_all(fd, buffers))
 
     def print_lines(self, prefix: bytes, block: bytes) -> None:
         """Terminal mode: whole unprefixed lines from one rank, printed above the footer with a coloured label."""
@@ -97,19 +115,32 @@ class Console:
             text.append(line + "\n")
         text.rstrip()
         with self.lock:
-            if self.console_ok:
-                self.rich.print(text)
+            self._flush_pending()
+            self._timed(lambda: self.rich.print(text))
 
-    def _write(self, fd: int, buffers: Sequence[Buffer]) -> None:
-        with self.lock:
-            if not self.console_ok:
-                return
-            try:
-                write_all(fd, buffers)
-            except BrokenPipeError:
-                self.console_ok = False  # the reader left (| head); keep the run and the log files going
-            except OSError:
-                self.console_ok = False
+    # -- under the lock ---------------------------------------------------------------------------------------------
+
+    def _flush_pending(self) -> None:
+        while self._pending:
+            self._timed(self._pending.pop(0))
+
+    def _timed(self, write: Callable[[], None]) -> None:
+        if not self.console_ok:
+            return
+        self._writing_since = started = time.monotonic()
+        try:
+            write()
+        except OSError:  # BrokenPipeError: the reader left (| head); keep the run and the log files going
+            self.console_ok = False
+        finally:
+            self._writing_since = None
+            self._writing_time += time.monotonic() - started
+
+    def writing_time(self) -> float:
+        """Seconds spent inside console writes so far, the one in progress included: time in which a slow reader
+        held every rank's output back."""
+        since = self._writing_since
+        return self._writing_time + (time.monotonic() - since if since is not None else 0.0)
 
     # -- the live footer ------------------------------------------------------------------------------------------
 
@@ -128,6 +159,9 @@ class Console:
             self.live = None
 
     def close(self) -> None:
+        """Deliver what is pending (this may wait for a slow reader), stop the footer, close supervisor.log."""
+        with self.lock:
+            self._flush_pending()
         self.stop_footer()
         if self.log_fd is not None:
             os.close(self.log_fd)

@@ -46,7 +46,6 @@ class Inventory:
 
     gpus: tuple[Gpu, ...]
     usable: tuple[Gpu, ...]
-    source: str  # "fake" | "nvml" | "nvidia-smi" | "none"
     fake: bool = False
     visible: str | None = None  # CUDA_VISIBLE_DEVICES as found, for the error messages
 
@@ -157,12 +156,12 @@ def discover(environ: dict[str, str] | None = None) -> Inventory:
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if environ.get(FAKE_GPUS_ENV):
         gpus = fake_gpus(environ[FAKE_GPUS_ENV])
-        return Inventory(tuple(gpus), tuple(visible_filter(gpus, visible)), "fake", fake=True, visible=visible)
-    for source, probe in (("nvml", nvml_gpus), ("nvidia-smi", smi_gpus)):
+        return Inventory(tuple(gpus), tuple(visible_filter(gpus, visible)), fake=True, visible=visible)
+    for probe in (nvml_gpus, smi_gpus):
         found = probe()
         if found:
-            return Inventory(tuple(found), tuple(visible_filter(found, visible)), source, visible=visible)
-    return Inventory((), (), "none", visible=visible)
+            return Inventory(tuple(found), tuple(visible_filter(found, visible)), visible=visible)
+    return Inventory((), (), visible=visible)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

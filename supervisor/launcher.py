@@ -145,7 +145,7 @@ class Launcher:
                 pump.add(w.stdout_fd, prefix, 1, log_fds[w.spec.rank], keep_tail=False)
                 tails[w.spec.rank] = pump.add(w.stderr_fd, prefix, 2, log_fds[w.spec.rank], keep_tail=True)
             pump.start()
-            watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control, restart)
+            watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control)
             if self.footer is not None:
                 self.footer.rows = watch.footer_rows
                 if restart:

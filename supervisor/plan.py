@@ -66,10 +66,6 @@ class Plan:
     def world_size(self) -> int:
         return self.nnodes * len(self.ranks)
 
-    @property
-    def uses_gpus(self) -> bool:
-        return any(r.gpu is not None for r in self.ranks)
-
     def argv(self, config_path: Path) -> list[str]:
         args = ["--run-config", str(config_path)] if self.trainer_entry else []
         return [self.python, str(self.entry), *args, *self.entry_args]

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 
 TOKEN_ENV = "SUPERVISOR_RUN_TOKEN"
 
 
 class Reaper:
     def __init__(self) -> None:
-        self.token = uuid.uuid4().hex  # every rank's environment carries it (see Plan.rank_env's caller)
+        self.token = os.urandom(16).hex()  # every rank's environment carries it (see Plan.rank_env's caller)
         read_end, self.fd = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the sentinel

@@ -13,8 +13,9 @@ the ranks' groups (the supervisor is a child subreaper, so orphans come to it ra
 
 Hang watchdog: a rank that reports nothing for its allowance is stalled. The allowance depends on what it said
 last: after a ``step`` record, ``--hang-timeout``; before its first step, or after a ``phase`` (start-up,
-evaluation, checkpoint) or ``done`` record, ``--startup-timeout``. A stalled group first gets SIGUSR1 on every rank
-(faulthandler prints all Python thread stacks into each log), a short pause, then the normal stop.
+evaluation, checkpoint) or ``done`` record, ``--startup-timeout``. Time the console spent blocked (a paused pager)
+does not count: a rank waiting to write its output is not stalled. A stalled group first gets SIGUSR1 on every
+rank (faulthandler prints all Python thread stacks into each log), a short pause, then the normal stop.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import selectors
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
 from supervisor.plan import Plan
@@ -33,6 +34,9 @@ from supervisor.reaper import Reaper
 from supervisor.signals import STOP_SIGNALS, SignalInbox
 from supervisor.worker import Worker, describe_exit
 from trainer.progress import Progress
+
+if TYPE_CHECKING:
+    from supervisor.control import ControlChannel
 
 DUMP_WAIT = 1.0  # after SIGUSR1: time for faulthandler to write every thread's stack before the stop begins
 KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
@@ -54,6 +58,7 @@ class RankState:
 
     last_seen: float  # monotonic
     last_seen_wall: float
+    console_mark: float = 0.0  # Console.writing_time() when last seen
     event: str | None = None
     phase: str | None = None
     step: int = 0
@@ -63,8 +68,8 @@ class RankState:
     eta_s: float | None = None
     pending: bytes = b""
 
-    def update(self, record: Progress) -> None:
-        self.last_seen, self.last_seen_wall = time.monotonic(), time.time()
+    def update(self, record: Progress, console_mark: float) -> None:
+        self.last_seen, self.last_seen_wall, self.console_mark = time.monotonic(), time.time(), console_mark
         self.event = record.event
         if record.event == "phase":
             self.phase = record.phase
@@ -76,6 +81,10 @@ class RankState:
     def allowance(self, hang_timeout: float, startup_timeout: float) -> float:
         return hang_timeout if self.event == "step" else startup_timeout
 
+    def silence(self, now: float, console_time: float) -> float:
+        """Seconds without progress, not counting those the console held the rank's output back."""
+        return now - self.last_seen - (console_time - self.console_mark)
+
 
 @dataclass
 class Stop:
@@ -85,7 +94,6 @@ class Stop:
     exit_code: int
     detail: str
     worker: Worker | None = None
-    signum: int | None = None
     at: float = field(default_factory=time.monotonic)
     term_at: float = 0.0  # when SIGTERM goes out (later than `at` only for a hang: the stack-dump pause)
     kill_at: float = float("inf")
@@ -100,8 +108,6 @@ class GroupResult:
     endings: dict[int, str]
     tails: dict[int, Stream]  # stderr streams by global rank
     stop: Stop | None
-    duration: float
-    restart: int
 
     @property
     def exit_code(self) -> int:
@@ -115,15 +121,13 @@ class GroupResult:
 
 class Watch:
     def __init__(self, plan: Plan, workers: list[Worker], pump: Pump, tails: dict[int, Stream], console: Console,
-                 signals: SignalInbox, reaper: Reaper, control: Any = None, restart: int = 0) -> None:
+                 signals: SignalInbox, reaper: Reaper, control: ControlChannel | None = None) -> None:
         self.plan, self.workers, self.pump, self.tails = plan, workers, pump, tails
         self.console, self.signals, self.reaper, self.control = console, signals, reaper, control
-        self.restart = restart
         now, wall = time.monotonic(), time.time()
-        self.states = {w.spec.rank: RankState(now, wall) for w in workers}
+        self.states = {w.spec.rank: RankState(now, wall, console.writing_time()) for w in workers}
         self.endings: dict[int, str] = {}
         self.stop: Stop | None = None
-        self.started = now
         self.selector = selectors.DefaultSelector()
 
     # -- the loop --------------------------------------------------------------------------------------------------
@@ -150,13 +154,13 @@ class Watch:
             self.selector.close()
         self.sweep()
         self.pump.finish(PUMP_WAIT)
-        return GroupResult(self.workers, self.states, self.endings, self.tails, self.stop,
-                           time.monotonic() - self.started, self.restart)
+        return GroupResult(self.workers, self.states, self.endings, self.tails, self.stop)
 
     def dispatch(self, data: Any) -> None:
         if data == "signals":
             self.on_signals(self.signals.read())
         elif data == "control":
+            assert self.control is not None
             for event in self.control.read_events():
                 self.on_remote(event)
         elif data[0] == "exit":
@@ -170,11 +174,12 @@ class Watch:
         stop = self.stop
         if stop is None:
             if self.plan.hang_timeout > 0:
+                now, console_time = time.monotonic(), self.console.writing_time()
                 for w in self.workers:
                     if w.alive:
                         st = self.states[w.spec.rank]
-                        deadlines.append(st.last_seen + st.allowance(self.plan.hang_timeout,
-                                                                     self.plan.startup_timeout))
+                        allowance = st.allowance(self.plan.hang_timeout, self.plan.startup_timeout)
+                        deadlines.append(now + allowance - st.silence(now, console_time))
         elif not stop.terminated:
             deadlines.append(stop.term_at)
         elif not stop.killed:
@@ -268,7 +273,7 @@ class Watch:
             if self.stop is None:
                 self.console.say(f"{name}: stopping every rank (SIGTERM, then SIGKILL after "
                                  f"{self.plan.grace_period:g} s; {name} again to kill at once)", style="bold yellow")
-                self.begin_stop(Stop("interrupt", 128 + signum, f"interrupted by {name}", signum=signum))
+                self.begin_stop(Stop("interrupt", 128 + signum, f"interrupted by {name}"))
             elif not self.stop.killed:
                 self.console.say(f"{name} again: killing every rank now", style="bold yellow")
                 self.kill_all()
@@ -295,25 +300,27 @@ class Watch:
         *lines, state.pending = (state.pending + data).split(b"\n")
         for line in lines:
             try:
-                state.update(Progress.decode(line))
+                state.update(Progress.decode(line), self.console.writing_time())
             except (ValueError, TypeError):
                 continue  # a malformed record says nothing about progress
 
     def check_hangs(self, now: float) -> None:
         if self.plan.hang_timeout <= 0:
             return
+        console_time = self.console.writing_time()
         for w in self.workers:
             if not w.alive:
                 continue
             st = self.states[w.spec.rank]
             allowance = st.allowance(self.plan.hang_timeout, self.plan.startup_timeout)
-            if now - st.last_seen < allowance:
+            silence = st.silence(now, console_time)
+            if silence < allowance:
                 continue
             since = time.strftime("%H:%M:%S", time.localtime(st.last_seen_wall))
             last = "no step yet" if st.step == 0 else f"last step {st.step}" + (f"/{st.total}" if st.total else "")
             if st.event == "phase" and st.phase:
                 last += f", last phase '{st.phase}'"
-            detail = f"{w.label} (rank {w.spec.rank}) stalled: no progress for {now - st.last_seen:.1f} s " \
+            detail = f"{w.label} (rank {w.spec.rank}) stalled: no progress for {silence:.1f} s " \
                      f"(since {since}; {last})"
             self.console.say(f"{detail}; dumping every rank's Python stacks (SIGUSR1), then stopping",
                              style="bold red")
@@ -346,7 +353,10 @@ class Watch:
     def footer_rows(self) -> list[tuple[Worker, RankState, str]]:
         rows = []
         for w in self.workers:
-            status = "running" if w.alive else self.endings.get(w.spec.rank, describe_exit(w.exit_code or 0))
+            if w.alive:
+                status = "finishing" if self.states[w.spec.rank].event == "done" else "running"
+            else:
+                status = self.endings.get(w.spec.rank, describe_exit(w.exit_code or 0))
             rows.append((w, self.states[w.spec.rank], status))
         return rows
 

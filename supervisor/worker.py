@@ -66,6 +66,7 @@ def exit_code_of(status: int) -> int:
 
 
 def describe_exit(code: int) -> str:
+    """``exit 3``, or ``SIGKILL (137)`` for a code that stands for a signal."""
     if code > 128 and code - 128 in signal.valid_signals():
         return f"{signal.Signals(code - 128).name} ({code})"
     return f"exit {code}"
@@ -98,7 +99,7 @@ class Worker:
         return self.exit_code is None
 
     @classmethod
-    def spawn(cls, spec: RankSpec, argv: list[str], env: dict[str, str], cwd: str | None = None) -> "Worker":
+    def spawn(cls, spec: RankSpec, argv: list[str], env: dict[str, str]) -> "Worker":
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         prog_r, prog_w = os.pipe()
@@ -107,7 +108,7 @@ class Worker:
         os.set_blocking(prog_r, False)
         env = {**env, PROGRESS_FD_ENV: str(prog_w)}
         try:
-            process = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+            process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
                                        pass_fds=(prog_w,), start_new_session=True,
                                        preexec_fn=die_with_parent(os.getpid()))
         except BaseException:

@@ -230,8 +230,8 @@ def test_three_processes_at_once_build_exactly_once(tmp_path: Path) -> None:
 
 
 def test_a_build_killed_at_random_points_is_never_accepted(tmp_path: Path) -> None:
-    cfg = make_config(tmp_path / "timing", max_samples=150, vocab_size=400)
-    config = write_config(tmp_path / "cfg.json", cfg)
+    sized = {"max_samples": 100, "vocab_size": 400}  # big enough that a kill can land in every phase
+    config = write_config(tmp_path / "cfg.json", make_config(tmp_path / "timing", **sized))
     started = time.perf_counter()
     subprocess.run(cli(config), check=True, capture_output=True, timeout=120)
     full = time.perf_counter() - started  # one whole run: start-up, BPE training, tokenizing, publishing
@@ -242,7 +242,7 @@ def test_a_build_killed_at_random_points_is_never_accepted(tmp_path: Path) -> No
     killed_mid_build = []
     for trial, (trigger, delay) in enumerate(plans):
         root = tmp_path / f"cache{trial}"
-        trial_config = write_config(tmp_path / f"cfg{trial}.json", make_config(root, max_samples=150, vocab_size=400))
+        trial_config = write_config(tmp_path / f"cfg{trial}.json", make_config(root, **sized))
         proc = subprocess.Popen(cli(trial_config), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             watch = root / TOKENIZERS_DIR if trigger == "tokenizer" else root
@@ -258,7 +258,7 @@ def test_a_build_killed_at_random_points_is_never_accepted(tmp_path: Path) -> No
             TokenCache.open(folder).verify()
         completed = bool(final_folders(root))
         killed_mid_build.append(bool(leftovers(root)))
-        info = prepare(make_config(root, max_samples=150, vocab_size=400), show_progress=False)
+        info = prepare(make_config(root, **sized), show_progress=False)
         assert info.built != completed, (trigger, delay)
         assert not leftovers(root), (trigger, delay)
         TokenCache.open(info.path).verify()

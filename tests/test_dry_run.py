@@ -55,6 +55,19 @@ def test_production_estimate_on_eight_80_gib_gpus() -> None:
     assert "FSDP (training.strategy) fits" in format_estimate(estimate(preset("production"), 8, 80 * GiB))
 
 
+def test_the_supervisor_can_estimate_without_torch() -> None:
+    code = ("import sys\n"
+            "from trainer.config import Config, apply_layer, preset_layer\n"
+            "from trainer.estimate import GiB, estimate, format_estimate\n"
+            "cfg = Config()\n"
+            "apply_layer(cfg, preset_layer('production'), 'production')\n"
+            "print(format_estimate(estimate(cfg, 8, 80 * GiB)))\n"
+            "assert 'torch' not in sys.modules\n")
+    result = subprocess.run([PYTHON, "-c", code], env=base_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "FSDP (training.strategy) fits" in result.stdout
+
+
 def test_checkpointing_and_batch_drive_activations() -> None:
     base = estimate(preset("production"), 8, None)
     no_ckpt = preset("production")

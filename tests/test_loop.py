@@ -52,6 +52,27 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path, token_cache_
     assert all(got[s] == expected[s] for s in got)  # bit-identical on CPU
 
 
+def test_gradient_checkpointing_changes_memory_not_results(tmp_path: Path, token_cache_dir: Path,
+                                                           one_thread: None) -> None:
+    losses = []
+    for checkpointing in (False, True):
+        cfg = tiny_config(tmp_path / str(checkpointing), token_cache_dir, training={"max_steps": 3},
+                          model={"gradient_checkpointing": checkpointing, "num_layers": 2})
+        assert loop.train(cfg) == 0
+        losses.append(history_losses(Path(cfg.logging.run_dir)))
+    assert losses[0] == losses[1]
+
+
+def test_a_failing_run_still_writes_its_history(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:
+    cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 5},
+                      debug={"inject_fault": "raise", "inject_fault_step": 2})
+    with pytest.raises(RuntimeError, match="injected fault at step 2"):
+        loop.train(cfg)
+    record = history(Path(cfg.logging.run_dir))
+    assert record["run"]["status"] == "failed" and [r["step"] for r in record["steps"]] == [0, 1]
+    assert (Path(cfg.logging.run_dir) / "training_history.png").is_file()
+
+
 class SigtermAt(ProgressReporter):
     """Sends this process a real SIGTERM when the loop reports a given step."""
 

@@ -14,6 +14,7 @@ from trainer.errors import UserError
 from trainer.model import (
     build_model,
     count_parameters,
+    enable_gradient_checkpointing,
     model_shape,
     shape_signature,
     use_maskless_causal_attention,
@@ -105,3 +106,10 @@ def test_maskless_causal_attention_is_sdpa_without_host_reads(tmp_path: Path) ->
     assert counter.count == 0 and torch.equal(got, expected)
     model.save_pretrained(tmp_path / "saved")
     assert "sdpa_causal_no_mask" not in (tmp_path / "saved" / "config.json").read_text()
+
+
+def test_gradient_checkpointing_switch(tmp_path: Path) -> None:
+    model = build_model(cfg_for(tmp_path, num_layers=2), 300, 0, CPU)
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+    enable_gradient_checkpointing(model)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)

@@ -28,7 +28,7 @@ def test_selection_rules():
     assert ids(gpus.select(eight, None, 3)) == [0, 1, 2]
     assert ids(gpus.select(eight, "5,0,3", None)) == [5, 0, 3]
     assert ids(gpus.select(inventory("0,1,2"), None, None)) == [0, 1, 2]
-    assert gpus.select(gpus.Inventory((), (), "none"), None, None) == []
+    assert gpus.select(gpus.Inventory((), ()), None, None) == []
 
 
 def test_auto_prefers_free_memory_then_low_utilisation():
@@ -64,7 +64,7 @@ def test_cuda_visible_devices_limits_the_choice():
 
 def test_no_gpu_with_gpus_flag():
     with pytest.raises(UserError, match="no GPU found on this machine"):
-        gpus.select(gpus.Inventory((), (), "none"), "0", None)
+        gpus.select(gpus.Inventory((), ()), "0", None)
 
 
 def test_id_ranges():

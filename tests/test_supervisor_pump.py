@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 
 import pytest
 
-from rank_scripts.harness import SPAM, WORKER, cleanup, clean_env, run, start  # noqa: F401  (cleanup: fixture)
+from rank_scripts.harness import SPAM, WORKER, alive, cleanup, clean_env, run, start, survivors  # noqa: F401
 from supervisor.console import Console
 from supervisor.pump import MAX_LINE, Pump, clean_cr
 
@@ -123,3 +124,62 @@ def test_a_bar_that_never_ends_its_line_is_bounded(tmp_path):
     console, _, largest_carry = feed_pump(tmp_path, updates)
     assert console == b"GPU0:" + updates[-1][1:] + b"\n"
     assert largest_carry <= max(len(u) for u in updates), "only the segment on screen is kept"
+
+
+def test_terminal_gets_coloured_prefixes_and_a_live_footer(tmp_path, cleanup):
+    """Stdout and stderr on one terminal: rank lines scroll above a footer with each rank's step and loss."""
+    master, slave = os.openpty()
+    r = start(tmp_path, "--nproc", "2", entry=WORKER, entry_args=("--steps", "20", "--step-time", "0.03"),
+              env=clean_env(TERM="xterm", COLUMNS="120", LINES="40"), stdout=slave, stderr=slave)
+    os.close(slave)
+    screen = b""
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the supervisor closed the terminal's last writer
+            break
+        if not data:
+            break
+        screen += data
+    os.close(master)
+    r.wait()
+    assert r.returncode == 0
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.decode(errors="replace"))
+    assert "CPU0:rank 0 finished 20 steps" in text and "CPU1:rank 1 finished 20 steps" in text
+    assert re.search(r"CPU0\s+\d+/20\s+\d+\.\d{4}\s+1,000", text), "the footer shows step, loss and tokens/s"
+    assert "supervisor: run finished" in text
+
+
+def read_all(pipe) -> bytes:
+    data = b""
+    while chunk := pipe.read(1 << 20):
+        data += chunk
+    return data
+
+
+def test_a_paused_reader_is_not_a_hang(tmp_path, cleanup):
+    """Nobody reads our stdout for a while (a paused pager): the ranks block on their output, which is not a stall."""
+    r = start(tmp_path, "--nproc", "2", "--hang-timeout", "0.5", "--startup-timeout", "20", entry=WORKER,
+              entry_args=("--steps", "60", "--chatter", "50000", "--fail-rank", "9"), stdout=subprocess.PIPE)
+    time.sleep(3)  # several hang timeouts with the console blocked
+    out = read_all(r.proc.stdout)
+    r.wait()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "stalled" not in r.stderr
+    assert out.count(b"CPU0:rank 0 step ") == 60 and out.count(b"CPU1:rank 1 step ") == 60
+
+
+def test_a_paused_reader_does_not_delay_the_kill_all(tmp_path, cleanup):
+    """Rank 1 fails while the console is blocked by rank 0's output; rank 0 ignores SIGTERM: it is killed at the end
+    of the grace period all the same, the supervisor's messages wait for the reader instead."""
+    r = start(tmp_path, "--nproc", "2", "--grace-period", "0.5", entry=WORKER, stdout=subprocess.PIPE,
+              entry_args=("--steps", "0", "--chatter", "50000", "--fail", "exit", "--fail-step", "50",
+                          "--on-term", "ignore"))
+    pids = r.wait_for_ranks(2)
+    deadline = time.monotonic() + 20
+    while alive(pids[1]) and time.monotonic() < deadline:  # rank 1 reaches its failing step
+        time.sleep(0.05)
+    assert survivors(pids, timeout=3.0) == [], "rank 0 still runs while the reader is paused"
+    read_all(r.proc.stdout)
+    r.wait()
+    assert r.returncode == 3

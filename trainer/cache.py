@@ -347,9 +347,9 @@ class TokenStream:
             return
         if self.dtype == DTYPES["uint16"] and int(ids.max()) > np.iinfo(np.uint16).max:
             self.widen()
-        self._tokens.write(ids.astype(self.dtype, copy=False).tobytes())
+        self._tokens.write(np.ascontiguousarray(ids, dtype=self.dtype).data)
         ends = self.tokens + np.cumsum(lengths, dtype=np.int64)
-        self._offsets.write(ends.astype("<i8", copy=False).tobytes())
+        self._offsets.write(np.ascontiguousarray(ends, dtype="<i8").data)
         self.tokens = int(ends[-1])
         self.documents += len(lengths)
 

@@ -1,7 +1,8 @@
 """Will it fit? Per-GPU memory under DDP and under FSDP2 sharding, from exact sizes and no allocation.
 
-Used by `pretrain_main.py --dry-run` and callable by the supervisor (`estimate` + `format_estimate`). Sizes come from
-the model built on the meta device, so an 8B-parameter preset costs nothing to inspect. The figures are estimates:
+Used by `pretrain_main.py --dry-run` and callable by the supervisor (`estimate` + `format_estimate`, no torch import
+for a model described by the config's fields). `--dry-run` sizes the model built on the meta device, so an
+8B-parameter preset costs nothing to inspect. The figures are estimates:
 weights, gradients and optimizer state are exact byte counts for this code's choices (fp32 master weights, AdamW's two
 fp32 moments, DDP gradients living in its buckets); activations follow what autograd saves per decoder layer for the
 Llama block with SDPA attention (no score matrix), and the overhead is a flat allowance.
@@ -10,17 +11,39 @@ Llama block with SDPA attention (no score matrix), and the overhead is a flat al
 from __future__ import annotations
 
 import os
-
-import psutil
 from dataclasses import dataclass, field
 
-from trainer.config import Config, flops_per_token, human, tokens_per_step
-from trainer.model import ModelShape, model_shape
+import psutil
+
+from trainer.config import Config, flops_per_token, human, model_vocab_size, parameter_count, tokens_per_step
 
 GiB = 1024**3
 FP32 = 4
 OVERHEAD_BYTES = 2 * GiB  # CUDA context, NCCL buffers, allocator slack: a rough flat allowance
 STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizes and memory arithmetic need to know about a model, whichever way it was specified."""
+
+    parameters: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+
+def config_shape(cfg: Config) -> ModelShape:
+    """The shape of the Llama the config's fields describe, by arithmetic (no torch: the supervisor can afford it).
+    `trainer.model.model_shape` gives the same from a meta-device build, and also covers model.name_or_path."""
+    m = cfg.model
+    return ModelShape(parameters=parameter_count(cfg), hidden_size=m.hidden_size, num_layers=m.num_layers,
+                      num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, ffn_hidden_size=m.ffn_hidden_size,
+                      vocab_size=model_vocab_size(cfg), tie_word_embeddings=m.tie_word_embeddings)
 
 
 @dataclass(frozen=True)
@@ -92,9 +115,18 @@ def layer_parameters(s: ModelShape) -> int:
     return (s.parameters - embeddings - s.hidden_size) // max(1, s.num_layers)
 
 
-def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None) -> MemoryEstimate:
-    """Per-GPU memory for this config on `world_size` GPUs of `gpu_memory_bytes` each (None: no GPU to compare)."""
-    s = model_shape(cfg)
+def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None,
+             shape: ModelShape | None = None) -> MemoryEstimate:
+    """Per-GPU memory for this config on `world_size` GPUs of `gpu_memory_bytes` each (None: no GPU to compare).
+
+    `shape` defaults to the config's arithmetic, which needs no torch; a model from `model.name_or_path` is sized on
+    the meta device instead (that imports torch and transformers).
+    """
+    if shape is None and cfg.model.name_or_path:
+        from trainer.model import model_shape
+
+        shape = model_shape(cfg)
+    s = shape or config_shape(cfg)
     n = max(1, world_size)
     c = compute_bytes(cfg)
     p = s.parameters
@@ -190,9 +222,11 @@ def detect_gpus() -> tuple[int, int | None, str | None]:
 def dry_run_report(cfg: Config, nproc: int | None = None) -> str:
     """What `--dry-run` prints: sizes, throughput arithmetic and the memory estimate for the GPU count that would be
     used (WORLD_SIZE, else --nproc, else the GPUs detected, else 1)."""
+    from trainer.model import model_shape
+
     count, memory, name = detect_gpus()
     world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else (nproc or count or 1)
-    est = estimate(cfg, world, memory)
+    est = estimate(cfg, world, memory, shape=model_shape(cfg))  # exact sizes from the meta device
     s, t, d = est.shape, cfg.training, cfg.data
     source = cfg.model.name_or_path or cfg.model.architecture
     flops = f"{human(est.flops_per_token)} (6N + attention)" if est.flops_per_token else "n/a for a model from a folder"

@@ -441,7 +441,7 @@ class Trainer:
         self.progress.step(self.completed, self.total, loss=global_loss, tok_s=tok_s, eta_s=eta_s)
         if not self.ctx.is_main or self.history is None:
             return
-        parts = [f"[all {self.ctx.world_size} ranks] step {step}/{self.total}", f"mean loss {global_loss:.4f}"]
+        parts = [f"[all ranks] step {step}/{self.total}", f"mean loss {global_loss:.4f}"]
         if val_loss is not None:
             parts.append(f"val loss {val_loss:.4f}")
         if tok_s is not None:

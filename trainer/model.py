@@ -7,7 +7,6 @@ anyone can load with `AutoModelForCausalLM`. Building on the meta device gives e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,24 +14,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 
 from trainer.config import Config, model_vocab_size
 from trainer.errors import UserError
+from trainer.estimate import ModelShape
 
 ATTENTION = "sdpa"  # PyTorch's fused attention: flash / memory-efficient kernels on GPUs, a fused kernel on CPUs
 MASKLESS_ATTENTION = "sdpa_causal_no_mask"  # the same kernel, registered under a name no mask builder knows
 WEIGHT_FILE_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What sizes and memory arithmetic need to know about a model, whichever way it was specified."""
-
-    parameters: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
 
 
 def llama_config(cfg: Config, vocab_size: int, eos_id: int | None = None) -> LlamaConfig:
@@ -127,8 +113,13 @@ def use_maskless_causal_attention(model: PreTrainedModel) -> None:
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute each decoder layer in backward: activations drop to one tensor per layer boundary."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """Recompute each decoder layer in backward: activations drop to one tensor per layer boundary.
+    (transformers 5 renamed the switch; older releases only have gradient_checkpointing_enable.)"""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

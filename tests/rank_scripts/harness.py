@@ -74,7 +74,8 @@ class Run:
 
 
 def start(tmp: Path, *args: str, entry: Path | None = WORKER, entry_args: tuple[str, ...] = (),
-          env: dict[str, str] | None = None, stdout: int | None = None, tag: str = "") -> Run:
+          env: dict[str, str] | None = None, stdout: int | None = None, stderr: int | None = None,
+          tag: str = "") -> Run:
     """Start ``python -m supervisor ARGS --entry ENTRY -- ENTRY_ARGS`` in `tmp` (logs and pid files there too)."""
     log_dir, pid_dir = tmp / f"logs{tag}", tmp / f"pids{tag}"
     pid_dir.mkdir(parents=True, exist_ok=True)
@@ -88,7 +89,7 @@ def start(tmp: Path, *args: str, entry: Path | None = WORKER, entry_args: tuple[
         cmd += ["--", *entry_args]
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(cmd, cwd=tmp, env=env or clean_env(), stdout=stdout if stdout is not None else out,
-                                stderr=err, stdin=subprocess.DEVNULL)
+                                stderr=stderr if stderr is not None else err, stdin=subprocess.DEVNULL)
     started = Run(proc, tmp, log_dir, pid_dir, out_path, err_path)
     _started.append(started)
     return started

@@ -27,6 +27,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=0, help="0: run until stopped")
     p.add_argument("--step-time", type=float, default=0.02)
     p.add_argument("--startup-time", type=float, default=0.0, help="silence before the first step")
+    p.add_argument("--chatter", type=int, default=0, help="bytes of stdout per step, on every rank but --fail-rank")
     p.add_argument("--fail", choices=["raise", "exit", "sigkill", "segv", "hang"])
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--fail-step", type=int, default=3)
@@ -122,6 +123,8 @@ def main() -> None:
             sys.exit(args.fail_unless_resumed)
         if args.fail and rank == args.fail_rank and step == args.fail_step:
             fault(args)
+        if args.chatter and rank != args.fail_rank:
+            sys.stdout.write(f"rank {rank} step {step} " + "c" * args.chatter + "\n")
         if all_reduce is not None:
             all_reduce()
         time.sleep(args.step_time)
