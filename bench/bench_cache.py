@@ -292,6 +292,7 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; load average "
           f"{os.getloadavg()[0]:.1f} at start")
     work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
+    started = time.perf_counter()
     try:
         cfg, config = throughput(work, args.rounds, args.vocab_size)
         hit_wall(config)
@@ -300,6 +301,7 @@ def main() -> None:
             reading_memory(work, cfg)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(f"(benchmark wall time {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at the end)")
 
 
 if __name__ == "__main__":

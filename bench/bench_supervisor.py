@@ -1,6 +1,6 @@
 """Supervisor benchmark: the supervisor and torchrun side by side in one run, 2 CPU ranks on gloo.
 
-    python bench/bench_supervisor.py [--repeats 3] [--skip-torchrun]
+    python bench/bench_supervisor.py [--repeats 3] [--line-rounds 3] [--skip-torchrun]
 
 The rank programs are the anchors of ANCHORS.md ("Launcher"), copied into bench/supervisor_anchors/:
 1. failure → every rank gone: fail.py (rank 1 ``os._exit(3)`` at step 20, the others inside a gloo all-reduce);
@@ -8,10 +8,10 @@ The rank programs are the anchors of ANCHORS.md ("Launcher"), copied into bench/
    Goal: ≤ 0.15 s and the rank's own code.
 2. a stalled rank: hang_progress.py (hang.py plus the progress channel); when the supervisor notices, and whether
    every rank's stack reached its log; torchrun is given the same time and more. Goal: hang timeout + 1 s.
-3. 2 ranks × 3 M log lines (spam2.py): wall time against the same two ranks writing straight to /dev/null. Two
-   direct baselines: with the environment every launcher's ranks run in here (PYTHONUNBUFFERED=1, the rank
-   contract: a write per line), and block-buffered. Goal: ≤ 1.3× direct. The supervisor's log files are checked
-   afterwards: every line whole, none lost.
+3. 2 ranks × 3 M log lines: wall time (and CPU seconds, steadier on a shared machine) against the same two ranks
+   writing straight to /dev/null, medians of rounds that interleave the two. Goal: ≤ 1.3× direct. Twice: spam2.py
+   in the environment every launcher gives its ranks here (PYTHONUNBUFFERED=1, the rank contract: one write per
+   line), and spam2_blocks.py, the same lines written in 8 KiB blocks, as stdout was in the anchor's direct run. The supervisor's log files are checked afterwards: every line whole, none lost.
 4. start of 2 no-op ranks (noop.py), median, against spawning the two interpreters bare. Goal: ≤ 0.3 s over bare.
 5. SIGKILL to the launcher while 2 ranks sleep (sleeper.py): ranks still alive a second later; for the supervisor
    also with ranks that have children of their own, one of them in a session of its own. Goal: 0.
@@ -26,6 +26,7 @@ import argparse
 import compileall
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -149,13 +150,19 @@ def stall(launcher: str, hang_timeout: float) -> str:
 # 3. log lines
 
 
-def direct_spam(lines_env: dict[str, str]) -> float:
-    started = time.perf_counter()
-    procs = [subprocess.Popen([PY, str(ANCHORS / "spam2.py")], env={**lines_env, "RANK": str(r)},
-                              stdout=subprocess.DEVNULL) for r in (0, 1)]
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def direct_spam(script: Path) -> tuple[float, float]:
+    """(wall, CPU seconds) of the two ranks writing straight to /dev/null."""
+    cpu, started = children_cpu(), time.perf_counter()
+    procs = [subprocess.Popen([PY, str(script)], env={**RANK_ENV, "RANK": str(r)}, stdout=subprocess.DEVNULL)
+             for r in (0, 1)]
     for p in procs:
         p.wait()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, children_cpu() - cpu
 
 
 def check_logs(folder: Path, lines: int) -> str:
@@ -170,15 +177,16 @@ def check_logs(folder: Path, lines: int) -> str:
     return "every line whole" if not problems else "BROKEN: " + ", ".join(problems)
 
 
-def log_lines(launcher: str) -> tuple[float, str]:
+def log_lines(launcher: str, script: Path) -> tuple[float, float, str]:
+    """(wall, CPU seconds of the launcher and its ranks, log check)."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        script = ANCHORS / "spam2.py"
+        cpu = children_cpu()
         if launcher == "supervisor":
             _, wall = run_to_end(supervisor_cmd(work, script), work)
-            return wall, check_logs(next((work / "logs").iterdir()), 3_000_000)
+            return wall, children_cpu() - cpu, check_logs(next((work / "logs").iterdir()), 3_000_000)
         _, wall = run_to_end(torchrun_cmd(script, options=("--tee", "3", "--log-dir", str(work / "tr"))), work)
-        return wall, ""
+        return wall, children_cpu() - cpu, ""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -246,6 +254,7 @@ def orphans(launcher: str, grandchildren: bool = False) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--line-rounds", type=int, default=3, help="rounds of the 3 M lines measure")
     parser.add_argument("--skip-torchrun", action="store_true")
     args = parser.parse_args()
     compileall.compile_dir(ROOT / "supervisor", quiet=1)
@@ -266,15 +275,24 @@ def main() -> None:
     for name, text in hang.items():
         say(f"   {name}: {text}")
 
-    say("3. 2 ranks x 3 M log lines")
-    direct_env = direct_spam(RANK_ENV)
-    buffered_env = {k: v for k, v in RANK_ENV.items() if k != "PYTHONUNBUFFERED"}
-    direct_buffered = direct_spam(buffered_env)
-    lines = {name: log_lines(name) for name in launchers}
-    say(f"   direct, rank environment (a write per line): {direct_env:.2f} s; direct, block-buffered: "
-        f"{direct_buffered:.2f} s")
-    for name, (wall, check) in lines.items():
-        say(f"   {name}: {wall:.2f} s = {wall / direct_env:.2f}x direct, {wall / direct_buffered:.2f}x buffered {check}")
+    say("3. 2 ranks x 3 M log lines (medians; direct and supervisor interleaved, torchrun once)")
+    lines: dict[str, dict[str, tuple[float, float]]] = {}
+    for kind, script in (("per line", ANCHORS / "spam2.py"), ("8 KiB blocks", ANCHORS / "spam2_blocks.py")):
+        runs: dict[str, list[tuple[float, float]]] = {"direct": [], "supervisor": []}
+        checks = set()
+        for _ in range(args.line_rounds):
+            runs["direct"].append(direct_spam(script))
+            wall, cpu, check = log_lines("supervisor", script)
+            runs["supervisor"].append((wall, cpu))
+            checks.add(check)
+        if "torchrun" in launchers:
+            runs["torchrun"] = [log_lines("torchrun", script)[:2]]
+        lines[kind] = {name: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r))
+                       for name, r in runs.items()}
+        base_wall, base_cpu = lines[kind]["direct"]
+        say(f"   ranks writing {kind}: direct {base_wall:.2f} s wall, {base_cpu:.2f} s CPU; " + "; ".join(
+            f"{name}: {wall:.2f} s = {wall / base_wall:.2f}x wall, {cpu / base_cpu:.2f}x CPU"
+            for name, (wall, cpu) in lines[kind].items() if name != "direct") + f"; supervisor logs: {checks}")
 
     say("4. start of 2 no-op ranks")
     bare = statistics.median(bare_noop() for _ in range(max(5, args.repeats)))
@@ -296,10 +314,13 @@ def main() -> None:
                  "-", "<= 0.15 s, the rank's code (3)"))
     rows.append(("stalled rank (hang timeout 2 s)", cell("supervisor", lambda n: hang[n].split(",")[0]),
                  cell("torchrun", lambda n: hang[n].split(",")[0]), "-", "<= timeout + 1 s"))
-    rows.append(("2 x 3 M log lines",
-                 cell("supervisor", lambda n: f"{lines[n][0]:.2f} s ({lines[n][0] / direct_env:.2f}x)"),
-                 cell("torchrun", lambda n: f"{lines[n][0]:.2f} s ({lines[n][0] / direct_env:.2f}x)"),
-                 f"direct {direct_env:.2f} s (buffered {direct_buffered:.2f} s)", "<= 1.3x direct"))
+    for kind, figures in lines.items():
+        base_wall, base_cpu = figures["direct"]
+        rows.append((f"2 x 3 M log lines, {kind}",
+                     *(cell(name, lambda n: f"{figures[n][0]:.2f} s ({figures[n][0] / base_wall:.2f}x; CPU "
+                                            f"{figures[n][1] / base_cpu:.2f}x)")
+                       for name in ("supervisor", "torchrun")),
+                     f"direct {base_wall:.2f} s", "<= 1.3x direct"))
     rows.append(("start of 2 no-op ranks", cell("supervisor", lambda n: f"{start[n]:.3f} s (+{start[n] - bare:.3f})"),
                  cell("torchrun", lambda n: f"{start[n]:.3f} s (+{start[n] - bare:.3f})"),
                  f"bare {bare:.3f} s", "<= +0.3 s"))

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                               f"when there is no GPU")
     launch = parser.add_argument_group("launch")
     launch.add_argument("--entry", metavar="SCRIPT",
-                        help=f"the rank program (default: the project's {TRAINER_ENTRY}); arguments after `--` go to it")
+                        help=f"the rank program (default: the project's {TRAINER_ENTRY}); arguments after `--` "
+                             f"go to it, the resolved config's path is in $SUPERVISOR_RUN_CONFIG")
     launch.add_argument("--no-prepare", action="store_true",
                         help="do not build the token cache before starting ranks (skipped anyway for another --entry)")
     launch.add_argument("--log-dir", default="logs", metavar="DIR", help="root of the run folders (default: logs)")
@@ -139,8 +140,9 @@ def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
     if chosen:
         if inventory.fake:
             cfg.system.device = "cpu"
-            console_notes.append(f"{gpus.FAKE_GPUS_ENV}: pretending GPUs {gpus.id_ranges([g.index for g in inventory.gpus])} "
-                                 f"exist; the ranks compute on the CPU")
+            fake_ids = gpus.id_ranges([g.index for g in inventory.gpus])
+            console_notes.append(f"{gpus.FAKE_GPUS_ENV}: pretending GPUs {fake_ids} exist; the ranks compute on the "
+                                 f"CPU")
         if args.gpus is not None and args.gpus.strip() == "auto":
             console_notes.append("--gpus auto chose " + "; ".join(g.describe() for g in chosen))
         return [g.index for g in chosen]

@@ -142,8 +142,10 @@ def visible_filter(gpus: list[Gpu], visible: str | None) -> list[Gpu]:
     for item in (s.strip() for s in visible.split(",")):
         if item.lstrip("-").isdigit():
             gpu = by_index.get(int(item))
+        elif item.startswith("GPU-"):  # a UUID, or a unique prefix of one
+            gpu = next((g for g in gpus if g.uuid and g.uuid.startswith(item)), None)
         else:
-            gpu = next((g for g in gpus if g.uuid and g.uuid.startswith(item)), None) if item.startswith("GPU-") else None
+            gpu = None
         if gpu is None:
             break
         if gpu not in chosen:
@@ -238,6 +240,6 @@ def select(inventory: Inventory, gpus_flag: str | None, nproc: int | None) -> li
             raise UserError(f"GPU {i} is hidden by CUDA_VISIBLE_DEVICES={inventory.visible}; usable GPUs: "
                             f"{id_ranges(list(by_index)) or 'none'}")
     if nproc is not None and nproc != len(ids):
-        raise UserError(f"--gpus {gpus_flag} names {len(ids)} GPU{'s' if len(ids) != 1 else ''} but --nproc is {nproc}; "
-                        f"give one or the other")
+        raise UserError(f"--gpus {gpus_flag} names {len(ids)} GPU{'s' if len(ids) != 1 else ''} but --nproc is "
+                        f"{nproc}; give one or the other")
     return [by_index[i] for i in ids]

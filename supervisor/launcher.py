@@ -13,8 +13,8 @@ restarted. Per-rank logs continue in the same files, after a marker line.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import os
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -67,7 +67,7 @@ class Launcher:
             while True:
                 pending = signals.peek_stop()
                 if pending is not None:  # arrived between two groups
-                    self.console.say(f"stopped by signal {pending} before restart {restarts}")
+                    self.console.say(f"{signal.Signals(pending).name}: not restarting; no rank is running")
                     return 128 + pending
                 result = self.run_group(restarts, signals, reaper, control)
                 if result.exit_code == 0 or not result.restartable or restarts >= self.plan.max_restarts:
@@ -95,13 +95,11 @@ class Launcher:
         """Build (or find) the token cache once, before any rank starts, so ranks never race to build it."""
         if not (self.plan.prepare and self.plan.trainer_entry):
             return
-        if importlib.util.find_spec("trainer.cache") is None:
-            self.console.say("trainer/cache.py is not there: no dataset to prepare")
-            return
-        from trainer.cache import prepare
+        from trainer.cache import prepare  # here, not at the top: its build path imports the tokenizer libraries
 
         info = prepare(self.cfg)
-        self.console.say(f"dataset {'built' if info.built else 'ready'}: {info.tokens:,} training tokens in {info.path}")
+        state = "built" if info.built else "ready"
+        self.console.say(f"dataset {state}: {info.tokens:,} training tokens in {info.path}")
 
     def config_path(self, restart: int) -> Path:
         if restart == 0:

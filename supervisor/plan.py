@@ -70,10 +70,9 @@ class Plan:
         args = ["--run-config", str(config_path)] if self.trainer_entry else []
         return [self.python, str(self.entry), *args, *self.entry_args]
 
-    def rank_env(self, spec: RankSpec, master_port: int, config_path: Path, restart: int,
-                 base: dict[str, str] | None = None) -> dict[str, str]:
+    def rank_env(self, spec: RankSpec, master_port: int, config_path: Path, restart: int) -> dict[str, str]:
         """Everything but SUPERVISOR_PROGRESS_FD, which the worker adds with the pipe it creates."""
-        env = dict(os.environ if base is None else base)
+        env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         env.update({
             "RANK": str(spec.rank),
@@ -87,8 +86,9 @@ class Plan:
             RUN_CONFIG_ENV: str(config_path),
             RESTART_COUNT_ENV: str(restart),
         })
+        # The cores shared out, so the ranks' thread pools do not oversubscribe the machine; a value set by hand wins.
         env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // max(1, self.local_world_size))))
-        if self.nnodes == 1:
+        if self.nnodes == 1:  # gloo's own sockets stay on the machine (see supervisor/rendezvous.py)
             env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         if spec.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)

@@ -31,8 +31,9 @@ def rank_table(result: GroupResult) -> list[str]:
     header = ("device", "rank", "pid", "exit", "how it ended", "run time")
     rows = [header]
     for w in result.workers:
-        rows.append((w.label, str(w.spec.rank), str(w.pid), describe_exit(w.exit_code if w.exit_code is not None else 0),
-                     result.endings.get(w.spec.rank, "finished"), duration(w.run_time())))
+        code = describe_exit(w.exit_code if w.exit_code is not None else 0)
+        rows.append((w.label, str(w.spec.rank), str(w.pid), code, result.endings.get(w.spec.rank, "finished"),
+                     duration(w.run_time())))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
 

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,8 +21,8 @@ import psutil
 import pytest
 
 from trainer import cache as cache_module
-from trainer.cache import (BUILD_PREFIX, TOKENIZERS_DIR, CacheInfo, TokenCache, TokenStream, list_caches, prepare,
-                           process_tag)
+from trainer.cache import (BUILD_PREFIX, TOKENIZERS_DIR, TRASH_PREFIX, CacheInfo, TokenCache, TokenStream, cache_root,
+                           list_caches, prepare, process_tag)
 from trainer.config import PROJECT_ROOT, Config
 from trainer.corpus import open_corpus, split_documents
 from trainer.errors import UserError
@@ -40,7 +41,7 @@ def write_config(path: Path, cfg: Config) -> Path:
 
 def leftovers(root: Path) -> list[Path]:
     return [p for parent in (root, root / TOKENIZERS_DIR) if parent.is_dir()
-            for p in parent.iterdir() if p.name.startswith((BUILD_PREFIX, ".trash-"))]
+            for p in parent.iterdir() if p.name.startswith((BUILD_PREFIX, TRASH_PREFIX))]
 
 
 def final_folders(root: Path) -> list[Path]:
@@ -194,6 +195,11 @@ def test_a_slow_tokenizer_folder_is_converted(built: tuple[Config, CacheInfo], t
     assert np.array_equal(TokenCache.open(converted.path).train, TokenCache.open(info.path).train)
 
 
+def test_a_relative_cache_dir_is_relative_to_the_project_root(tmp_path: Path) -> None:
+    assert cache_root(make_config(Path("cache/datasets")).data) == PROJECT_ROOT / "cache" / "datasets"
+    assert cache_root(make_config(tmp_path).data) == tmp_path
+
+
 def test_ids_widen_to_uint32_when_one_does_not_fit(tmp_path: Path) -> None:
     stream = TokenStream(tmp_path / "t.bin", tmp_path / "o.npy")
     stream.append(np.array([1, 2, 0, 65535, 0], dtype=np.uint32), np.array([3, 2]))
@@ -265,8 +271,7 @@ def test_a_build_killed_at_random_points_is_never_accepted(tmp_path: Path) -> No
     assert any(killed_mid_build), "no kill landed inside a build; the test proves nothing"
 
 
-def test_leftovers_of_dead_builders_are_removed_and_live_ones_kept(built: tuple[Config, CacheInfo],
-                                                                   tmp_path: Path) -> None:
+def test_leftovers_of_dead_builders_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
     root = tmp_path / "cache"
     cfg = make_config(root)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -286,8 +291,6 @@ def test_leftovers_of_dead_builders_are_removed_and_live_ones_kept(built: tuple[
 
 def copy_of(info: CacheInfo, tmp_path: Path) -> tuple[Config, Path]:
     """A private copy of the shared cache folder, to damage."""
-    import shutil
-
     cfg = make_config(tmp_path / "cache")
     shutil.copytree(Path(info.path).parent, tmp_path / "cache")
     return cfg, tmp_path / "cache" / info.key
@@ -388,8 +391,7 @@ def test_read_only_cache_folder(tmp_path: Path) -> None:
         prepare(make_config(tmp_path / "ro"), show_progress=False)
 
 
-def test_disk_full_while_writing(built: tuple[Config, CacheInfo], tmp_path: Path,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def full(self: TokenStream, ids: np.ndarray, lengths: np.ndarray) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

@@ -88,11 +88,13 @@ class SigtermAt(ProgressReporter):
 
 def test_sigterm_finishes_the_step_saves_and_returns_0(tmp_path: Path, token_cache_dir: Path,
                                                         one_thread: None) -> None:
+    """The signal lands after step 1's vote was cast: step 2 still runs (the vote overlaps it), then every rank stops
+    and the state after 3 steps is saved."""
     cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 50})
     assert loop.train(cfg, progress=SigtermAt(2)) == 0
-    assert [p.name for p in checkpoint.list_checkpoints(Path(cfg.checkpoint.dir))] == ["step_000002"]
+    assert [p.name for p in checkpoint.list_checkpoints(Path(cfg.checkpoint.dir))] == ["step_000003"]
     record = history(Path(cfg.logging.run_dir))
-    assert record["run"]["status"] == "stopped" and [r["step"] for r in record["steps"]] == [0, 1]
+    assert record["run"]["status"] == "stopped" and [r["step"] for r in record["steps"]] == [0, 1, 2]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is only installed while training
 
 

@@ -6,6 +6,7 @@ import fcntl
 import json
 import os
 import pty
+import shutil
 import struct
 import subprocess
 import sys
@@ -77,8 +78,6 @@ def test_verify_passes_then_catches_corruption(built: tuple[str, dict[str, str],
     config, out, _ = built
     ok = run("--config", config, "--verify")
     assert ok.returncode == 0 and fields(ok.stdout)["verify"].startswith("ok")
-    import shutil
-
     root = tmp_path / "cache"
     shutil.copytree(Path(out["path"]).parent, root)
     damaged = config_file(tmp_path)

@@ -51,7 +51,8 @@ def test_inspection_flags_start_nothing(tmp_path, cleanup):
 
 
 def test_trainer_entry_gets_the_run_config(tmp_path):
-    plan = Plan(entry=Path("/x/pretrain_main.py"), entry_args=["--extra"], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)])
+    plan = Plan(entry=Path("/x/pretrain_main.py"), entry_args=["--extra"], run_dir=tmp_path,
+                ranks=[RankSpec(0, 0, None)])
     assert plan.argv(tmp_path / "config.json")[1:] == ["/x/pretrain_main.py", "--run-config",
                                                        str(tmp_path / "config.json"), "--extra"]
     other = Plan(entry=Path("/x/train.py"), entry_args=["--extra"], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)])

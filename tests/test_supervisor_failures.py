@@ -59,7 +59,8 @@ def test_hang_is_noticed_dumped_and_stopped(tmp_path, cleanup):
     r = run(tmp_path, *COMMON, "--hang-timeout", str(hang_timeout), "--startup-timeout", "10",
             entry_args=("--fail", "hang", "--fail-rank", "1", "--fail-step", "3", *CHILDREN), env=FAKE)
     assert r.returncode == 124, r.stderr[-3000:]
-    m = re.search(r"GPU1 \(rank 1\) stalled: no progress for ([\d.]+) s \(since \d\d:\d\d:\d\d; last step 2\)", r.stderr)
+    m = re.search(r"GPU1 \(rank 1\) stalled: no progress for ([\d.]+) s \(since \d\d:\d\d:\d\d; last step 2\)",
+                  r.stderr)
     assert m, r.stderr[-3000:]
     assert float(m[1]) < hang_timeout + 1.0
     for gpu in (0, 1, 2):  # every rank printed its Python stacks into its own log before the stop

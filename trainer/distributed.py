@@ -136,6 +136,29 @@ def agree_any(flag: bool, ctx: DistContext) -> bool:
     return bool(value.item())
 
 
+class StopVote:
+    """The per-step stop agreement, overlapped with the step's compute.
+
+    `cast` starts an all-reduce MAX of this rank's stop flag on the control group at the start of a step; `result`
+    waits for it at the end of the step, by when it has long finished, so the vote adds no latency to the step. Every
+    rank acts on the same vote at the same step: a stop requested before a step starts ends that step, one requested
+    during a step ends the next.
+    """
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.flag = torch.zeros(1, dtype=torch.int32)
+        self.work: Any = None
+
+    def cast(self, requested: bool) -> None:
+        self.flag.fill_(int(requested))
+        self.work = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.ctx.control, async_op=True)
+
+    def result(self) -> bool:
+        self.work.wait()
+        return bool(self.flag.item())
+
+
 def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
     """Rank `src`'s value of a small picklable object, on every rank."""
     box = [obj]

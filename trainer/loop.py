@@ -8,7 +8,8 @@ Per optimizer step (the order the NaN guard relies on; `step` counts from 0, lik
     found_inf = guard.check(local_loss, grad_norm)        one tiny collective, no host read
     guard.step_optimizer(...); scheduler.step(); zero_grad; guard.after_step(...)
     at log steps only: host reads for the log line, the averaged loss, tokens/s, MFU, guard.on_log lines
-    every step: the stop flag all-reduced on the CPU control group (SIGTERM → checkpoint → exit 0 everywhere)
+    every step: the stop flag all-reduced on the CPU control group, overlapped with the step (SIGTERM → checkpoint →
+    exit 0 everywhere)
 
 A checkpoint named step_<n> holds the state after n completed steps; resuming from it runs step index n next.
 """
@@ -39,6 +40,7 @@ from trainer.cache import TokenCache, prepare
 from trainer.config import Config, flops_per_token, human, tokens_per_step
 from trainer.distributed import (
     DistContext,
+    StopVote,
     agree_any,
     all_reduce_mean,
     broadcast_object,
@@ -399,7 +401,9 @@ class Trainer:
         started = time.perf_counter()
         eta = EtaClock(self.completed, self.total, started)
         throughput = Throughput(self.tokens_per_step, self.completed, started)
+        vote = StopVote(self.ctx)
         for step in range(self.completed, self.total):
+            vote.cast(self.stop.requested)
             out = self.train_step(step)
             val_loss = None
             last = self.completed == self.total
@@ -413,7 +417,7 @@ class Trainer:
                 self.progress.step(self.completed, self.total, eta_s=eta_s)
             if cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last:
                 self.save()
-            if not last and agree_any(self.stop.requested, self.ctx):
+            if vote.result() and not last:
                 self.log.info(f"[GPU {self.ctx.gpu_id}] stopping after step {step}: a stop was requested (SIGTERM)")
                 if self.last_saved != self.completed:
                     self.save()

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import DataConfig
-from trainer.corpus import HUB_ID, first_line, fingerprint
+from trainer.corpus import HUB_ID, HUB_TIMEOUT_S, first_line, fingerprint
 from trainer.errors import UserError
 
 BPE = "bpe"
@@ -32,7 +32,6 @@ TOKENIZER_CONFIG = "tokenizer_config.json"
 # The files that define a tokenizer (hashed for its identity, downloaded for a hub name). Model weights are not.
 TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG, "special_tokens_map.json", "added_tokens.json", "vocab.json",
                    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-HUB_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,7 @@ def locate_pretrained(name: str) -> Path:
         raise UserError(f"data.tokenizer {name} does not exist; give 'bpe', a tokenizer folder or a hub name")
     from huggingface_hub import snapshot_download
 
-    try:
+    try:  # config.json too: AutoTokenizer reads the model type from it when converting a slow tokenizer
         return Path(snapshot_download(name, allow_patterns=[*TOKENIZER_FILES, "config.json"],
                                       etag_timeout=HUB_TIMEOUT_S))
     except Exception as e:  # noqa: BLE001 - unknown repo, offline, unreachable: the same fix for the user
