@@ -399,11 +399,9 @@ def flatten(encodings: list[Any], eos_id: int) -> tuple[np.ndarray, np.ndarray]:
     return (np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)), lengths
 
 
-def encode(tokenizer: Any, eos_id: int, train: list[str], val: list[str]) -> EncodedBatch:
-    # encode_batch_fast: the Rust encoder on every core with the GIL released, skipping character offsets (unused here)
-    encodings = tokenizer.encode_batch_fast(train + val, add_special_tokens=False)
-    train_ids, train_lengths = flatten(encodings[:len(train)], eos_id)
-    val_ids, val_lengths = flatten(encodings[len(train):], eos_id)
+def encoded_batch(encodings: list[Any], train_count: int, eos_id: int) -> EncodedBatch:
+    train_ids, train_lengths = flatten(encodings[:train_count], eos_id)
+    val_ids, val_lengths = flatten(encodings[train_count:], eos_id)
     return EncodedBatch(train_ids, train_lengths, val_ids, val_lengths)
 
 
@@ -424,17 +422,21 @@ def document_batches(pairs: Iterable[tuple[str, bool]], batch_chars: int) -> Ite
 
 def encode_pipelined(tokenizer: Any, eos_id: int,
                      batches: Iterable[tuple[list[str], list[str]]]) -> Iterator[EncodedBatch]:
-    """Encode batch k+1 on a worker thread while the caller writes batch k and this thread reads the next documents.
-    At most two batches are in flight, so memory stays bounded."""
+    """Keep the Rust encoder busy: while a worker thread encodes batch k+1 (`encode_batch_fast`: every core, GIL
+    released, no character offsets), this thread turns batch k into arrays, the caller writes them, and the next
+    documents are read. At most two batches are in flight, so memory stays bounded."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
-    pending: deque[Future[EncodedBatch]] = deque()
+    pending: deque[tuple[Future[list[Any]], int]] = deque()
     try:
         for train, val in batches:
-            pending.append(pool.submit(encode, tokenizer, eos_id, train, val))
+            pending.append((pool.submit(tokenizer.encode_batch_fast, train + val, add_special_tokens=False),
+                            len(train)))
             if len(pending) > 1:
-                yield pending.popleft().result()
+                encodings, train_count = pending.popleft()
+                yield encoded_batch(encodings.result(), train_count, eos_id)
         while pending:
-            yield pending.popleft().result()
+            encodings, train_count = pending.popleft()
+            yield encoded_batch(encodings.result(), train_count, eos_id)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

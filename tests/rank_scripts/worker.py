@@ -75,6 +75,11 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = parse()
     rank = int(os.environ.get("RANK", "0"))
+    stopping = []  # before the pid file: a test may signal as soon as it sees that file
+    if args.on_term == "slow":
+        signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.time()))
+    elif args.on_term == "ignore":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     reporter = ProgressReporter()
     reporter.phase("startup")
     if args.dump_env:
@@ -91,11 +96,6 @@ def main() -> None:
             if time.monotonic() > deadline:
                 sys.exit("the other ranks did not start")
             time.sleep(0.01)
-    stopping = []
-    if args.on_term == "slow":
-        signal.signal(signal.SIGTERM, lambda *_: stopping.append(time.time()))
-    elif args.on_term == "ignore":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     resumed = False
     if os.environ.get("SUPERVISOR_RUN_CONFIG"):
         config = json.loads(Path(os.environ["SUPERVISOR_RUN_CONFIG"]).read_text())
