@@ -8,7 +8,9 @@ node's supervisor connects to it. The messages are text lines:
     done <node>                    client → server: this node's ranks all finished
     bye                            server → clients: the run is over; a closed connection now means nothing
 
-Node 0 relays every client's ``abort`` to the other clients. A connection that closes without ``done`` (seen by the
+Node 0 relays every client's ``abort`` to the other clients, and hands it to a node that connects only later; an
+aborting supervisor lingers (up to the grace period) until its abort is delivered: to every node, for node 0, or
+to node 0, for the others. A connection that closes without ``done`` (seen by the
 server) or without ``bye`` (seen by a client), while nobody has aborted, means that supervisor died: the others
 treat it as an abort with exit code 1. Every node then exits with the code of the rank that failed first, wherever
 it ran, and its report says where that was.
@@ -134,6 +136,8 @@ class ControlServer(ControlChannel):
         self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ, "listener")
         self.peers: list[Peer] = []
+        self.abort_message: bytes | None = None  # the abort, for nodes that connect after it
+        self.nodes_seen: set[int] = set()
         self.thread.start()
 
     def _run(self) -> None:
@@ -156,7 +160,13 @@ class ControlServer(ControlChannel):
         peer = Peer(sock)
         with self._lock:
             self.peers.append(peer)
+            late_abort = self.abort_message
         self.selector.register(sock, selectors.EVENT_READ, peer)
+        if late_abort is not None:
+            try:
+                sock.sendall(late_abort)
+            except OSError:
+                pass
 
     def _read(self, peer: Peer) -> None:
         try:
@@ -177,9 +187,11 @@ class ControlServer(ControlChannel):
             words = line.split()
             if words[0] == "hello" and len(words) == 2 and words[1].isdigit():
                 peer.node = int(words[1])
+                self.nodes_seen.add(peer.node)
             elif words[0] == "done":
                 peer.done = True
             elif words[0] == "abort" and (event := parse_abort(words)) is not None:
+                self.abort_message = self.abort_message or line.encode() + b"\n"
                 self._broadcast(line.encode() + b"\n", skip=peer)
                 self._event(event)
 
@@ -194,18 +206,25 @@ class ControlServer(ControlChannel):
 
     def abort(self, node: int, label: str, code: int) -> None:
         self.stopping = True
+        self.abort_message = self.abort_message or abort_line(node, label, code)
         self._broadcast(abort_line(node, label, code))
 
     def done(self) -> None:
         """Node 0 says nothing: its `close` waits for the others."""
 
+    def settled(self) -> bool:
+        """After an abort: every other node has connected, so it has the abort. Otherwise: the connected nodes are
+        done."""
+        with self._lock:
+            if self.stopping:
+                return len(self.nodes_seen) >= self.nnodes - 1
+            return all(p.done for p in self.peers)
+
     def close(self, wait: float) -> None:
-        """Give the other nodes up to `wait` seconds to finish, say ``bye``, and close every connection cleanly."""
+        """Give the other nodes up to `wait` seconds to finish (or to receive an abort), say ``bye``, and close
+        every connection cleanly."""
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not self.stopping:
-            with self._lock:
-                if all(p.done for p in self.peers):
-                    break
+        while time.monotonic() < deadline and not self.settled():
             time.sleep(0.05)
         self._broadcast(b"bye\n")
         self._finish_thread(timeout=1.0)
@@ -264,10 +283,13 @@ class ControlClient(ControlChannel):
                 self._event((0, "supervisor", LOST_CODE,
                              f"cannot reach node 0's control server at {self.addr}:{self.port}"))
             return
-        with self._lock:
-            self.sock, outbox, self.outbox = sock, self.outbox, []
-        for line in outbox:
-            self._send(line)
+        with self._lock:  # the hello, and an abort that waited for the connection, go out first
+            for line in self.outbox:
+                try:
+                    sock.sendall(line)
+                except OSError:
+                    pass
+            self.sock, self.outbox = sock, []
         self.selector.register(sock, selectors.EVENT_READ, "server")
         peer = Peer(sock)
         while not self.closing:
@@ -299,6 +321,10 @@ class ControlClient(ControlChannel):
         self._send(f"done {self.node_rank}\n".encode())
 
     def close(self, wait: float) -> None:
+        """Close the connection; an abort not yet delivered (node 0 not reached so far) gets up to `wait` seconds."""
+        deadline = time.monotonic() + wait
+        while self.stopping and self.sock is None and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         self._finish_thread(timeout=1.0)
         with self._lock:
             sock, self.sock = self.sock, None

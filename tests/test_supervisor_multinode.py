@@ -27,11 +27,12 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def two_nodes(tmp_path, node0_args=(), node1_args=()) -> tuple[Run, Run]:
+def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0) -> tuple[Run, Run]:
     port = str(free_port_pair())
     common = ("--nproc", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
               "--grace-period", "5")
     node0 = start(tmp_path, *common, "--node-rank", "0", entry_args=node0_args, tag="0")
+    time.sleep(node1_delay)
     node1 = start(tmp_path, *common, "--node-rank", "1", entry_args=node1_args, tag="1")
     return node0, node1
 
@@ -54,6 +55,16 @@ def test_failure_on_node0_stops_node1(tmp_path, cleanup):
     node1.wait(timeout=20)
     assert (node0.returncode, node1.returncode) == (137, 137), node1.stderr[-2000:]
     assert "node 0: CPU0 failed with SIGKILL (137)" in node1.stderr
+
+
+def test_a_node_that_connects_after_the_failure_still_hears_of_it(tmp_path, cleanup):
+    """Node 0 fails before node 1 has even started: node 0 waits (within its grace period) to hand over the abort."""
+    node0, node1 = two_nodes(tmp_path, node0_args=("--fail", "exit", "--fail-rank", "0", "--fail-step", "1",
+                                                   "--code", "5"), node1_delay=1.0)
+    node1.wait(timeout=20)
+    node0.wait(timeout=20)
+    assert (node0.returncode, node1.returncode) == (5, 5), node1.stderr[-2000:]
+    assert "node 0: CPU0 failed with exit 5" in node1.stderr
 
 
 def test_a_vanished_node_supervisor_stops_the_others(tmp_path, cleanup):

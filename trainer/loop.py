@@ -403,21 +403,7 @@ class Trainer:
         throughput = Throughput(self.tokens_per_step, self.completed, started)
         vote = StopVote(self.ctx)
         for step in range(self.completed, self.total):
-            vote.cast(self.stop.requested)
-            out = self.train_step(step)
-            val_loss = None
-            last = self.completed == self.total
-            if self.val_sampler is not None and (self.completed % cfg.training.eval_interval == 0 or last):
-                val_loss = self.evaluate()
-            now = time.perf_counter()
-            eta_s = eta.update(self.completed, now)
-            if step % cfg.logging.log_interval == 0 or last or val_loss is not None:
-                self.report(step, out, val_loss, throughput.update(self.completed, now), eta_s)
-            else:
-                self.progress.step(self.completed, self.total, eta_s=eta_s)
-            if cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last:
-                self.save()
-            if vote.result() and not last:
+            if self.iteration(step, vote, eta, throughput):
                 self.log.info(f"[GPU {self.ctx.gpu_id}] stopping after step {step}: a stop was requested (SIGTERM)")
                 if self.last_saved != self.completed:
                     self.save()
@@ -432,6 +418,26 @@ class Trainer:
                 self.log.info(f"final model saved: {final} (AutoModelForCausalLM.from_pretrained)")
         self.progress.done(self.completed, self.total)
         return "completed"
+
+    def iteration(self, step: int, vote: StopVote, eta: EtaClock, throughput: Throughput) -> bool:
+        """One turn of the loop: the step, evaluation, logging, an interval checkpoint, and the stop vote (cast at the
+        start, read at the end). True when every rank agreed to stop now."""
+        cfg = self.cfg
+        vote.cast(self.stop.requested)
+        out = self.train_step(step)
+        val_loss = None
+        last = self.completed == self.total
+        if self.val_sampler is not None and (self.completed % cfg.training.eval_interval == 0 or last):
+            val_loss = self.evaluate()
+        now = time.perf_counter()
+        eta_s = eta.update(self.completed, now)
+        if step % cfg.logging.log_interval == 0 or last or val_loss is not None:
+            self.report(step, out, val_loss, throughput.update(self.completed, now), eta_s)
+        else:
+            self.progress.step(self.completed, self.total, eta_s=eta_s)
+        if cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last:
+            self.save()
+        return vote.result() and not last
 
     def report(self, step: int, out: StepOutput, val_loss: float | None, tok_s: float | None, eta_s: float) -> None:
         """A log step: the only place the loop reads device values on the host."""
