@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart the group after a failure, resuming from the latest checkpoint (default 0)")
     launch.add_argument("--no-footer", action="store_true", help="no live footer on a terminal")
+    launch.add_argument("--dry-run", action="store_true",
+                        help="print parameters, tokens per step, FLOPs per token and the per-GPU memory estimate "
+                             "for the GPUs that would be used, then exit (the model is built on the meta device)")
     nodes = parser.add_argument_group("multi-node (torchrun's meanings)")
     nodes.add_argument("--nnodes", type=int, default=1, metavar="N")
     nodes.add_argument("--node-rank", type=int, default=0, metavar="R")
@@ -190,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = handle_inspection_flags(args)
         if cfg is None:
+            return 0
+        if args.dry_run:
+            from trainer.estimate import dry_run_report  # imports torch: only for this flag
+
+            print(dry_run_report(cfg, args.nproc), flush=True)
             return 0
         notes: list[str] = []
         plan = make_plan(args, cfg, entry_args, notes)

@@ -167,8 +167,9 @@ def test_sigterm_on_one_rank_stops_both_with_a_checkpoint_and_resume_is_exact(tm
 
 
 def test_plain_torchrun_with_two_ranks_sharded(tmp_path: Path) -> None:
-    """`torchrun --nproc-per-node 2 pretrain_main.py --debug ...` with FSDP2: both ranks log every step, the token
-    cache is built exactly once although both ranks ask for it, and the final model is gathered from the shards."""
+    """`torchrun --nproc-per-node 2 pretrain_main.py --debug ...` with FSDP2: both ranks log every step, both ask for
+    the token cache at once and share the one folder it builds (its lock), and the final model is gathered from the
+    shards."""
     layer = merged(TINY, {"data": {"cache_dir": str(tmp_path / "cache")}, "model": {"num_layers": 2},
                           "training": {"max_steps": 3, "strategy": "fsdp", "grad_accum_nums": 2},
                           "checkpoint": {"save_final": True}})
@@ -182,7 +183,7 @@ def test_plain_torchrun_with_two_ranks_sharded(tmp_path: Path) -> None:
     assert seen == [(gpu, step) for gpu in ("0", "1") for step in range(3)]
     assert "strategy: fsdp" in out
     caches = [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".") and p.name != "tokenizers"]
-    assert len(caches) == 1 and err.count("tokenizing") <= 1
+    assert len(caches) == 1 and err.count("tokenizing") <= 1  # only rank 0 reports a build, and at most one
     assert (tmp_path / ".checkpoints" / "step_000003" / "dcp").is_dir()
     assert (tmp_path / ".checkpoints" / "final" / "model.safetensors").is_file()
 
