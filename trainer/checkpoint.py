@@ -24,6 +24,7 @@ import random
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -251,11 +252,14 @@ def payload(state: TrainState, meta: CheckpointMeta, rngs: list[dict[str, Any]],
 # Save and load
 
 
-def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext) -> Path:
+def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
+         before_publish: Callable[[], None] | None = None) -> Path:
     """Write a checkpoint atomically; collective (every rank calls it, rank 0 writes unless sharded).
 
     `path` is a folder (`step_<n>/`), or a single file when it ends in `.pt` and the format is full (the NaN guard's
-    `nan_grad_step_<n>.pt`; a sharded checkpoint is always a folder, whatever its name).
+    `nan_grad_step_<n>.pt`; a sharded checkpoint is always a folder, whatever its name). `before_publish` runs on
+    every rank once the state is written to the temporary name and before `meta.json`, the fsync and the rename:
+    fault injection (`debug.inject_fault_during=checkpoint`) crashes a rank exactly there.
     """
     single_file = path.suffix == ".pt" and meta.format == FULL
     tmp = path.with_name(TMP_PREFIX + path.name)
@@ -277,18 +281,23 @@ def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext) 
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
     if ctx.is_main:
         try:
-            content = payload(state, meta, rngs, with_weights=meta.format == FULL)
+            torch.save(payload(state, meta, rngs, with_weights=meta.format == FULL),
+                       tmp if single_file else tmp / STATE_FILE)
+        except Exception as e:  # every rank must learn about it, or the others would wait forever
+            error = f"{type(e).__name__}: {e}"
+    if before_publish is not None:
+        before_publish()
+    if ctx.is_main and error is None:
+        try:
             if single_file:
-                torch.save(content, tmp)
                 fsync_tree(tmp)
                 os.replace(tmp, path)
                 fsync_dir(path.parent)
             else:
-                torch.save(content, tmp / STATE_FILE)
                 (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n")
                 fsync_tree(tmp)
                 publish(tmp, path)
-        except Exception as e:  # every rank must learn about it, or the others would wait forever
+        except Exception as e:
             error = f"{type(e).__name__}: {e}"
     error = broadcast_object(error, ctx)
     if error:

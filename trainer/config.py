@@ -119,6 +119,7 @@ class DebugConfig:
     inject_fault_step: int | None = None
     inject_fault_rank: int = 0
     inject_fault_code: int = 1
+    inject_fault_during: str = "step"  # step (at its start) | checkpoint (inside the save that follows it)
 
 
 @dataclass
@@ -167,6 +168,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.strategy": ("ddp", "fsdp"),
     "logging.level": ("DEBUG", "INFO", "WARNING"),
     "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang"),
+    "debug.inject_fault_during": ("step", "checkpoint"),
 }
 
 

@@ -8,11 +8,14 @@ Two kinds, both off by default and set with ``--set debug.<key>=<value>``:
   forward pass *and* back through backward into the gradients, as a real overflow would. Only training-mode forwards
   are touched, so an evaluation run at the same step stays clean.
 * **Process faults** — ``inject_fault`` (``raise | exit | sigkill | segv | hang``), ``inject_fault_step``,
-  ``inject_fault_rank`` and ``inject_fault_code`` (the exit status for ``exit``). They fire at the start of that
-  optimizer step, before its first micro-batch, so every other rank is left waiting in that step's collectives —
-  exactly the situation the supervisor has to detect and clean up.
+  ``inject_fault_rank`` and ``inject_fault_code`` (the exit status for ``exit``). By default
+  (``inject_fault_during=step``) they fire at the start of that optimizer step, before its first micro-batch, so
+  every other rank is left waiting in that step's collectives — exactly the situation the supervisor has to detect
+  and clean up. With ``inject_fault_during=checkpoint`` they fire instead inside the checkpoint save that follows that
+  step, once its temporary files are partly written and before they are published: the moment a crash must never
+  leave a checkpoint that looks complete (nothing fires where no checkpoint follows that step).
 
-Steps are the loop's own step numbers (whatever ``before_step`` is called with).
+Steps are the loop's own step numbers (whatever ``before_step`` and ``during_checkpoint`` are called with).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class FaultInjector:
             parts.append(f"NaN in {d.inject_nan_module} output at step {d.inject_nan_step} on rank {d.inject_nan_rank}")
         if self.fault_on:
             code = f" (code {d.inject_fault_code})" if d.inject_fault == "exit" else ""
-            parts.append(f"{d.inject_fault}{code} at step {d.inject_fault_step} on rank {d.inject_fault_rank}")
+            parts.append(f"{d.inject_fault}{code} {self.where(d.inject_fault_step)} on rank {d.inject_fault_rank}")
         return "fault injection ON: " + "; ".join(parts)
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -99,16 +102,32 @@ class FaultInjector:
             return poison(output)
         return None
 
+    def where(self, step: int | None) -> str:
+        """Where the process fault fires, in the words the banner and the fault's own message use."""
+        if self.debug.inject_fault_during == "checkpoint":
+            return f"during the checkpoint after step {step}"
+        return f"at step {step}"
+
     def before_step(self, step: int) -> None:
-        """Record the step for the NaN hook; fire the process fault when this is its step and rank."""
+        """Record the step for the NaN hook; fire a step fault when this is its step and rank."""
         self.step = step
+        if self.debug.inject_fault_during == "step":
+            self._fire_if_due(step)
+
+    def during_checkpoint(self, step: int) -> None:
+        """Called by the checkpoint save that follows `step` (files half-written, nothing published yet)."""
+        if self.debug.inject_fault_during == "checkpoint":
+            self._fire_if_due(step)
+
+    def _fire_if_due(self, step: int) -> None:
         d = self.debug
         if not self.fault_on or step != d.inject_fault_step or self.rank != d.inject_fault_rank:
             return
-        print(f"fault injection: {d.inject_fault} at step {step} on rank {self.rank}", file=sys.stderr, flush=True)
+        where = self.where(step)
+        print(f"fault injection: {d.inject_fault} {where} on rank {self.rank}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         if d.inject_fault == "raise":
-            raise RuntimeError(f"injected fault at step {step} on rank {self.rank}")
+            raise RuntimeError(f"injected fault {where} on rank {self.rank}")
         if d.inject_fault == "exit":
             os._exit(d.inject_fault_code)
         if d.inject_fault == "sigkill":
