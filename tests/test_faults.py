@@ -148,3 +148,61 @@ def test_hang_makes_no_progress_and_ignores_a_polite_stop(ranks: list[subprocess
     kill_tree(proc)
     out = proc.stdout.read()
     assert "step 1 done" in out and "step 2 done" not in out and "SIGTERM noted" in out
+
+
+def test_checkpoint_fault_fires_only_inside_the_checkpoint_after_its_step() -> None:
+    debug = DebugConfig(inject_fault="raise", inject_fault_step=2, inject_fault_rank=1,
+                        inject_fault_during="checkpoint")
+    here, elsewhere = FaultInjector(debug, rank=1), FaultInjector(debug, rank=0)
+    assert here.describe() == "fault injection ON: raise during the checkpoint after step 2 on rank 1"
+    for step in range(4):
+        here.before_step(step)  # the step itself never fires in this mode
+        elsewhere.during_checkpoint(step)
+    here.during_checkpoint(1)
+    with pytest.raises(RuntimeError, match="injected fault during the checkpoint after step 2 on rank 1"):
+        here.during_checkpoint(2)
+
+
+# A one-process run that saves a checkpoint after every step, with a fault set to fire inside the save after step 1.
+SAVE_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from test_checkpoint import make_cfg, make_meta, make_state, train_once
+from trainer import checkpoint
+from trainer.config import DebugConfig
+from trainer.distributed import init_distributed
+from trainer.faults import FaultInjector
+cfg = make_cfg(Path({folder!r}))
+ctx = init_distributed(cfg)
+state = make_state(cfg)
+faults = FaultInjector(DebugConfig(inject_fault="sigkill", inject_fault_step=1, inject_fault_during="checkpoint"),
+                       rank=0)
+root = Path(cfg.checkpoint.dir)
+for step in range(3):
+    faults.before_step(step)
+    train_once(state, step)
+    checkpoint.save(checkpoint.step_path(root, step + 1), state, make_meta(state, step + 1), ctx,
+                    before_publish=lambda: faults.during_checkpoint(step))
+    print(f"saved step_{{step + 1}}", flush=True)
+"""
+
+
+def test_fault_inside_a_checkpoint_leaves_it_unpublished(ranks: list[subprocess.Popen[str]], tmp_path: Path) -> None:
+    from trainer import checkpoint
+
+    proc = subprocess.Popen([sys.executable, "-c", SAVE_SCRIPT.format(tests=str(ROOT / "tests"), folder=str(tmp_path))],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    ranks.append(proc)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err
+    assert "fault injection: sigkill during the checkpoint after step 1 on rank 0" in err
+    assert "saved step_1" in out and "saved step_2" not in out
+    root = tmp_path / "ckpt"
+    partial = root / ".tmp-step_000002"
+    assert (partial / checkpoint.STATE_FILE).is_file() and not (partial / checkpoint.META_FILE).exists()
+    assert not (root / "step_000002").exists()
+    assert checkpoint.latest_checkpoint(root) == root / "step_000001"
+    state = torch.load(root / "step_000001" / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
+    assert state["meta"]["step"] == 1 and "model" in state

@@ -27,7 +27,9 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 
 
 def fields(stdout: str) -> dict[str, str]:
-    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in stdout.splitlines()) if _}
+    """The `name: value` lines the command prints."""
+    return {name.strip(): value.strip()
+            for name, colon, value in (line.partition(":") for line in stdout.splitlines()) if colon}
 
 
 def config_file(tmp_path: Path, **data: object) -> str:

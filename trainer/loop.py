@@ -12,6 +12,7 @@ Per optimizer step (the order the NaN guard relies on; `step` counts from 0, lik
     exit 0 everywhere)
 
 A checkpoint named step_<n> holds the state after n completed steps; resuming from it runs step index n next.
+Its save calls faults.during_checkpoint(n - 1) between writing and publishing (debug.inject_fault_during=checkpoint).
 """
 
 from __future__ import annotations
@@ -29,13 +30,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer import checkpoint
-from trainer.batches import BatchSampler
+from trainer.batches import BatchSampler, StepLoader
 from trainer.cache import TokenCache, prepare
 from trainer.config import Config, flops_per_token, human, tokens_per_step
 from trainer.distributed import (
@@ -231,6 +231,9 @@ class Trainer:
         t, d = cfg.training, cfg.data
         self.sampler = BatchSampler(self.cache.train, d.context_length, t.batch_size, self.accum, ctx.world_size,
                                     ctx.rank, cfg.system.seed)
+        # read in this process (num_workers 0) or by worker processes from the first step fetched (the resume step)
+        self.batches = StepLoader(self.sampler, self.total, t.num_workers, pin_memory=self.device.type == "cuda",
+                                  seed=cfg.system.seed)
         self.val_sampler = None
         if t.eval_interval and len(self.cache.val) > d.context_length + 1:
             self.val_sampler = BatchSampler(self.cache.val, d.context_length, t.batch_size, 1, ctx.world_size,
@@ -308,10 +311,10 @@ class Trainer:
     def fetch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's micro-batches of `step` ([accum, B, T+1]) on the host and on the device. On a GPU the host
         copy is pinned so the transfer is asynchronous: the CPU goes on queueing kernels meanwhile."""
-        host = torch.from_numpy(np.stack([self.sampler.get(step, m) for m in range(self.accum)]))
+        host = self.batches.get(step)
         if self.device.type != "cuda":
             return host, host
-        host = host.pin_memory()
+        host = host.pin_memory()  # a no-op for a batch the loader's workers delivered already pinned
         return host, host.to(self.device, non_blocking=True)
 
     def train_step(self, step: int) -> StepOutput:
@@ -355,8 +358,9 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------------------------------
 
     def save(self) -> Path:
+        after_step = self.completed - 1  # the step this checkpoint follows (a fault may be set to fire inside it)
         path = checkpoint.save(checkpoint.step_path(self.ckpt_root, self.completed), self.state, self.meta(),
-                               self.ctx)
+                               self.ctx, before_publish=lambda: self.faults.during_checkpoint(after_step))
         if self.ctx.is_main:
             checkpoint.prune(self.ckpt_root, self.cfg.checkpoint.keep)
             self.log.info(f"checkpoint saved: {path}")
@@ -385,6 +389,7 @@ class Trainer:
             status = "interrupted"
             raise
         finally:
+            self.batches.close()  # data-loading workers (if any) end with the run, whatever ended it
             if self.history is not None:
                 self.history.save(status)
                 self.history.close()

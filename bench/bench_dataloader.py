@@ -1,0 +1,113 @@
+"""DataLoader workers for training batches (`training.num_workers`): what each start method costs, side by side.
+
+    .venv/bin/python bench/bench_dataloader.py [--rounds 3] [--workers 2] [--steps 200] [--compute-ms 3]
+
+Each measurement runs in a fresh interpreter that first joins a one-member gloo group (as a rank has before its first
+batch, so `fork` copies a process with gloo's threads running) and memory-maps a generated token file, then reads
+batches through `trainer.batches.StepLoader`:
+  start   StepLoader created → first batch in hand: the one-off cost at a run's first step (and at each resume)
+  step    time per batch over the next --steps batches with no compute in between: the pure read rate
+  +gpu    the same with --compute-ms of sleep after each batch, a GPU step during which the CPU only waits: what
+          reading ahead buys (inline pays read + compute per step, workers about max(read, compute))
+  USS     private memory of every process the method adds (workers; the server for forkserver; multiprocessing's
+          resource tracker for forkserver and spawn), after the first batch
+Methods: inline (num_workers=0, the reference), fork, forkserver (the trainer's choice, with torch preloaded in the
+server; StepLoader's docstring says why) and spawn. Rounds interleave the methods, so a busy machine
+penalises all alike; figures are medians over rounds, printed as ratios: start-up against fork's, step time against
+inline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+METHODS = ("inline", "fork", "forkserver", "spawn")
+TOKENS = 20_000_000  # 40 MB of uint16 ids
+SHAPE = {"context_length": 1024, "micro_batch_size": 8, "grad_accum": 2}
+
+
+def child(method: str, tokens_path: str, workers: int, steps: int, compute_ms: float) -> dict[str, float]:
+    """One measurement, in this (fresh) process."""
+    import numpy as np
+    import psutil
+    import torch.distributed as dist
+
+    from trainer.batches import BatchSampler, StepLoader
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    tokens = np.memmap(tokens_path, dtype="<u2", mode="r")
+    sampler = BatchSampler(tokens, world_size=1, rank=0, seed=1, **SHAPE)
+    start_method = "spawn" if method == "inline" else method
+    started = time.perf_counter()
+    loader = StepLoader(sampler, end_step=2 * steps + 1, num_workers=0 if method == "inline" else workers,
+                        start_method=start_method)
+    loader.get(0)
+    first = time.perf_counter() - started
+    uss = sum(p.memory_full_info().uss for p in psutil.Process().children(recursive=True))
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        loader.get(step)
+    per_step = (time.perf_counter() - started) / steps
+    started = time.perf_counter()
+    for step in range(steps + 1, 2 * steps + 1):
+        loader.get(step)
+        time.sleep(compute_ms / 1e3)
+    with_compute = (time.perf_counter() - started) / steps
+    loader.close()
+    dist.destroy_process_group()
+    return {"start_s": first, "step_ms": per_step * 1e3, "gpu_ms": with_compute * 1e3, "uss_mb": uss / 2**20}
+
+
+def measure(method: str, tokens_path: Path, workers: int, steps: int, compute_ms: float) -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", method, str(tokens_path), str(workers), str(steps),
+                          str(compute_ms)], capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--compute-ms", type=float, default=3.0)
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        method, path, workers, steps, compute_ms = args.child
+        print(json.dumps(child(method, path, int(workers), int(steps), float(compute_ms))))
+        return
+
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokens_path = Path(tmp) / "tokens.bin"
+        np.random.default_rng(0).integers(0, 50_000, TOKENS).astype("<u2").tofile(tokens_path)
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+        for _ in range(args.rounds):
+            for method in METHODS:
+                runs[method].append(measure(method, tokens_path, args.workers, args.steps, args.compute_ms))
+    median = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
+    batch_kb = SHAPE["grad_accum"] * SHAPE["micro_batch_size"] * (SHAPE["context_length"] + 1) * 8 / 1024
+    print(f"{args.workers} workers, {args.steps} steps of {batch_kb:.0f} KB, {TOKENS:,} tokens memory-mapped, "
+          f"gloo group joined first; +gpu = {args.compute_ms:g} ms of waiting per step; medians of {args.rounds} rounds")
+    print(f"{'method':<11} {'start s':>8} {'vs fork':>8} {'step ms':>8} {'vs inline':>10} {'+gpu ms':>8} "
+          f"{'vs inline':>10} {'USS MB':>8}")
+    inline = median["inline"]
+    for method, m in median.items():
+        print(f"{method:<11} {m['start_s']:>8.3f} {m['start_s'] / median['fork']['start_s']:>7.1f}x "
+              f"{m['step_ms']:>8.3f} {m['step_ms'] / inline['step_ms']:>9.2f}x "
+              f"{m['gpu_ms']:>8.3f} {m['gpu_ms'] / inline['gpu_ms']:>9.2f}x {m['uss_mb']:>8.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""`training.num_workers`: data-loading worker processes serve exactly the batches the rank would read itself, from any
+resume step; they shrug off stop signals meant for the rank, and end with it, whether it finishes, raises or is told
+to stop (SIGTERM to its whole process group)."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver
+import os
+import pickle
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from rank_support import (  # noqa: F401 (fixtures)
+    MAIN,
+    PYTHON,
+    TINY,
+    base_env,
+    cleanup,
+    history,
+    history_losses,
+    log_lines,
+    merged,
+    one_thread,
+    set_flags,
+    tiny_config,
+    token_cache_dir,
+)
+from trainer import loop
+from trainer.batches import BatchSampler, StepLoader
+
+WORKER_NAME = "pt_data_worker"  # the name torch gives its DataLoader worker processes
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_fork_server() -> Iterator[None]:
+    """The loaders here start multiprocessing's fork server in this process; it would otherwise live on (idle)
+    until pytest exits. `_stop` is how CPython's own tests end it."""
+    yield
+    multiprocessing.forkserver._forkserver._stop()
+
+
+@pytest.fixture
+def sampler(tmp_path: Path) -> BatchSampler:
+    """A rank's sampler over a memory-mapped token file, as the trainer builds it (rank 1 of 2, 2 micro-steps)."""
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 5000, 200_000).astype("<u2").tofile(path)
+    tokens = np.memmap(path, dtype="<u2", mode="r")
+    return BatchSampler(tokens, context_length=16, micro_batch_size=3, grad_accum=2, world_size=2, rank=1, seed=5)
+
+
+def workers_of(pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(pid).children(recursive=True) if p.name() == WORKER_NAME]
+
+
+def blocked_signals(pid: int) -> set[int]:
+    mask = next(int(line.split()[1], 16) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("SigBlk:"))
+    return {sig for sig in range(1, 65) if mask >> (sig - 1) & 1}
+
+
+def test_workers_serve_exactly_the_inline_batches_from_any_step(sampler: BatchSampler) -> None:
+    assert len(pickle.dumps(sampler)) < 4096  # the memmap travels as its file name, not its 400 KB of tokens
+    inline = StepLoader(sampler, end_step=40)
+    with StepLoader(sampler, end_step=40, num_workers=2) as loader:
+        for step in range(7, 19):  # a run resumed at step 7
+            got = loader.get(step)
+            assert got.shape == (2, 3, 17) and got.dtype == torch.int64
+            assert torch.equal(got, inline.get(step))
+            assert torch.equal(got, torch.from_numpy(np.stack([sampler.get(step, m) for m in range(2)])))
+        for step in (3, 4, 39, 40):  # out of order (the stream restarts), and past the end of the run
+            assert torch.equal(loader.get(step), inline.get(step))
+        assert len(workers_of(os.getpid())) == 2
+    assert inline.loader is None and not workers_of(os.getpid())  # 0 workers: nothing was started
+
+
+def test_workers_ignore_stop_signals_and_end_on_close(sampler: BatchSampler) -> None:
+    loader = StepLoader(sampler, end_step=40, num_workers=2)
+    try:
+        first = loader.get(5)
+        workers = workers_of(os.getpid())
+        assert len(workers) == 2
+        started = psutil.Process().children(recursive=True)  # the workers, and the fork server they come from
+        for process in started:
+            if process.name() != "python" or "resource_tracker" not in " ".join(process.cmdline()):
+                assert set(STOP_SIGNALS) <= blocked_signals(process.pid), process.cmdline()
+                for sig in STOP_SIGNALS:
+                    process.send_signal(sig)  # what a Ctrl-C or `kill -TERM -<pgid>` does to the whole group
+        time.sleep(0.5)
+        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
+        assert torch.equal(first, torch.from_numpy(sampler.get_step(5)))
+        assert torch.equal(loader.get(6), torch.from_numpy(sampler.get_step(6)))  # still serving
+    finally:
+        loader.close()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive and loader.iterator is None
+    loader.close()  # idempotent
+
+
+def test_a_run_that_raises_stops_its_workers(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:
+    cfg = tiny_config(tmp_path, token_cache_dir, training={"num_workers": 1, "max_steps": 6},
+                      debug={"inject_fault": "raise", "inject_fault_step": 3})
+    with pytest.raises(RuntimeError, match="injected fault at step 3"):
+        loop.train(cfg)
+    assert not workers_of(os.getpid())
+    assert sorted(history_losses(Path(cfg.logging.run_dir))) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Real ranks, started by hand
+
+
+STEPS = 1000  # long enough that a SIGTERM sent after step 5 lands mid-run (the tiny model does ~200 steps/s)
+
+
+def start_rank(tmp_path: Path, cache_dir: Path, name: str, workers: int, token: str) -> subprocess.Popen:
+    """`python pretrain_main.py --debug --set ...` in a session of its own (so its process group can be signalled),
+    its environment marked with `token` (every process it starts inherits the mark)."""
+    layer = merged(TINY, {"data": {"cache_dir": str(cache_dir)},
+                          "training": {"num_workers": workers, "max_steps": STEPS},
+                          "checkpoint": {"dir": str(tmp_path / name / "ckpt")},
+                          "logging": {"run_dir": str(tmp_path / name / "run")}})
+    return subprocess.Popen([PYTHON, MAIN, "--debug", *set_flags(layer)], cwd=tmp_path,
+                            env=base_env(DATALOADER_TEST_TOKEN=token), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def marked(token: str) -> list[psutil.Process]:
+    """Every process whose environment carries `token`: whatever a rank started, even once re-parented."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("DATALOADER_TEST_TOKEN") == token:
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_rank_with_a_worker_trains_like_inline_survives_a_group_sigterm_and_leaves_nothing(
+        tmp_path: Path, token_cache_dir: Path) -> None:
+    """Two runs side by side: num_workers=0 to the end, num_workers=1 stopped by SIGTERM to its whole process group
+    (the workers get it too and must not die of it). The stopped run checkpoints, exits 0, its losses equal the
+    inline run's step for step, and once it has exited none of its processes remains."""
+    prepared = tiny_config(tmp_path / "prepare", token_cache_dir)
+    from trainer.cache import prepare
+
+    prepare(prepared, show_progress=False)  # build the shared cache once, before the two runs race for it
+    token = uuid.uuid4().hex
+    inline = start_rank(tmp_path, token_cache_dir, "inline", 0, uuid.uuid4().hex)
+    ahead = start_rank(tmp_path, token_cache_dir, "ahead", 1, token)
+    names: dict[int, str] = {}  # what the stopped run had started: pid -> name
+    with cleanup(inline, ahead):
+        assert ahead.stdout is not None
+        for line in ahead.stdout:
+            for process in psutil.Process(ahead.pid).children(recursive=True):
+                try:
+                    names.setdefault(process.pid, process.name())
+                except psutil.NoSuchProcess:
+                    continue
+            if "Step [5/" in line:
+                os.killpg(ahead.pid, signal.SIGTERM)
+                break
+        out, err = ahead.communicate(timeout=120)
+        inline_out, inline_err = inline.communicate(timeout=120)
+    assert ahead.returncode == 0, err[-3000:]
+    assert inline.returncode == 0, inline_err[-3000:]
+    assert list(names.values()).count(WORKER_NAME) == 1, names  # num_workers=1 took effect
+    assert "stopping after step" in out
+    assert history(tmp_path / "ahead" / "run")["run"]["status"] == "stopped"
+    got = history_losses(tmp_path / "ahead" / "run")
+    expected = history_losses(tmp_path / "inline" / "run")
+    stop_step = max(got)
+    assert 5 <= stop_step < STEPS - 1 and sorted(got) == list(range(stop_step + 1))
+    assert all(got[s] == expected[s] for s in got)  # bit-identical to reading in the rank
+    assert (tmp_path / "ahead" / "ckpt" / f"step_{stop_step + 1:06d}").is_dir()
+
+    deadline = time.monotonic() + 10
+    while (left := marked(token)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, [p.cmdline() for p in left]

@@ -1,0 +1,299 @@
+"""End to end, the fault matrix: every way a run can end badly × when it happens, through the real supervisor.
+
+Faults: a rank raises, exits 3, SIGKILLs itself, segfaults or hangs (``debug.inject_fault``); or the supervisor itself
+gets SIGINT, SIGTERM or SIGKILL. Phases: the first step, mid-run, and while a checkpoint is being written
+(``debug.inject_fault_during=checkpoint``; for the supervisor's signals, rank 0 hangs inside that save and the signal
+arrives while it is stuck there). Each case runs ``python -m supervisor`` on 2 CPU ranks that pretend to be GPUs 0
+and 1, and checks what must hold however a run ends:
+
+* nothing the supervisor started is left: every descendant pid seen while it ran is gone at the end;
+* the exit code: the rank's own (1, 3, 128 + signal), 124 for a hang, 130 / 143 for SIGINT / SIGTERM;
+* the report names the GPU (except after SIGKILL: nothing is left to write it);
+* every published checkpoint is complete and the latest loads; a save cut short is never published;
+* ``--resume auto`` continues from the latest checkpoint and completes (a representative subset, see RESUMED).
+
+CI runs the cases in CI_CASES (every fault kind once, every phase covered, with their resume legs); the rest of the
+matrix is marked slow. A case costs about ten seconds on two cores, most of it two ranks importing torch.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from rank_scripts.harness import clean_env
+from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
+from trainer import checkpoint
+
+RANK_FAULTS = {"raise": 1, "exit": 3, "sigkill": 128 + signal.SIGKILL, "segv": 128 + signal.SIGSEGV, "hang": 124}
+SUPERVISOR_SIGNALS = {"SIGINT": 130, "SIGTERM": 143, "SIGKILL": -signal.SIGKILL}  # SIGKILL: Popen's view
+PHASES = ("first", "mid", "checkpoint")
+
+STEPS = 6  # checkpoints after steps 1 and 3 (step_000002, step_000004); the final one at step_000006
+SIGNAL_STEPS = 30  # the runway a signal needs to land mid-run: steps take tens of milliseconds
+INTERVAL = 2
+FAULT_STEP = {"first": 0, "mid": 3, "checkpoint": 3}  # "checkpoint": inside the save of step_000004
+HANG_TIMEOUT, GRACE = 3.0, 2.0
+STARTUP_TIMEOUT = 60.0  # a safety net; before its first step a rank is allowed this long to say anything
+HANG_FIRST_STARTUP_TIMEOUT = 15.0  # a hang in step 0 is caught by the start-up allowance: keep it short, not flaky
+RUN_TIMEOUT = 150.0
+
+CI_CASES = {("raise", "checkpoint"), ("exit", "mid"), ("sigkill", "first"), ("segv", "mid"), ("hang", "checkpoint"),
+            ("SIGINT", "checkpoint"), ("SIGTERM", "mid"), ("SIGKILL", "first")}
+RESUMED = {("sigkill", "first"), ("exit", "mid"), ("raise", "checkpoint"), ("hang", "checkpoint"),
+           ("SIGINT", "checkpoint"), ("SIGTERM", "mid")}
+
+
+@dataclass(frozen=True)
+class Case:
+    fault: str  # a debug.inject_fault kind, or the name of the signal the supervisor gets
+    phase: str  # "first" | "mid" | "checkpoint"
+
+    @property
+    def by_supervisor(self) -> bool:
+        return self.fault in SUPERVISOR_SIGNALS
+
+    @property
+    def exit_code(self) -> int:
+        return SUPERVISOR_SIGNALS[self.fault] if self.by_supervisor else RANK_FAULTS[self.fault]
+
+    @property
+    def fault_rank(self) -> int:
+        """Rank 0 writes the checkpoint, so it is the one to fail inside it; elsewhere rank 1 (not the main rank)."""
+        return 0 if self.phase == "checkpoint" else 1
+
+    @property
+    def injected(self) -> str | None:
+        """The injected fault: the case's own kind, or the hang that holds rank 0 inside a save for a signal."""
+        if not self.by_supervisor:
+            return self.fault
+        return "hang" if self.phase == "checkpoint" else None
+
+    @property
+    def max_steps(self) -> int:
+        return SIGNAL_STEPS if self.by_supervisor and self.phase != "checkpoint" else STEPS
+
+    def fault_message(self) -> str:
+        where = "during the checkpoint after step" if self.phase == "checkpoint" else "at step"
+        return f"fault injection: {self.injected} {where} {FAULT_STEP[self.phase]} on rank {self.fault_rank}"
+
+    def signal_cue(self) -> re.Pattern[str]:
+        """The output line after which the supervisor gets its signal."""
+        if self.phase == "first":  # rank 0's banner, written after every rank is set up, just before step 0
+            return re.compile(r"^GPU0:INFO \| dataset: cache ", re.M)
+        if self.phase == "mid":
+            return re.compile(r"^GPU0:INFO \| \[GPU 0\] Step \[2/", re.M)
+        return re.compile(re.escape(self.fault_message()))
+
+    def expected_checkpoint(self) -> int | None | str:
+        """The latest checkpoint's step after the fault: a number, None (there must be none), or "any"."""
+        if self.phase == "checkpoint":
+            return FAULT_STEP["mid"] - 1  # step_000004 was cut short: step_000002 is the latest
+        if self.by_supervisor:
+            return "any"  # wherever the ranks stopped (a stop writes one), or none when it came before step 0 ended
+        return None if self.phase == "first" else FAULT_STEP["mid"] - 1
+
+    def report_pattern(self) -> str:
+        if self.fault == "hang":
+            return r"GPU[01] \(rank [01]\) stalled: no progress"
+        if self.by_supervisor:
+            return rf"run interrupted after .*: interrupted by {self.fault}"
+        described = {"raise": "exit 1", "exit": "exit 3", "sigkill": "SIGKILL (137)", "segv": "SIGSEGV (139)"}
+        return rf"GPU{self.fault_rank} \(rank {self.fault_rank}\) failed: {re.escape(described[self.fault])}"
+
+
+def cases() -> list[pytest.param]:
+    out = []
+    for fault in [*RANK_FAULTS, *SUPERVISOR_SIGNALS]:
+        for phase in PHASES:
+            marks = () if (fault, phase) in CI_CASES else (pytest.mark.slow,)
+            out.append(pytest.param(Case(fault, phase), id=f"{fault}-{phase}", marks=marks))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running the supervisor and watching its process tree
+
+
+class Descendants:
+    """Every process below the supervisor, collected by a thread while it runs (pid → creation time, so a pid the
+    kernel hands out again later is not mistaken for one of ours)."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.seen: dict[int, float] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._collect, daemon=True)
+        self.thread.start()
+
+    def _collect(self) -> None:
+        while not self.done.is_set():
+            try:
+                children = psutil.Process(self.root).children(recursive=True)
+            except psutil.Error:
+                return  # the supervisor is gone
+            for p in children:
+                try:
+                    self.seen.setdefault(p.pid, p.create_time())
+                except psutil.Error:
+                    continue
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def alive(self) -> list[psutil.Process]:
+        left = []
+        for pid, created in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+            except psutil.Error:
+                continue
+        return left
+
+    def survivors(self, timeout: float) -> list[psutil.Process]:
+        """Those still alive after up to `timeout` seconds (PDEATHSIG and the sentinel act within milliseconds)."""
+        deadline = time.monotonic() + timeout
+        while (left := self.alive()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return left
+
+    def kill(self) -> None:
+        for p in self.alive():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+@dataclass
+class Outcome:
+    code: int
+    output: str  # stdout and stderr merged, as a user sees them
+    survivors: list[psutil.Process]
+    seen: int  # how many descendants were seen
+
+
+def flags(case: Case, tmp_path: Path, cache_dir: Path, resume: bool) -> list[str]:
+    debug: dict[str, object] = {}
+    if case.injected and not resume:
+        debug = {"inject_fault": case.injected, "inject_fault_step": FAULT_STEP[case.phase],
+                 "inject_fault_rank": case.fault_rank, "inject_fault_code": RANK_FAULTS["exit"],
+                 "inject_fault_during": "checkpoint" if case.phase == "checkpoint" else "step"}
+    layer = merged(TINY, {"system": {"device": "auto"},  # auto: the fake GPUs are used (their ranks run on CPUs)
+                          "data": {"cache_dir": str(cache_dir)}, "training": {"max_steps": case.max_steps},
+                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": INTERVAL}, "debug": debug})
+    holds_a_save = case.by_supervisor and case.phase == "checkpoint" and not resume
+    hang_first = case.fault == "hang" and case.phase == "first" and not resume
+    return ["--debug", "--no-footer", "--nproc", "2", "--log-dir", str(tmp_path / "logs"),
+            "--hang-timeout", str(RUN_TIMEOUT if holds_a_save else HANG_TIMEOUT), "--grace-period", str(GRACE),
+            "--startup-timeout", str(HANG_FIRST_STARTUP_TIMEOUT if hang_first else STARTUP_TIMEOUT),
+            *set_flags(layer), *(["--resume", "auto"] if resume else [])]
+
+
+def wait_for(pattern: re.Pattern[str], log: Path, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not pattern.search(log.read_text(errors="replace")):
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {pattern.pattern!r}:\n" \
+                                    f"{log.read_text(errors='replace')[-3000:]}"
+        assert time.monotonic() < deadline, f"no {pattern.pattern!r} within {timeout} s"
+        time.sleep(0.02)
+
+
+def supervise(case: Case, tmp_path: Path, cache_dir: Path, resume: bool = False) -> Outcome:
+    """One run to its end; the supervisor's signal, if the case has one, sent once its cue shows up."""
+    log = tmp_path / ("resume.txt" if resume else "run.txt")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor", *flags(case, tmp_path, cache_dir, resume)],
+                                cwd=tmp_path, env=clean_env(SUPERVISOR_FAKE_GPUS="0,1"), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    tree = Descendants(proc.pid)
+    try:
+        if case.by_supervisor and not resume:
+            wait_for(case.signal_cue(), log, proc, RUN_TIMEOUT)
+            proc.send_signal(getattr(signal, case.fault))
+        code = proc.wait(RUN_TIMEOUT)
+        tree.stop()
+        return Outcome(code, log.read_text(errors="replace"), tree.survivors(timeout=5.0), len(tree.seen))
+    finally:
+        tree.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        tree.kill()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks
+
+
+def latest_loadable(root: Path) -> int | None:
+    """The latest checkpoint's step, after checking every published one is complete and the latest loads."""
+    published = sorted(p for p in root.glob(f"{checkpoint.STEP_PREFIX}*") if p.is_dir())
+    assert published == checkpoint.list_checkpoints(root), "a published checkpoint is incomplete"
+    latest = checkpoint.latest_checkpoint(root)
+    if latest is None:
+        return None
+    state = torch.load(latest / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
+    step = checkpoint.step_of(latest)
+    assert state["meta"]["step"] == step and state["model"] and state["optimizer"]["state"]
+    return step
+
+
+def check_checkpoints(case: Case, root: Path) -> int | None:
+    latest = latest_loadable(root)
+    expected = case.expected_checkpoint()
+    if expected == "any":
+        assert latest is None or INTERVAL <= latest <= case.max_steps
+    else:
+        assert latest == expected, f"latest checkpoint {latest}, expected {expected}"
+    if case.phase == "checkpoint":  # the save that was cut short: written in part, never published
+        cut = checkpoint.step_path(root, FAULT_STEP["checkpoint"] + 1)
+        assert (cut.with_name(checkpoint.TMP_PREFIX + cut.name) / checkpoint.STATE_FILE).is_file()
+        assert not cut.exists()
+    return latest
+
+
+@pytest.mark.parametrize("case", cases())
+def test_fault(case: Case, tmp_path: Path, token_cache_dir: Path) -> None:
+    run = supervise(case, tmp_path, token_cache_dir)
+    out = run.output
+    assert run.code == case.exit_code, out[-4000:]
+    assert run.seen >= 3, "the ranks and the sentinel were never seen"
+    assert run.survivors == [], f"left running: {[(p.pid, p.cmdline()) for p in run.survivors]}"
+    if case.injected:
+        assert case.fault_message() in out
+    if case.fault != "SIGKILL":
+        assert re.search(case.report_pattern(), out), out[-4000:]
+        for rank in (0, 1):  # the report's table names both devices
+            assert re.search(rf"^supervisor:\s+GPU{rank}\s+{rank}\s+\d+\s", out, re.M), out[-4000:]
+        assert f"exit code {case.exit_code}; logs in" in out
+    latest = check_checkpoints(case, tmp_path / "ckpt")
+
+    if (case.fault, case.phase) not in RESUMED:
+        return
+    again = supervise(case, tmp_path, token_cache_dir, resume=True)
+    assert again.code == 0, again.output[-4000:]
+    assert again.survivors == []
+    root = tmp_path / "ckpt"
+    if latest is None:
+        assert f"no checkpoint in {root}; starting from step 0" in again.output
+    else:
+        assert f"resumed from {checkpoint.step_path(root, latest)} at step {latest}" in again.output, \
+            again.output[-4000:]
+    assert "run finished in" in again.output and f"step {case.max_steps}/{case.max_steps}" in again.output
+    assert latest_loadable(root) == case.max_steps
+    assert not list(root.glob(f"{checkpoint.TMP_PREFIX}*"))  # the next saves cleared what the cut one left
