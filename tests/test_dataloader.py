@@ -119,7 +119,7 @@ def test_a_run_that_raises_stops_its_workers(tmp_path: Path, token_cache_dir: Pa
 # Real ranks, started by hand
 
 
-STEPS = 1000  # long enough that a SIGTERM sent after step 5 lands mid-run (the tiny model does ~200 steps/s)
+STEPS = 100_000  # never reached: both runs are stopped a few steps in (the length sets the LR schedule)
 
 
 def start_rank(tmp_path: Path, cache_dir: Path, name: str, workers: int, token: str) -> subprocess.Popen:
@@ -132,6 +132,20 @@ def start_rank(tmp_path: Path, cache_dir: Path, name: str, workers: int, token: 
     return subprocess.Popen([PYTHON, MAIN, "--debug", *set_flags(layer)], cwd=tmp_path,
                             env=base_env(DATALOADER_TEST_TOKEN=token), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def read_until_step(proc: subprocess.Popen, step: int, names: dict[int, str]) -> None:
+    """Read the rank's log until its line for `step`, noting every process it has started meanwhile."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        for process in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                names.setdefault(process.pid, process.name())
+            except psutil.NoSuchProcess:
+                continue
+        if f"Step [{step}/" in line:
+            return
+    raise AssertionError(f"the rank exited before step {step} ({proc.wait()}): {proc.stderr.read()[-3000:]}")
 
 
 def marked(token: str) -> list[psutil.Process]:
@@ -148,41 +162,34 @@ def marked(token: str) -> list[psutil.Process]:
 
 def test_rank_with_a_worker_trains_like_inline_survives_a_group_sigterm_and_leaves_nothing(
         tmp_path: Path, token_cache_dir: Path) -> None:
-    """Two runs side by side: num_workers=0 to the end, num_workers=1 stopped by SIGTERM to its whole process group
-    (the workers get it too and must not die of it). The stopped run checkpoints, exits 0, its losses equal the
-    inline run's step for step, and once it has exited none of its processes remains."""
-    prepared = tiny_config(tmp_path / "prepare", token_cache_dir)
+    """Two runs side by side, num_workers=1 and num_workers=0. The first is stopped by SIGTERM to its whole process
+    group (its workers get it too and must not die of it): it checkpoints and exits 0, and once it has exited none
+    of its processes remains. The second is then stopped past the same step: the losses are equal step for step."""
     from trainer.cache import prepare
 
-    prepare(prepared, show_progress=False)  # build the shared cache once, before the two runs race for it
+    prepare(tiny_config(tmp_path / "prepare", token_cache_dir), show_progress=False)  # before the runs race for it
     token = uuid.uuid4().hex
-    inline = start_rank(tmp_path, token_cache_dir, "inline", 0, uuid.uuid4().hex)
     ahead = start_rank(tmp_path, token_cache_dir, "ahead", 1, token)
-    names: dict[int, str] = {}  # what the stopped run had started: pid -> name
-    with cleanup(inline, ahead):
-        assert ahead.stdout is not None
-        for line in ahead.stdout:
-            for process in psutil.Process(ahead.pid).children(recursive=True):
-                try:
-                    names.setdefault(process.pid, process.name())
-                except psutil.NoSuchProcess:
-                    continue
-            if "Step [5/" in line:
-                os.killpg(ahead.pid, signal.SIGTERM)
-                break
+    inline = start_rank(tmp_path, token_cache_dir, "inline", 0, uuid.uuid4().hex)
+    names: dict[int, str] = {}  # what the run with a worker started: pid -> name
+    with cleanup(ahead, inline):
+        read_until_step(ahead, 5, names)
+        os.killpg(ahead.pid, signal.SIGTERM)  # as `kill -TERM -<pgid>` or a batch scheduler would
         out, err = ahead.communicate(timeout=120)
-        inline_out, inline_err = inline.communicate(timeout=120)
-    assert ahead.returncode == 0, err[-3000:]
-    assert inline.returncode == 0, inline_err[-3000:]
+        assert ahead.returncode == 0, err[-3000:]
+        stop_step = max(history_losses(tmp_path / "ahead" / "run"))
+        read_until_step(inline, stop_step + 1, {})
+        inline.send_signal(signal.SIGTERM)
+        _, inline_err = inline.communicate(timeout=120)
+        assert inline.returncode == 0, inline_err[-3000:]
+
     assert list(names.values()).count(WORKER_NAME) == 1, names  # num_workers=1 took effect
-    assert "stopping after step" in out
-    assert history(tmp_path / "ahead" / "run")["run"]["status"] == "stopped"
+    assert "stopping after step" in out and history(tmp_path / "ahead" / "run")["run"]["status"] == "stopped"
+    assert (tmp_path / "ahead" / "ckpt" / f"step_{stop_step + 1:06d}").is_dir()
     got = history_losses(tmp_path / "ahead" / "run")
     expected = history_losses(tmp_path / "inline" / "run")
-    stop_step = max(got)
-    assert 5 <= stop_step < STEPS - 1 and sorted(got) == list(range(stop_step + 1))
+    assert sorted(got) == list(range(stop_step + 1)) and stop_step >= 5
     assert all(got[s] == expected[s] for s in got)  # bit-identical to reading in the rank
-    assert (tmp_path / "ahead" / "ckpt" / f"step_{stop_step + 1:06d}").is_dir()
 
     deadline = time.monotonic() + 10
     while (left := marked(token)) and time.monotonic() < deadline:
