@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -303,6 +304,7 @@ def main() -> None:
         if result:
             print(json.dumps(result))
         return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still remove the work folder below
     print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; load average "
           f"{os.getloadavg()[0]:.1f} at start")
     work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
