@@ -5,15 +5,17 @@
 Each measurement runs in a fresh interpreter that first joins a one-member gloo group (as a rank has before its first
 batch, so `fork` copies a process with gloo's threads running) and memory-maps a generated token file, then reads
 batches through `trainer.batches.StepLoader`:
-  start   StepLoader created → first batch in hand: the one-off cost at a run's first step (and at each resume)
-  step    time per batch over the next --steps batches with no compute in between: the pure read rate
-  +gpu    the same with --compute-ms of sleep after each batch, a GPU step during which the CPU only waits: what
-          reading ahead buys (inline pays read + compute per step, workers about max(read, compute))
-  USS     private memory of every process the method adds (workers; the server for forkserver; multiprocessing's
-          resource tracker for forkserver and spawn), after the first batch
-Methods: inline (num_workers=0, the reference), fork, forkserver (the trainer's choice, with torch preloaded in the
-server; StepLoader's docstring says why) and spawn. Rounds interleave the methods, so a busy machine
-penalises all alike; figures are medians over rounds, printed as ratios: start-up against fork's, step time against
+  start    StepLoader created → first batch in hand: the one-off cost at a run's first step (and at each resume)
+  step     time per batch over the next --steps batches with no compute in between: the pure read rate
+  +gpu     the same with --compute-ms of sleep after each batch, a GPU step during which the CPU only waits: what
+           reading ahead buys (inline pays read + compute per step, workers about max(read, compute))
+  USS      private memory of every process the method adds (workers; the server for forkserver; multiprocessing's
+           resource tracker for forkserver and spawn), after the first batch
+  orphans  the process is then killed outright (SIGKILL, as the OOM killer would): seconds until every process it
+           started is gone, or "never" when some are still there after ORPHAN_WAIT_S (the bench then kills them)
+Methods: inline (num_workers=0, the reference), fork, forkserver (torch preloaded in the server, its best case) and
+spawn, the trainer's choice (StepLoader's docstring says why). Rounds interleave the methods, so a busy machine
+penalises all alike; figures are medians over rounds, printed as ratios: start-up against fork's, step times against
 inline's.
 """
 
@@ -21,36 +23,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import psutil  # noqa: E402
+
 METHODS = ("inline", "fork", "forkserver", "spawn")
 TOKENS = 20_000_000  # 40 MB of uint16 ids
 SHAPE = {"context_length": 1024, "micro_batch_size": 8, "grad_accum": 2}
+ORPHAN_WAIT_S = 20.0
+TOKEN_ENV = "BENCH_DATALOADER_TOKEN"
 
 
-def child(method: str, tokens_path: str, workers: int, steps: int, compute_ms: float) -> dict[str, float]:
-    """One measurement, in this (fresh) process."""
+def child(method: str, tokens_path: str, workers: int, steps: int, compute_ms: float) -> None:
+    """One measurement, in this (fresh) process: prints its figures as JSON, then dies by SIGKILL."""
+    import multiprocessing
+
     import numpy as np
-    import psutil
     import torch.distributed as dist
 
     from trainer.batches import BatchSampler, StepLoader
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(["torch", "trainer.batches"])
     tokens = np.memmap(tokens_path, dtype="<u2", mode="r")
     sampler = BatchSampler(tokens, world_size=1, rank=0, seed=1, **SHAPE)
-    start_method = "spawn" if method == "inline" else method
     started = time.perf_counter()
-    loader = StepLoader(sampler, end_step=2 * steps + 1, num_workers=0 if method == "inline" else workers,
-                        start_method=start_method)
+    loader = StepLoader(sampler, end_step=2 * steps + 2, num_workers=0 if method == "inline" else workers,
+                        start_method="spawn" if method == "inline" else method)
     loader.get(0)
     first = time.perf_counter() - started
     uss = sum(p.memory_full_info().uss for p in psutil.Process().children(recursive=True))
@@ -63,15 +74,39 @@ def child(method: str, tokens_path: str, workers: int, steps: int, compute_ms: f
         loader.get(step)
         time.sleep(compute_ms / 1e3)
     with_compute = (time.perf_counter() - started) / steps
-    loader.close()
-    dist.destroy_process_group()
-    return {"start_s": first, "step_ms": per_step * 1e3, "gpu_ms": with_compute * 1e3, "uss_mb": uss / 2**20}
+    print(json.dumps({"start_s": first, "step_ms": per_step * 1e3, "gpu_ms": with_compute * 1e3,
+                      "uss_mb": uss / 2**20}), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no close(), no exit handlers: what is left is what a crash leaves
+
+
+def marked(token: str) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(TOKEN_ENV) == token:
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return found
 
 
 def measure(method: str, tokens_path: Path, workers: int, steps: int, compute_ms: float) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", method, str(tokens_path), str(workers), str(steps),
-                          str(compute_ms)], capture_output=True, text=True, check=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    token = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, __file__, "--child", method, str(tokens_path), str(workers), str(steps),
+                             str(compute_ms)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, TOKEN_ENV: token})
+    assert proc.stdout is not None
+    figures = json.loads(proc.stdout.readline())
+    proc.wait()
+    died = time.perf_counter()
+    while (left := marked(token)) and time.perf_counter() - died < ORPHAN_WAIT_S:
+        time.sleep(0.05)
+    figures["orphans_s"] = float("inf") if left else time.perf_counter() - died
+    for process in left:
+        process.kill()
+    psutil.wait_procs(left, timeout=10)
+    proc.stdout.close()
+    return figures
 
 
 def main() -> None:
@@ -84,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         method, path, workers, steps, compute_ms = args.child
-        print(json.dumps(child(method, path, int(workers), int(steps), float(compute_ms))))
+        child(method, path, int(workers), int(steps), float(compute_ms))
         return
 
     import numpy as np
@@ -101,12 +136,13 @@ def main() -> None:
     print(f"{args.workers} workers, {args.steps} steps of {batch_kb:.0f} KB, {TOKENS:,} tokens memory-mapped, "
           f"gloo group joined first; +gpu = {args.compute_ms:g} ms of waiting per step; medians of {args.rounds} rounds")
     print(f"{'method':<11} {'start s':>8} {'vs fork':>8} {'step ms':>8} {'vs inline':>10} {'+gpu ms':>8} "
-          f"{'vs inline':>10} {'USS MB':>8}")
+          f"{'vs inline':>10} {'USS MB':>8} {'orphans':>8}")
     inline = median["inline"]
     for method, m in median.items():
+        orphans = "never" if m["orphans_s"] == float("inf") else f"{m['orphans_s']:.1f} s"
         print(f"{method:<11} {m['start_s']:>8.3f} {m['start_s'] / median['fork']['start_s']:>7.1f}x "
               f"{m['step_ms']:>8.3f} {m['step_ms'] / inline['step_ms']:>9.2f}x "
-              f"{m['gpu_ms']:>8.3f} {m['gpu_ms'] / inline['gpu_ms']:>9.2f}x {m['uss_mb']:>8.0f}")
+              f"{m['gpu_ms']:>8.3f} {m['gpu_ms'] / inline['gpu_ms']:>9.2f}x {m['uss_mb']:>8.0f} {orphans:>8}")
 
 
 if __name__ == "__main__":

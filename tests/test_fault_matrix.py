@@ -22,7 +22,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ import psutil
 import pytest
 import torch
 
+from process_tree import Descendants
 from rank_scripts.harness import clean_env
 from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
 from trainer import checkpoint
@@ -122,61 +122,7 @@ def cases() -> list[pytest.param]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Running the supervisor and watching its process tree
-
-
-class Descendants:
-    """Every process below the supervisor, collected by a thread while it runs (pid → creation time, so a pid the
-    kernel hands out again later is not mistaken for one of ours)."""
-
-    def __init__(self, root: int) -> None:
-        self.root = root
-        self.seen: dict[int, float] = {}
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._collect, daemon=True)
-        self.thread.start()
-
-    def _collect(self) -> None:
-        while not self.done.is_set():
-            try:
-                children = psutil.Process(self.root).children(recursive=True)
-            except psutil.Error:
-                return  # the supervisor is gone
-            for p in children:
-                try:
-                    self.seen.setdefault(p.pid, p.create_time())
-                except psutil.Error:
-                    continue
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.done.set()
-        self.thread.join()
-
-    def alive(self) -> list[psutil.Process]:
-        left = []
-        for pid, created in self.seen.items():
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    left.append(p)
-            except psutil.Error:
-                continue
-        return left
-
-    def survivors(self, timeout: float) -> list[psutil.Process]:
-        """Those still alive after up to `timeout` seconds (PDEATHSIG and the sentinel act within milliseconds)."""
-        deadline = time.monotonic() + timeout
-        while (left := self.alive()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return left
-
-    def kill(self) -> None:
-        for p in self.alive():
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+# Running the supervisor
 
 
 @dataclass

@@ -178,8 +178,7 @@ class StepBatches(Dataset):
         return torch.from_numpy(self.sampler.get_step(self.start_step + index))
 
 
-WORKER_START_METHOD = "forkserver"
-FORKSERVER_PRELOAD = ["torch", __name__]  # imported once by the server, inherited by every worker it forks
+WORKER_START_METHOD = "spawn"
 WORKER_BLOCKED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 PREFETCH_STEPS = 2  # per worker
 
@@ -208,18 +207,19 @@ class StepLoader:
     loader's pin thread), so the host-to-device copy stays asynchronous. A step asked for out of order restarts the
     stream at that step, so what `get` returns is a pure function of the step whatever the order of calls.
 
-    Why "forkserver". The workers start after the rank has joined its process groups: gloo's and NCCL's threads are
+    Why "spawn". The workers start after the rank has joined its process groups: gloo's and NCCL's threads are
     running, CUDA is initialised, and NCCL may have registered host memory with the network card. A `fork` would
     copy all of that into each worker: a lock held by one of those threads at the instant of the fork stays held
     forever in the child, registered pages turn copy-on-write under the card, and every descriptor of the rank
-    (gloo's sockets, the supervisor's progress pipe) stays open in the workers after the rank dies. "forkserver"
-    (Python 3.14's default on Linux) forks the workers from a small server that the rank starts by fork + exec,
-    so they hold none of it; the server preloads torch and this module, so each worker costs one fork. "spawn" is
-    just as clean but imports torch once per worker. Measured by bench/bench_dataloader.py (2 workers, a busy
-    2-core machine): start-up to the first batch 0.17 s fork, 3.6 s forkserver, 6.4 s spawn; private memory
-    49 MB, 161 MB, 313 MB. The start-up is paid once per run, at the first step; the read rate is the same.
-    The server and the workers stay in the rank's process group (the one the supervisor kills); when the rank
-    dies the server exits at once and torch's watchdog ends its orphaned workers within seconds.
+    (gloo's sockets, the supervisor's progress pipe) stays open in the workers. "spawn" starts each worker as a
+    fresh interpreter that holds none of it, as the rank's own child: in its process group (which the supervisor
+    kills), and watched by torch's per-worker watchdog, which ends a worker within seconds of its rank's death
+    however the rank died. "forkserver" is as clean and starts faster (the server imports torch once), but its
+    workers are the server's children and hold the descriptor the server watches for the rank's death, so after
+    a rank is killed outright the server and its workers wait on each other forever. Measured by
+    bench/bench_dataloader.py (2 workers, a busy 2-core machine): first batch after 0.17 s with fork, 3.6 s with
+    forkserver, 6.4 s with spawn (the workers import torch in parallel); private memory 49, 161 and 313 MB. The
+    start-up is paid once per run, at its first step.
 
     Signals. Workers start with SIGINT and SIGTERM blocked (`signals_blocked`): a Ctrl-C or a SIGTERM sent to
     the whole process group must reach the rank alone, which finishes its step, checkpoints and then stops its
@@ -263,11 +263,9 @@ class StepLoader:
             pin_memory=self.pin_memory, multiprocessing_context=multiprocessing.get_context(self.start_method),
             # the workers' seeds come from this generator, not from the training's global torch RNG
             generator=torch.Generator().manual_seed(self.seed))
-        if self.start_method == "forkserver":
-            multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # takes effect when the server starts
         atexit.register(self.close)
         # multiprocessing starts its resource tracker on first use and unblocks SIGINT and SIGTERM after doing so,
-        # which would undo the mask below: start it first (the fork server, started below, inherits the mask)
+        # which would undo the mask below: start it first
         multiprocessing.resource_tracker.ensure_running()
         with signals_blocked(WORKER_BLOCKED_SIGNALS):
             self.iterator = iter(self.loader)  # starts the workers (and, on a GPU, the pin thread)

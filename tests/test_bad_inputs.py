@@ -1,0 +1,141 @@
+"""Bad inputs through the real entry points: one ``error:`` line on stderr, exit 2, no traceback, nothing left running,
+no half-written token cache or checkpoint.
+
+Each case runs a user's command as a subprocess (``bash run_training.sh``, ``python -m supervisor``,
+``python prepare_dataset.py``, ``python pretrain_main.py``) with ``PYTHON`` set to this interpreter, so the shell
+scripts' bootstrap installs nothing. Inputs rejected before any work leave stderr holding the error line alone; those
+found while preparing the data may follow progress lines (``training BPE ...``) and, under the supervisor, its
+``supervisor:`` lines announcing the run, but the error is still one line, the last.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from process_tree import Descendants
+from rank_scripts.harness import ROOT, clean_env
+from supervisor import gpus
+from trainer.cache import BUILD_PREFIX, list_caches
+from trainer.checkpoint import STEP_PREFIX, TMP_PREFIX
+
+COMMANDS = {
+    "run_training.sh": ["bash", str(ROOT / "run_training.sh")],
+    "supervisor": [sys.executable, "-m", "supervisor"],
+    "prepare_dataset.py": [sys.executable, str(ROOT / "prepare_dataset.py")],
+    "pretrain_main.py": [sys.executable, str(ROOT / "pretrain_main.py")],
+}
+SMALL_DATA = ("--set", "data.vocab_size=300", "--set", "data.context_length=32",
+              "--set", "model.max_position_embeddings=64")
+TIMEOUT = 120.0
+
+
+@dataclass(frozen=True)
+class BadInput:
+    command: str  # a key of COMMANDS
+    args: tuple[str, ...]
+    message: str  # what the error line says (a part of it)
+    files: dict[str, str] = field(default_factory=dict)  # files to write into the working folder first
+    env: dict[str, str] = field(default_factory=dict)
+    before_any_work: bool = True  # rejected while reading the configuration: stderr holds the error line alone
+
+
+NO_GPU = not gpus.discover(clean_env()).gpus
+
+CASES = {
+    "unknown config key": BadInput(
+        "run_training.sh", ("--debug", "--set", "training.max_stepz=5"),
+        "command line: unknown key 'max_stepz' in section 'training'; did you mean 'max_steps'?"),
+    "wrong type": BadInput(
+        "pretrain_main.py", ("--debug", "--config", "run.json"), 'run.json: training.max_steps expects int, got str',
+        files={"run.json": '{"training": {"max_steps": "many"}}'}),
+    "invalid JSON": BadInput(
+        "prepare_dataset.py", ("--debug", "--config", "run.json"), "run.json: invalid JSON at line 1, column 30",
+        files={"run.json": '{"training": {"max_steps": 5,}\n}'}),
+    "heads not dividing hidden size": BadInput(
+        "supervisor", ("--debug", "--set", "model.num_heads=5"),
+        "model.num_heads (5) must divide model.hidden_size (128)"),
+    "context longer than positions": BadInput(
+        "pretrain_main.py", ("--debug", "--context-length", "1024"),
+        "data.context_length (1024) must be between 1 and model.max_position_embeddings (512)"),
+    "warmup not shorter than the run": BadInput(
+        "prepare_dataset.py", ("--debug", "--max-steps", "2"),
+        "training.warmup_steps (2) must be shorter than the run (training.max_steps = 2)"),
+    "unknown preset": BadInput("run_training.sh", ("--preset", "huge"), "unknown preset 'huge'"),
+    "missing config file": BadInput(
+        "supervisor", ("--debug", "--config", "nowhere.json"), "config file nowhere.json does not exist"),
+    "GPU 9 does not exist": BadInput(
+        "supervisor", ("--debug", "--gpus", "9"), "GPU 9 does not exist; this machine has GPUs 0-3",
+        env={"SUPERVISOR_FAKE_GPUS": "0,1,2,3"}),
+    "missing data path": BadInput(
+        "pretrain_main.py", ("--debug", "--set", "data.source=data/corpus.jsonl", *SMALL_DATA),
+        "data.source data/corpus.jsonl does not exist", before_any_work=False),
+    "empty corpus": BadInput(
+        "prepare_dataset.py", ("--debug", "--set", "data.source=corpus", *SMALL_DATA),
+        "data.source corpus holds no documents", files={"corpus/empty.txt": ""}, before_any_work=False),
+    "corpus shorter than one window": BadInput(
+        "prepare_dataset.py", ("--debug", "--set", "data.source=corpus", *SMALL_DATA),
+        "fewer than one context window (32 + 1)", files={"corpus/short.txt": "Just a few words.\n"},
+        before_any_work=False),
+    "hub dataset while offline": BadInput(
+        "run_training.sh", ("--debug", "--set", "data.source=someone/some-corpus", *SMALL_DATA),
+        "data.source 'someone/some-corpus' is not a local path and the Hugging Face hub cannot be reached",
+        before_any_work=False),
+    "unknown tokenizer": BadInput(
+        "prepare_dataset.py", ("--debug", "--set", "data.tokenizer=no-such-tokenizer", *SMALL_DATA),
+        "unknown tokenizer 'no-such-tokenizer'", before_any_work=False),
+    "resume path that does not exist": BadInput(
+        "supervisor", ("--debug", "--resume", "ckpt/step_000500", *SMALL_DATA),
+        "--resume ckpt/step_000500: no such file or folder"),
+    "production preset on a CPU": BadInput(
+        "run_training.sh", ("--preset", "production"),
+        "preset 'production' (7.2B parameters, fsdp, bf16) needs GPUs and none was found"),
+}
+
+
+def no_half_written_output(folder: Path) -> None:
+    """No staging folder in the cache, no invalid token cache, no checkpoint of any kind."""
+    cache = folder / "cache"
+    assert not list(cache.rglob(f"{BUILD_PREFIX}*")), "a cache build was left half-way"
+    assert [entry.problem for entry in list_caches(cache)] == [None] * len(list_caches(cache))
+    ckpt = folder / "ckpt"
+    assert not list(ckpt.glob(f"{STEP_PREFIX}*")) and not list(ckpt.glob(f"{TMP_PREFIX}*"))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    if name == "production preset on a CPU" and not NO_GPU:
+        pytest.skip("this machine has a GPU: the production preset would start")
+    for relative, text in case.files.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    paths = ("--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}")
+    if case.command in ("run_training.sh", "supervisor"):
+        paths += ("--log-dir", str(tmp_path / "logs"), "--no-footer")
+    env = clean_env(PYTHON=sys.executable, HF_HUB_OFFLINE="1", **case.env)
+    proc = subprocess.Popen([*COMMANDS[case.command], *case.args, *paths], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    tree = Descendants(proc.pid)
+    try:
+        _, err = proc.communicate(timeout=TIMEOUT)
+        tree.stop()
+        assert tree.survivors(timeout=2.0) == []
+    finally:
+        tree.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        tree.kill()
+    lines = err.splitlines()
+    assert proc.returncode == 2, err
+    assert "Traceback" not in err, err
+    assert [line for line in lines if line.startswith("error:")] == lines[-1:], err
+    assert case.message in lines[-1], err
+    if case.before_any_work:
+        assert len(lines) == 1, err
+    no_half_written_output(tmp_path)
