@@ -4,14 +4,12 @@ to stop (SIGTERM to its whole process group)."""
 
 from __future__ import annotations
 
-import multiprocessing.forkserver
 import os
 import pickle
 import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -41,14 +39,6 @@ WORKER_NAME = "pt_data_worker"  # the name torch gives its DataLoader worker pro
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stop_fork_server() -> Iterator[None]:
-    """The loaders here start multiprocessing's fork server in this process; it would otherwise live on (idle)
-    until pytest exits. `_stop` is how CPython's own tests end it."""
-    yield
-    multiprocessing.forkserver._forkserver._stop()
-
-
 @pytest.fixture
 def sampler(tmp_path: Path) -> BatchSampler:
     """A rank's sampler over a memory-mapped token file, as the trainer builds it (rank 1 of 2, 2 micro-steps)."""
@@ -59,7 +49,9 @@ def sampler(tmp_path: Path) -> BatchSampler:
 
 
 def workers_of(pid: int) -> list[psutil.Process]:
-    return [p for p in psutil.Process(pid).children(recursive=True) if p.name() == WORKER_NAME]
+    """The worker processes under `pid`, by their command line (a spawned worker takes WORKER_NAME only once its
+    interpreter has started)."""
+    return [p for p in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
 
 
 def blocked_signals(pid: int) -> set[int]:
@@ -89,14 +81,12 @@ def test_workers_ignore_stop_signals_and_end_on_close(sampler: BatchSampler) -> 
         first = loader.get(5)
         workers = workers_of(os.getpid())
         assert len(workers) == 2
-        started = psutil.Process().children(recursive=True)  # the workers, and the fork server they come from
-        for process in started:
-            if process.name() != "python" or "resource_tracker" not in " ".join(process.cmdline()):
-                assert set(STOP_SIGNALS) <= blocked_signals(process.pid), process.cmdline()
-                for sig in STOP_SIGNALS:
-                    process.send_signal(sig)  # what a Ctrl-C or `kill -TERM -<pgid>` does to the whole group
+        for worker in workers:
+            assert set(STOP_SIGNALS) <= blocked_signals(worker.pid)
+            for sig in STOP_SIGNALS:
+                worker.send_signal(sig)  # what a Ctrl-C or `kill -TERM -<pgid>` does to the whole group
         time.sleep(0.5)
-        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
+        assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
         assert torch.equal(first, torch.from_numpy(sampler.get_step(5)))
         assert torch.equal(loader.get(6), torch.from_numpy(sampler.get_step(6)))  # still serving
     finally:
@@ -140,7 +130,7 @@ def read_until_step(proc: subprocess.Popen, step: int, names: dict[int, str]) ->
     for line in proc.stdout:
         for process in psutil.Process(proc.pid).children(recursive=True):
             try:
-                names.setdefault(process.pid, process.name())
+                names[process.pid] = process.name()  # the latest: a spawned worker renames itself
             except psutil.NoSuchProcess:
                 continue
         if f"Step [{step}/" in line:
