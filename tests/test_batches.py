@@ -1,6 +1,8 @@
-"""BatchSampler: shapes, the label shift, disjoint and complete rank shards, exact resume, epoch wrap."""
+"""BatchSampler: shapes, the label shift, disjoint and complete rank shards, exact resume, epoch wrap, pickling."""
 
 from __future__ import annotations
+
+import pickle
 
 import numpy as np
 import pytest
@@ -95,6 +97,31 @@ def test_reads_a_read_only_memmap_without_copying_it(tmp_path) -> None:
     tokens = np.memmap(path, dtype="<u2", mode="r")
     batch = BatchSampler(tokens, 32, 2, 1, 1, 0, seed=0).get(0, 0)
     assert batch.dtype == np.int64 and not tokens.flags.writeable
+
+
+def test_get_step_stacks_the_micro_batches() -> None:
+    sampler = BatchSampler(np.arange(5000, dtype=np.uint16), 16, 2, 3, world_size=2, rank=1, seed=4)
+    step = sampler.get_step(9)
+    assert step.shape == (3, 2, 17) and step.dtype == np.int64
+    assert all(np.array_equal(step[m], sampler.get(9, m)) for m in range(3))
+
+
+def test_pickles_a_memmap_by_its_file_and_anything_else_by_value(tmp_path) -> None:
+    """What a DataLoader worker receives: the same batches; a whole memmap is mapped again rather than copied."""
+    path = tmp_path / "tokens.bin"
+    np.arange(50_000, dtype="<u2").tofile(path)
+    mapped = np.memmap(path, dtype="<u2", mode="r")
+    at_offset = np.memmap(path, dtype="<u2", mode="r", offset=2000, shape=(20_000,))
+    cases = [(mapped, True), (at_offset, True), (mapped[100:], False), (np.array(mapped), False)]
+    for tokens, by_file in cases:
+        sampler = BatchSampler(tokens, 16, 2, 2, world_size=1, rank=0, seed=3)
+        sampler.get(0, 0)  # fills the per-epoch order cache, which is not sent
+        data = pickle.dumps(sampler)
+        assert (len(data) < 2000) == by_file
+        arrived = pickle.loads(data)
+        assert isinstance(arrived.tokens, np.memmap) == by_file
+        assert not by_file or not arrived.tokens.flags.writeable  # mapped again read-only
+        assert all(np.array_equal(arrived.get_step(s), sampler.get_step(s)) for s in (0, 7, 300))
 
 
 def test_bad_arguments() -> None:
