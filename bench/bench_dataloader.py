@@ -1,6 +1,7 @@
 """DataLoader workers for training batches (`training.num_workers`): what each start method costs, side by side.
 
     .venv/bin/python bench/bench_dataloader.py [--rounds 3] [--workers 2] [--steps 200] [--compute-ms 3]
+                                               [--shape 1024,8,2] [--methods inline,fork,forkserver,spawn]
 
 Each measurement runs in a fresh interpreter that first joins a one-member gloo group (as a rank has before its first
 batch, so `fork` copies a process with gloo's threads running) and memory-maps a generated token file, then reads
@@ -40,12 +41,12 @@ import psutil  # noqa: E402
 
 METHODS = ("inline", "fork", "forkserver", "spawn")
 TOKENS = 20_000_000  # 40 MB of uint16 ids
-SHAPE = {"context_length": 1024, "micro_batch_size": 8, "grad_accum": 2}
+SHAPE_KEYS = ("context_length", "micro_batch_size", "grad_accum")  # --shape, in this order
 ORPHAN_WAIT_S = 20.0
 TOKEN_ENV = "BENCH_DATALOADER_TOKEN"
 
 
-def child(method: str, tokens_path: str, workers: int, steps: int, compute_ms: float) -> None:
+def child(method: str, tokens_path: str, workers: int, steps: int, compute_ms: float, shape: dict[str, int]) -> None:
     """One measurement, in this (fresh) process: prints its figures as JSON, then dies by SIGKILL."""
     import multiprocessing
 
@@ -58,7 +59,7 @@ def child(method: str, tokens_path: str, workers: int, steps: int, compute_ms: f
     if method == "forkserver":
         multiprocessing.set_forkserver_preload(["torch", "trainer.batches"])
     tokens = np.memmap(tokens_path, dtype="<u2", mode="r")
-    sampler = BatchSampler(tokens, world_size=1, rank=0, seed=1, **SHAPE)
+    sampler = BatchSampler(tokens, world_size=1, rank=0, seed=1, **shape)
     started = time.perf_counter()
     loader = StepLoader(sampler, end_step=2 * steps + 2, num_workers=0 if method == "inline" else workers,
                         start_method="spawn" if method == "inline" else method)
@@ -90,10 +91,11 @@ def marked(token: str) -> list[psutil.Process]:
     return found
 
 
-def measure(method: str, tokens_path: Path, workers: int, steps: int, compute_ms: float) -> dict[str, float]:
+def measure(method: str, tokens_path: Path, args: argparse.Namespace) -> dict[str, float]:
     token = uuid.uuid4().hex
-    proc = subprocess.Popen([sys.executable, __file__, "--child", method, str(tokens_path), str(workers), str(steps),
-                             str(compute_ms)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, __file__, "--child", method, str(tokens_path), str(args.workers),
+                             str(args.steps), str(args.compute_ms), args.shape], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT,
                             env={**os.environ, TOKEN_ENV: token})
     assert proc.stdout is not None
     figures = json.loads(proc.stdout.readline())
@@ -115,34 +117,42 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--compute-ms", type=float, default=3.0)
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default="1024,8,2", help="context_length,micro_batch_size,grad_accum")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        method, path, workers, steps, compute_ms = args.child
-        child(method, path, int(workers), int(steps), float(compute_ms))
+        method, path, workers, steps, compute_ms, shape = args.child
+        child(method, path, int(workers), int(steps), float(compute_ms),
+              dict(zip(SHAPE_KEYS, map(int, shape.split(",")))))
         return
+    methods = args.methods.split(",")
+    shape = dict(zip(SHAPE_KEYS, map(int, args.shape.split(","))))
 
     import numpy as np
 
     with tempfile.TemporaryDirectory() as tmp:
         tokens_path = Path(tmp) / "tokens.bin"
         np.random.default_rng(0).integers(0, 50_000, TOKENS).astype("<u2").tofile(tokens_path)
-        runs: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+        runs: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
         for _ in range(args.rounds):
-            for method in METHODS:
-                runs[method].append(measure(method, tokens_path, args.workers, args.steps, args.compute_ms))
+            for method in methods:
+                runs[method].append(measure(method, tokens_path, args))
     median = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
-    batch_kb = SHAPE["grad_accum"] * SHAPE["micro_batch_size"] * (SHAPE["context_length"] + 1) * 8 / 1024
+    batch_kb = shape["grad_accum"] * shape["micro_batch_size"] * (shape["context_length"] + 1) * 8 / 1024
     print(f"{args.workers} workers, {args.steps} steps of {batch_kb:.0f} KB, {TOKENS:,} tokens memory-mapped, "
-          f"gloo group joined first; +gpu = {args.compute_ms:g} ms of waiting per step; medians of {args.rounds} rounds")
-    print(f"{'method':<11} {'start s':>8} {'vs fork':>8} {'step ms':>8} {'vs inline':>10} {'+gpu ms':>8} "
-          f"{'vs inline':>10} {'USS MB':>8} {'orphans':>8}")
-    inline = median["inline"]
+          f"gloo group joined first; +gpu = {args.compute_ms:g} ms of waiting per step; "
+          f"medians of {args.rounds} rounds")
+    start_ref = "fork" if "fork" in median else methods[0]
+    step_ref = "inline" if "inline" in median else methods[0]
+    print(f"{'method':<11} {'start s':>8} {'vs ' + start_ref:>10} {'step ms':>8} {'vs ' + step_ref:>10} "
+          f"{'+gpu ms':>8} {'vs ' + step_ref:>10} {'USS MB':>8} {'orphans':>8}")
     for method, m in median.items():
         orphans = "never" if m["orphans_s"] == float("inf") else f"{m['orphans_s']:.1f} s"
-        print(f"{method:<11} {m['start_s']:>8.3f} {m['start_s'] / median['fork']['start_s']:>7.1f}x "
-              f"{m['step_ms']:>8.3f} {m['step_ms'] / inline['step_ms']:>9.2f}x "
-              f"{m['gpu_ms']:>8.3f} {m['gpu_ms'] / inline['gpu_ms']:>9.2f}x {m['uss_mb']:>8.0f} {orphans:>8}")
+        print(f"{method:<11} {m['start_s']:>8.3f} {m['start_s'] / median[start_ref]['start_s']:>9.1f}x "
+              f"{m['step_ms']:>8.3f} {m['step_ms'] / median[step_ref]['step_ms']:>9.2f}x "
+              f"{m['gpu_ms']:>8.3f} {m['gpu_ms'] / median[step_ref]['gpu_ms']:>9.2f}x {m['uss_mb']:>8.0f} "
+              f"{orphans:>8}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from trainer.errors import UserError
 
@@ -210,22 +210,28 @@ class StepLoader:
     Why "spawn". The workers start after the rank has joined its process groups: gloo's and NCCL's threads are
     running, CUDA is initialised, and NCCL may have registered host memory with the network card. A `fork` would
     copy all of that into each worker: a lock held by one of those threads at the instant of the fork stays held
-    forever in the child, registered pages turn copy-on-write under the card, and every descriptor of the rank
+    forever in the child, registered pages may turn copy-on-write under the card, and every descriptor of the rank
     (gloo's sockets, the supervisor's progress pipe) stays open in the workers. "spawn" starts each worker as a
     fresh interpreter that holds none of it, as the rank's own child: in its process group (which the supervisor
     kills), and watched by torch's per-worker watchdog, which ends a worker within seconds of its rank's death
-    however the rank died. "forkserver" is as clean and starts faster (the server imports torch once), but its
-    workers are the server's children and hold the descriptor the server watches for the rank's death, so after
-    a rank is killed outright the server and its workers wait on each other forever. Measured by
-    bench/bench_dataloader.py (2 workers, a busy 2-core machine): first batch after 0.17 s with fork, 3.6 s with
-    forkserver, 6.4 s with spawn (the workers import torch in parallel); private memory 49, 161 and 313 MB. The
-    start-up is paid once per run, at its first step.
+    however the rank died. "forkserver" is as clean and starts a little faster (its server imports torch once),
+    but its workers are the server's children and hold the descriptor the server watches for the rank's death:
+    after a rank is killed outright, the server and its workers wait on each other forever. Measured by
+    bench/bench_dataloader.py (2 workers, 2-core machine): first batch after 0.20 s (fork), 3.0 s (forkserver),
+    3.8 s (spawn: the workers import torch); private memory 65, 163, 314 MB; after a SIGKILL of the reader, its
+    processes are gone after 5.1 s, never, 6.3 s. The start-up is paid once per run, at its first step.
+
+    When workers pay. Reading a step from a memory-mapped cache that sits in the page cache is cheap (about 1 ms
+    for 128 KB, 2.5 ms for 1 MB on that machine), and taking a batch from a worker costs the rank about as much
+    (shared memory, a descriptor passed over a socket); so workers help only where reads are slow (a cold cache on
+    network storage) and cores are free. 0 stays the default.
 
     Signals. Workers start with SIGINT and SIGTERM blocked (`signals_blocked`): a Ctrl-C or a SIGTERM sent to
     the whole process group must reach the rank alone, which finishes its step, checkpoints and then stops its
     workers. A worker killed by such a signal would instead make torch raise in the rank at an arbitrary point.
-    Because the workers ignore those signals, they must be stopped explicitly: `close()` (every exit path of the
-    loop calls it, and an `atexit` hook covers the rest, before multiprocessing's own hook would wait for them).
+    Because the workers ignore those signals, they must be stopped explicitly: `close()`, which the trainer calls on
+    every exit path; an `atexit` hook covers any other user, running before multiprocessing's own exit hook, which
+    would send them SIGTERM (ignored) and then wait for them forever.
     """
 
     def __init__(self, sampler: BatchSampler, end_step: int, num_workers: int = 0, pin_memory: bool = False,
@@ -239,11 +245,12 @@ class StepLoader:
         self.seed = seed
         self.start_method = start_method  # only bench/bench_dataloader.py picks another, to compare them
         self.loader: DataLoader | None = None
-        self.iterator: _BaseDataLoaderIter | None = None
+        self.iterator: _MultiProcessingDataLoaderIter | None = None
         self.next_step: int | None = None
         self.stream_end = 0  # the running stream's steps are [next_step, stream_end)
 
     def get(self, step: int) -> torch.Tensor:
+        """This rank's batch of `step`, int64 [grad_accum, B, T + 1] on the host."""
         if self.num_workers == 0:
             return torch.from_numpy(self.sampler.get_step(step))
         if self.iterator is None or step != self.next_step or step >= self.stream_end:
@@ -268,7 +275,7 @@ class StepLoader:
         # which would undo the mask below: start it first
         multiprocessing.resource_tracker.ensure_running()
         with signals_blocked(WORKER_BLOCKED_SIGNALS):
-            self.iterator = iter(self.loader)  # starts the workers (and, on a GPU, the pin thread)
+            self.iterator = iter(self.loader)  # type: ignore[assignment]  # starts the workers (+ the pin thread)
         self.next_step = step
 
     def close(self) -> None:

@@ -309,6 +309,7 @@ def validate(cfg: Config) -> None:
          f"({m.max_position_embeddings})"),
         (t.batch_size > 0, f"training.batch_size must be positive, got {t.batch_size}"),
         (t.grad_accum_nums > 0, f"training.grad_accum_nums must be positive, got {t.grad_accum_nums}"),
+        (t.num_workers >= 0, f"training.num_workers must be 0 or more, got {t.num_workers}"),
         (t.learning_rate > 0, f"training.learning_rate must be positive, got {t.learning_rate}"),
         (t.max_steps > 0, f"training.max_steps must be positive, got {t.max_steps}"),
         (0 <= t.warmup_steps < t.max_steps,
