@@ -36,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
-from trainer.batches import BatchSampler  # noqa: E402
 from trainer.cache import (OFFSETS_FILE, TOKENS_FILE, VAL_OFFSETS_FILE, VAL_TOKENS_FILE, TokenCache,  # noqa: E402
                            TokenStream, digest, prepare, publish, staging, write_manifest)
 from trainer.config import Config  # noqa: E402
@@ -128,6 +127,8 @@ def child_map(tokenizer_folder: str) -> dict:
 
 def child_reader(path: str, copy: str) -> dict:
     """Read the whole cache (one epoch of BatchSampler windows), say READ, wait for the parent, then measure."""
+    from trainer.batches import BatchSampler  # here: that module also holds the torch DataLoader wrapper
+
     process = psutil.Process()
     base = process.memory_full_info()
     cache = TokenCache.open(Path(path))
