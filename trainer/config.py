@@ -264,9 +264,9 @@ def coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
     raise UserError(f"{origin}: {key} expects {type_name(tp)}, got {given} ({json.dumps(value)})")
 
 
-def closest(name: str, candidates: list[str]) -> str:
+def closest(name: str, candidates: list[str], what: str = "keys") -> str:
     match = difflib.get_close_matches(name, candidates, n=1, cutoff=0.5)
-    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(candidates)}"
+    return f"; did you mean '{match[0]}'?" if match else f"; valid {what}: {', '.join(candidates)}"
 
 
 def apply_layer(cfg: Config, raw: dict[str, Any], origin: str) -> None:
@@ -276,7 +276,7 @@ def apply_layer(cfg: Config, raw: dict[str, Any], origin: str) -> None:
             setattr(cfg, section, coerce(values, str, section, origin))
             continue
         if section not in SECTIONS:
-            raise UserError(f"{origin}: unknown section '{section}'{closest(section, SECTIONS)}")
+            raise UserError(f"{origin}: unknown section '{section}'{closest(section, SECTIONS, 'sections')}")
         if not isinstance(values, dict):
             raise UserError(f"{origin}: section '{section}' must be an object, got {json.dumps(values)}")
         target = getattr(cfg, section)
@@ -340,7 +340,7 @@ def preset_names() -> list[str]:
 def preset_layer(name: str) -> dict[str, Any]:
     path = PRESETS_DIR / f"{name}.json"
     if not path.is_file():
-        raise UserError(f"unknown preset '{name}'{closest(name, preset_names())}")
+        raise UserError(f"unknown preset '{name}'{closest(name, preset_names(), 'presets')}")
     raw = read_json(path)
     raw["preset"] = name
     return raw
