@@ -10,3 +10,21 @@ class UserError(Exception):
 
 
 USER_ERROR_EXIT_CODE = 2
+
+
+def exit_without_teardown(code: int) -> None:
+    """Flush and exit now, skipping the interpreter's finalisation.
+
+    Used by entry points once everything they own is closed: it hands the exit code back sooner, and keeps C++
+    destructors (torch.distributed's among them) from running during finalisation, where they can abort a run that
+    already finished (std::terminate, exit 134).
+    """
+    import os
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, OSError):
+            pass
+    os._exit(code)
