@@ -37,9 +37,10 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 from trainer.cache import (OFFSETS_FILE, TOKENS_FILE, VAL_OFFSETS_FILE, VAL_TOKENS_FILE, TokenCache,  # noqa: E402
-                           TokenStream, digest, prepare, publish, staging, write_manifest)
+                           digest, prepare, publish, staging, write_manifest)
 from trainer.config import Config  # noqa: E402
 from trainer.corpus import StdlibCorpus  # noqa: E402
+from trainer.token_stream import TokenStream  # noqa: E402
 from trainer.tokenizer import export, load_fast  # noqa: E402
 
 ANCHORS = {"map": 0.47, "raw": 0.74}  # M tokens/s on the reference 2-core machine (ANCHORS.md)

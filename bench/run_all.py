@@ -21,7 +21,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PAGE = ROOT / "BENCHMARKS.md"
-ORDER = ["cache", "supervisor", "training", "nan_guard"]
+ORDER = ["cache", "supervisor", "training", "nan_guard", "dataloader"]
 SECTION = re.compile(r"^## bench_(\w+)\n.*?(?=^## bench_|\Z)", re.S | re.M)
 
 

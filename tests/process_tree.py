@@ -6,8 +6,11 @@ that start real entry points (tests/test_fault_matrix.py, tests/test_bad_inputs.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 
@@ -67,3 +70,18 @@ class Descendants:
                 p.kill()
             except psutil.Error:
                 pass
+
+
+@contextmanager
+def watching(proc: subprocess.Popen) -> Iterator[Descendants]:
+    """Collect `proc`'s descendants while the block runs; on the way out, however the test went, kill `proc` and every
+    descendant still alive, so a failing test never leaves processes behind for the next one."""
+    tree = Descendants(proc.pid)
+    try:
+        yield tree
+    finally:
+        tree.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        tree.kill()

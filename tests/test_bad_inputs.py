@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from process_tree import Descendants
+from process_tree import watching
 from rank_scripts.harness import ROOT, clean_env
 from supervisor import gpus
 from trainer.cache import BUILD_PREFIX, list_caches
@@ -118,17 +118,10 @@ def test_bad_input(name: str, tmp_path: Path) -> None:
     env = clean_env(PYTHON=sys.executable, HF_HUB_OFFLINE="1", **case.env)
     proc = subprocess.Popen([*COMMANDS[case.command], *case.args, *paths], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    tree = Descendants(proc.pid)
-    try:
+    with watching(proc) as tree:
         _, err = proc.communicate(timeout=TIMEOUT)
         tree.stop()
         assert tree.survivors(timeout=2.0) == []
-    finally:
-        tree.stop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        tree.kill()
     lines = err.splitlines()
     assert proc.returncode == 2, err
     assert "Traceback" not in err, err

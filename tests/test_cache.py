@@ -21,11 +21,12 @@ import psutil
 import pytest
 
 from trainer import cache as cache_module
-from trainer.cache import (BUILD_PREFIX, TOKENIZERS_DIR, TRASH_PREFIX, CacheInfo, TokenCache, TokenStream, cache_root,
+from trainer.cache import (BUILD_PREFIX, TOKENIZERS_DIR, TRASH_PREFIX, CacheInfo, TokenCache, cache_root,
                            list_caches, prepare, process_tag)
 from trainer.config import PROJECT_ROOT, Config
 from trainer.corpus import open_corpus, split_documents
 from trainer.errors import UserError
+from trainer.token_stream import TokenStream
 
 TINY = {"source": "stdlib", "vocab_size": 300, "context_length": 32, "max_samples": 24, "val_fraction": 0.1}
 

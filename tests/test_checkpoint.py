@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rank_support import PYTHON, ROOT, base_env, cleanup, one_thread, tiny_config  # noqa: F401 (fixture)
-from trainer import checkpoint
+from trainer import checkpoint, durable
 from trainer.checkpoint import CheckpointMeta, TrainState
 from trainer.config import Config
 from trainer.distributed import DistContext, init_distributed, teardown
@@ -141,7 +141,7 @@ def save_then_stall(folder: str) -> None:
         (Path(folder) / "saving").write_text(str(path))
         time.sleep(120)
 
-    checkpoint.fsync_tree = stall
+    durable.fsync_tree = stall  # publish() flushes before it renames: stall there
     checkpoint.save(checkpoint.step_path(root, 2), state, make_meta(state, 2), context)
 
 

@@ -31,7 +31,7 @@ import psutil
 import pytest
 import torch
 
-from process_tree import Descendants
+from process_tree import watching
 from rank_scripts.harness import clean_env
 from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
 from trainer import checkpoint
@@ -179,20 +179,13 @@ def supervise(case: Case, tmp_path: Path, cache_dir: Path, resume: bool = False)
         proc = subprocess.Popen([sys.executable, "-m", "supervisor", *flags(case, tmp_path, cache_dir, resume)],
                                 cwd=tmp_path, env=clean_env(SUPERVISOR_FAKE_GPUS="0,1"), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    tree = Descendants(proc.pid)
-    try:
+    with watching(proc) as tree:
         if case.by_supervisor and not resume:
             wait_for(case.signal_cue(), log, proc, RUN_TIMEOUT)
             proc.send_signal(getattr(signal, case.fault))
         code = proc.wait(RUN_TIMEOUT)
         tree.stop()
         return Outcome(code, log.read_text(errors="replace"), tree.survivors(timeout=5.0), len(tree.seen))
-    finally:
-        tree.stop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        tree.kill()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from rank_support import history, history_losses, one_thread, tiny_config, token
 from trainer import checkpoint, loop
 from trainer.config import Config
 from trainer.distributed import init_distributed, teardown
-from trainer.nan_guard import HostSyncCounter
+from trainer.host_sync import HostSyncCounter
 from trainer.progress import ProgressReporter
 
 

@@ -93,7 +93,7 @@ def test_shape_signature_names_every_parameter(tmp_path: Path) -> None:
 
 
 def test_maskless_causal_attention_is_sdpa_without_host_reads(tmp_path: Path) -> None:
-    from trainer.nan_guard import HostSyncCounter
+    from trainer.host_sync import HostSyncCounter
 
     model = build_model(cfg_for(tmp_path, num_layers=2), 300, 0, CPU)
     batch = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))

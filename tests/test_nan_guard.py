@@ -27,7 +27,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from trainer.config import Config  # noqa: E402
 from trainer.faults import FaultInjector, poison  # noqa: E402
-from trainer.nan_guard import HostSyncCounter, NanGuard, NonFiniteError  # noqa: E402
+from trainer.host_sync import HostSyncCounter  # noqa: E402
+from trainer.nan_guard import NanGuard, NonFiniteError  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 16, 2
 NAN_MODULE = "model.layers.1.mlp"

@@ -19,7 +19,6 @@ NaN guard asks for as `nan_grad_step_<n>.pt`); `--resume` accepts either.
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import time
@@ -37,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from trainer import durable
 from trainer.config import Config
 from trainer.distributed import DistContext, broadcast_object, gather_objects, is_sharded
 from trainer.errors import UserError
@@ -169,27 +169,6 @@ def check_compatible(path: Path, meta: CheckpointMeta, cache_key: str, state: Tr
 # Files
 
 
-def fsync_tree(path: Path) -> None:
-    """Flush every file and folder under `path` to disk, so the rename that publishes it never exposes holes."""
-    if path.is_file():
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-        return
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                os.fsync(f.fileno())
-        fsync_dir(Path(folder))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
@@ -198,14 +177,24 @@ def remove(path: Path) -> None:
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Atomically move a finished folder into place, replacing an older one of the same name."""
-    old = final.with_name(OLD_PREFIX + final.name)
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    durable.publish(tmp, final, aside=final.with_name(OLD_PREFIX + final.name))
+
+
+def failure_of(action: Callable[[], Any]) -> str | None:
+    """Run `action`; say what went wrong instead of raising, so the other ranks can be told before anyone raises."""
+    try:
+        action()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def raise_if_main_failed(error: str | None, ctx: DistContext, what: str) -> None:
+    """Collective: every rank raises when rank 0 failed; otherwise the others would wait forever in their next
+    collective for a rank that has given up."""
+    error = broadcast_object(error, ctx)
+    if error:
+        raise RuntimeError(f"{what} failed on rank 0: {error}")
 
 
 def prune(root: Path, keep: int) -> None:
@@ -279,29 +268,18 @@ def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
     if meta.format == SHARDED:
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
         dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
-    if ctx.is_main:
-        try:
-            torch.save(payload(state, meta, rngs, with_weights=meta.format == FULL),
-                       tmp if single_file else tmp / STATE_FILE)
-        except Exception as e:  # every rank must learn about it, or the others would wait forever
-            error = f"{type(e).__name__}: {e}"
+
+    def write_state() -> None:
+        torch.save(payload(state, meta, rngs, with_weights=meta.format == FULL), tmp if single_file else tmp / STATE_FILE)
+
+    error = failure_of(write_state) if ctx.is_main else None
     if before_publish is not None:
         before_publish()
     if ctx.is_main and error is None:
-        try:
-            if single_file:
-                fsync_tree(tmp)
-                os.replace(tmp, path)
-                fsync_dir(path.parent)
-            else:
-                (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n")
-                fsync_tree(tmp)
-                publish(tmp, path)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-    error = broadcast_object(error, ctx)
-    if error:
-        raise RuntimeError(f"checkpoint {path} failed on rank 0: {error}")
+        if not single_file:
+            error = failure_of(lambda: (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n"))
+        error = error or failure_of(lambda: publish(tmp, path))
+    raise_if_main_failed(error, ctx, f"checkpoint {path}")
     return path
 
 
@@ -333,7 +311,6 @@ def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> Che
 def save_final(out_dir: Path, model: torch.nn.Module, ctx: DistContext, tokenizer_path: Path,
                eos_id: int | None) -> Path:
     """`save_pretrained` (safetensors) plus the tokenizer, atomically, into `out_dir` (collective when sharded)."""
-    from transformers import PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per shard would garble the rank's log
@@ -341,28 +318,27 @@ def save_final(out_dir: Path, model: torch.nn.Module, ctx: DistContext, tokenize
     state_dict = None
     if is_sharded(model):  # gather full weights onto rank 0's CPU
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    error = None
-    if ctx.is_main:
-        tmp = out_dir.with_name(TMP_PREFIX + out_dir.name)
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            use_cache = model.config.use_cache
-            model.config.use_cache = True  # for generation; training never needs the key/value cache
-            try:
-                model.save_pretrained(tmp, state_dict=state_dict)
-            finally:
-                model.config.use_cache = use_cache
-            tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
-            if eos_id is not None:
-                eos = tokenizer.convert_ids_to_tokens(eos_id)
-                tokenizer.eos_token = tokenizer.bos_token = tokenizer.pad_token = eos
-            tokenizer.save_pretrained(tmp)
-            fsync_tree(tmp)
-            publish(tmp, out_dir)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-    error = broadcast_object(error, ctx)
-    if error:
-        raise RuntimeError(f"saving the final model to {out_dir} failed on rank 0: {error}")
+    error = failure_of(lambda: write_final(out_dir, model, state_dict, tokenizer_path, eos_id)) if ctx.is_main else None
+    raise_if_main_failed(error, ctx, f"saving the final model to {out_dir}")
     return out_dir
+
+
+def write_final(out_dir: Path, model: torch.nn.Module, state_dict: dict[str, Any] | None, tokenizer_path: Path,
+                eos_id: int | None) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tmp = out_dir.with_name(TMP_PREFIX + out_dir.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    use_cache = model.config.use_cache
+    model.config.use_cache = True  # for generation; training never needs the key/value cache
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict)
+    finally:
+        model.config.use_cache = use_cache
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
+    if eos_id is not None:
+        eos = tokenizer.convert_ids_to_tokens(eos_id)
+        tokenizer.eos_token = tokenizer.bos_token = tokenizer.pad_token = eos
+    tokenizer.save_pretrained(tmp)
+    publish(tmp, out_dir)

@@ -44,10 +44,7 @@ Dump files (debug mode with ``debug.nan_dump``, and always when the run stops)
     its GPU id: ``nan_debug_step_3_gpu1.pkl``. The report text also goes to
     ``<run dir>/nan_report_step_<step>[_gpu<id>].txt``.
 
-Counting host synchronisations
-    ``HostSyncCounter`` counts device→host reads on any device, CPU included, so the benchmark and the tests can
-    check that the production path adds none (on CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` is the
-    driver-level cross-check).
+That the production path adds no host synchronisation is checked with ``trainer.host_sync.HostSyncCounter``.
 """
 
 from __future__ import annotations
@@ -64,7 +61,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.config import Config
 
@@ -169,49 +165,6 @@ def write_pickle_atomically(path: Path, payload: dict[str, Any]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Counting host synchronisations
-
-
-class HostSyncCounter(TorchDispatchMode):
-    """Counts device→host reads while active: ``item()``, ``bool()``, ``int()``, ``float()``, ``if tensor:`` (all
-    ``aten._local_scalar_dense``), ``aten.is_nonzero``, ``aten.equal``, plus ``Tensor.tolist()`` and ``Tensor.cpu()``,
-    which bypass the dispatcher and are counted by wrapping the methods. On a GPU each of these blocks the host until
-    the device catches up; on a CPU they are cheap, but the count is the same, so a CPU run tells how a GPU run would
-    stall. (``.numpy()`` needs a host tensor, so it always follows a counted ``.cpu()``.)"""
-
-    SCALAR_OPS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
-                  torch.ops.aten.equal.default)
-    WRAPPED_METHODS = ("tolist", "cpu")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.saved: dict[str, Callable[..., Any]] = {}
-
-    def __enter__(self) -> "HostSyncCounter":
-        for name in self.WRAPPED_METHODS:
-            original = self.saved[name] = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, self.counting(original))
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        for name, original in self.saved.items():
-            setattr(torch.Tensor, name, original)
-
-    def counting(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return method(tensor, *args, **kwargs)
-        return wrapper
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if func in self.SCALAR_OPS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,57 @@
+"""Durable, atomic publication of folders and files: what the dataset cache and checkpoints share.
+
+Both write into a temporary name, flush every byte to disk, then rename into place, so a reader sees either the old
+complete version or the new complete one, never a half-written one, even after a power loss (the rename is only
+durable once the parent folder is fsynced too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file and folder under `path` (or the file `path`) to disk."""
+    if path.is_file():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        return
+    for folder, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(folder))
+
+
+def write_json_durably(path: Path, value: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(value, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def publish(tmp: Path, final: Path, aside: Path) -> None:
+    """Move the finished `tmp` (a folder or a file) to `final` atomically.
+
+    An older `final` is first renamed to `aside` and deleted once the new one is in place: `os.replace` cannot
+    replace a non-empty folder, and a crash in between leaves `aside`, which the caller's clean-up knows by its name.
+    """
+    fsync_tree(tmp)
+    shutil.rmtree(aside, ignore_errors=True)  # what a crash between the two renames left behind
+    if final.is_dir():
+        os.rename(final, aside)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
