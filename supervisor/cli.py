@@ -25,6 +25,7 @@ from supervisor import gpus
 from supervisor.console import Console
 from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
+from trainer.checkpoint_layout import find_resume
 from trainer.config import (PROJECT_ROOT, Config, add_config_arguments, handle_inspection_flags, human,
                             parameter_count)
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
@@ -118,15 +119,6 @@ def entry_path(args: argparse.Namespace) -> Path:
     return path.resolve()
 
 
-def check_resume(cfg: Config) -> None:
-    """A --resume path that does not exist is one error here, not a failure on every rank after start-up. (Whether
-    it holds a checkpoint is the ranks' question: answering it here would import torch into the supervisor.)"""
-    spec = cfg.checkpoint.resume
-    if spec not in (None, "auto") and not Path(spec).exists():
-        raise UserError(f"--resume {spec}: no such file or folder; give a step_<n> checkpoint folder, a folder holding "
-                        f"them, a .pt file, or auto")
-
-
 def check_fits_on_cpu(cfg: Config) -> None:
     """Refuse presets that cannot train on a CPU, unless the user forced the device."""
     if cfg.system.device == "cpu":
@@ -186,7 +178,7 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
     entry = entry_path(args)
     trainer_entry = entry.name == TRAINER_ENTRY
     if trainer_entry:
-        check_resume(cfg)
+        find_resume(cfg)  # a --resume without a checkpoint: one error here, not a failure on every rank later
     gpu_ids = choose_devices(args, cfg, trainer_entry, notes)
     ranks = node_ranks(gpu_ids, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)
     run_dir = create_run_dir(Path(args.log_dir), cfg.preset)

@@ -21,7 +21,7 @@ from process_tree import watching
 from rank_scripts.harness import ROOT, clean_env
 from supervisor import gpus
 from trainer.cache import BUILD_PREFIX, list_caches
-from trainer.checkpoint import STEP_PREFIX, TMP_PREFIX
+from trainer.checkpoint_layout import STEP_PREFIX, TMP_PREFIX
 
 COMMANDS = {
     "run_training.sh": ["bash", str(ROOT / "run_training.sh")],
@@ -89,6 +89,9 @@ CASES = {
     "resume path that does not exist": BadInput(
         "supervisor", ("--debug", "--resume", "ckpt/step_000500", *SMALL_DATA),
         "--resume ckpt/step_000500: no such file or folder"),
+    "resume folder without checkpoints": BadInput(
+        "supervisor", ("--debug", "--resume", "old_run", *SMALL_DATA), "--resume old_run: no checkpoint there",
+        files={"old_run/notes.txt": "not a checkpoint\n"}),
     "production preset on a CPU": BadInput(
         "run_training.sh", ("--preset", "production"),
         "preset 'production' (7.2B parameters, fsdp, bf16) needs GPUs and none was found"),

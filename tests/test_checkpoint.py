@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rank_support import PYTHON, ROOT, base_env, cleanup, one_thread, tiny_config  # noqa: F401 (fixture)
-from trainer import checkpoint, durable
+from trainer import checkpoint, checkpoint_layout, durable
 from trainer.checkpoint import CheckpointMeta, TrainState
 from trainer.config import Config
 from trainer.distributed import DistContext, init_distributed, teardown
@@ -90,24 +90,28 @@ def test_round_trip_is_exact(tmp_path: Path, ctx: DistContext, name: str) -> Non
 def test_retention_and_resume_lookup(tmp_path: Path, ctx: DistContext) -> None:
     cfg = make_cfg(tmp_path)
     root = Path(cfg.checkpoint.dir)
-    assert checkpoint.find_resume(cfg) is None
+    assert checkpoint_layout.find_resume(cfg) is None
     cfg.checkpoint.resume = "auto"
-    assert checkpoint.find_resume(cfg) is None  # nothing yet: a fresh start
+    assert checkpoint_layout.find_resume(cfg) is None  # nothing yet: a fresh start
     state = make_state(cfg)
     (root / ".tmp-step_000009").mkdir(parents=True)  # what a killed save leaves
     for step in (1, 2, 3):
-        checkpoint.save(checkpoint.step_path(root, step), state, make_meta(state, step), ctx)
+        checkpoint.save(checkpoint_layout.step_path(root, step), state, make_meta(state, step), ctx)
         checkpoint.prune(root, keep=2)
-    assert [p.name for p in checkpoint.list_checkpoints(root)] == ["step_000002", "step_000003"]
+    assert [p.name for p in checkpoint_layout.list_checkpoints(root)] == ["step_000002", "step_000003"]
     assert not list(root.glob(".tmp-*"))
-    assert checkpoint.find_resume(cfg) == root / "step_000003"
+    assert checkpoint_layout.find_resume(cfg) == root / "step_000003"
     cfg.checkpoint.resume = str(root)  # a folder of checkpoints: its latest
-    assert checkpoint.find_resume(cfg) == root / "step_000003"
+    assert checkpoint_layout.find_resume(cfg) == root / "step_000003"
     cfg.checkpoint.resume = str(root / "step_000002")
-    assert checkpoint.find_resume(cfg) == root / "step_000002"
+    assert checkpoint_layout.find_resume(cfg) == root / "step_000002"
     cfg.checkpoint.resume = str(tmp_path / "nowhere")
-    with pytest.raises(UserError, match="no checkpoint there"):
-        checkpoint.find_resume(cfg)
+    with pytest.raises(UserError, match="nowhere: no such file or folder"):
+        checkpoint_layout.find_resume(cfg)
+    (tmp_path / "empty").mkdir()
+    cfg.checkpoint.resume = str(tmp_path / "empty")
+    with pytest.raises(UserError, match="empty: no checkpoint there"):
+        checkpoint_layout.find_resume(cfg)
 
 
 def test_refuses_another_dataset_model_shape_or_format(tmp_path: Path, ctx: DistContext) -> None:
@@ -120,8 +124,8 @@ def test_refuses_another_dataset_model_shape_or_format(tmp_path: Path, ctx: Dist
     with pytest.raises(UserError, match=r"different model shape: model.embed_tokens.weight is \[300, 32\] there "
                                         r"and \[300, 64\] here"):
         checkpoint.load(path, wider, ctx, KEY)
-    meta = json.loads((path / checkpoint.META_FILE).read_text())
-    (path / checkpoint.META_FILE).write_text(json.dumps({**meta, "format": "sharded"}))
+    meta = json.loads((path / checkpoint_layout.META_FILE).read_text())
+    (path / checkpoint_layout.META_FILE).write_text(json.dumps({**meta, "format": "sharded"}))
     with pytest.raises(UserError, match="training.strategy=fsdp"):
         checkpoint.load(path, make_state(cfg), ctx, KEY)
 
@@ -134,7 +138,7 @@ def save_then_stall(folder: str) -> None:
     state = make_state(cfg)
     root = Path(cfg.checkpoint.dir)
     train_once(state, 0)
-    checkpoint.save(checkpoint.step_path(root, 1), state, make_meta(state, 1), context)
+    checkpoint.save(checkpoint_layout.step_path(root, 1), state, make_meta(state, 1), context)
     train_once(state, 1)
 
     def stall(path: Path) -> None:
@@ -142,7 +146,7 @@ def save_then_stall(folder: str) -> None:
         time.sleep(120)
 
     durable.fsync_tree = stall  # publish() flushes before it renames: stall there
-    checkpoint.save(checkpoint.step_path(root, 2), state, make_meta(state, 2), context)
+    checkpoint.save(checkpoint_layout.step_path(root, 2), state, make_meta(state, 2), context)
 
 
 def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path, ctx: DistContext) -> None:
@@ -160,12 +164,12 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path
     root = tmp_path / "ckpt"
     assert (root / ".tmp-step_000002" / checkpoint.STATE_FILE).is_file()  # the interrupted save, never published
     assert not (root / "step_000002").exists()
-    assert checkpoint.latest_checkpoint(root) == root / "step_000001"
+    assert checkpoint_layout.latest_checkpoint(root) == root / "step_000001"
     cfg = make_cfg(tmp_path)
     expected = make_state(cfg)
     train_once(expected, 0)
     restored = make_state(cfg)
     assert checkpoint.load(root / "step_000001", restored, ctx, KEY).step == 1
     assert all(torch.equal(a, b) for a, b in zip(expected.model.parameters(), restored.model.parameters()))
-    checkpoint.save(checkpoint.step_path(root, 2), restored, make_meta(restored, 2), ctx)  # the next save cleans up
-    assert not list(root.glob(".tmp-*")) and checkpoint.latest_checkpoint(root) == root / "step_000002"
+    checkpoint.save(checkpoint_layout.step_path(root, 2), restored, make_meta(restored, 2), ctx)  # the next save cleans up
+    assert not list(root.glob(".tmp-*")) and checkpoint_layout.latest_checkpoint(root) == root / "step_000002"

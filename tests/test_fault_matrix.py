@@ -34,7 +34,7 @@ import torch
 from process_tree import watching
 from rank_scripts.harness import clean_env
 from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
-from trainer import checkpoint
+from trainer import checkpoint, checkpoint_layout
 
 RANK_FAULTS = {"raise": 1, "exit": 3, "sigkill": 128 + signal.SIGKILL, "segv": 128 + signal.SIGSEGV, "hang": 124}
 SUPERVISOR_SIGNALS = {"SIGINT": 130, "SIGTERM": 143, "SIGKILL": -signal.SIGKILL}  # SIGKILL: Popen's view
@@ -194,13 +194,13 @@ def supervise(case: Case, tmp_path: Path, cache_dir: Path, resume: bool = False)
 
 def latest_loadable(root: Path) -> int | None:
     """The latest checkpoint's step, after checking every published one is complete and the latest loads."""
-    published = sorted(p for p in root.glob(f"{checkpoint.STEP_PREFIX}*") if p.is_dir())
-    assert published == checkpoint.list_checkpoints(root), "a published checkpoint is incomplete"
-    latest = checkpoint.latest_checkpoint(root)
+    published = sorted(p for p in root.glob(f"{checkpoint_layout.STEP_PREFIX}*") if p.is_dir())
+    assert published == checkpoint_layout.list_checkpoints(root), "a published checkpoint is incomplete"
+    latest = checkpoint_layout.latest_checkpoint(root)
     if latest is None:
         return None
     state = torch.load(latest / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
-    step = checkpoint.step_of(latest)
+    step = checkpoint_layout.step_of(latest)
     assert state["meta"]["step"] == step and state["model"] and state["optimizer"]["state"]
     return step
 
@@ -209,8 +209,8 @@ def check_checkpoints(case: Case, root: Path) -> int | None:
     latest = latest_loadable(root)
     assert latest in case.allowed_checkpoints(), f"latest checkpoint at step {latest}"
     if case.phase == "checkpoint":  # the save that was cut short: written in part, never published
-        cut = checkpoint.step_path(root, FAULT_STEP["checkpoint"] + 1)
-        assert (cut.with_name(checkpoint.TMP_PREFIX + cut.name) / checkpoint.STATE_FILE).is_file()
+        cut = checkpoint_layout.step_path(root, FAULT_STEP["checkpoint"] + 1)
+        assert (cut.with_name(checkpoint_layout.TMP_PREFIX + cut.name) / checkpoint.STATE_FILE).is_file()
         assert not cut.exists()
     return latest
 
@@ -240,8 +240,8 @@ def test_fault(case: Case, tmp_path: Path, token_cache_dir: Path) -> None:
     if latest is None:
         assert f"no checkpoint in {root}; starting from step 0" in again.output
     else:
-        assert f"resumed from {checkpoint.step_path(root, latest)} at step {latest}" in again.output, \
+        assert f"resumed from {checkpoint_layout.step_path(root, latest)} at step {latest}" in again.output, \
             again.output[-4000:]
     assert "run finished in" in again.output and f"step {case.max_steps}/{case.max_steps}" in again.output
     assert latest_loadable(root) == case.max_steps
-    assert not list(root.glob(f"{checkpoint.TMP_PREFIX}*"))  # the next saves cleared what the cut one left
+    assert not list(root.glob(f"{checkpoint_layout.TMP_PREFIX}*"))  # the next saves cleared what the cut one left

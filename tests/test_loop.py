@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rank_support import history, history_losses, one_thread, tiny_config, token_cache_dir  # noqa: F401 (fixtures)
-from trainer import checkpoint, loop
+from trainer import checkpoint, checkpoint_layout, loop
 from trainer.config import Config
 from trainer.distributed import init_distributed, teardown
 from trainer.host_sync import HostSyncCounter
@@ -19,7 +19,7 @@ from trainer.progress import ProgressReporter
 
 
 def final_weights(cfg: Config) -> dict[str, torch.Tensor]:
-    latest = checkpoint.latest_checkpoint(Path(cfg.checkpoint.dir))
+    latest = checkpoint_layout.latest_checkpoint(Path(cfg.checkpoint.dir))
     assert latest is not None
     return checkpoint.load_payload(latest / checkpoint.STATE_FILE)["model"]
 
@@ -92,7 +92,7 @@ def test_sigterm_finishes_the_step_saves_and_returns_0(tmp_path: Path, token_cac
     and the state after 3 steps is saved."""
     cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 50})
     assert loop.train(cfg, progress=SigtermAt(2)) == 0
-    assert [p.name for p in checkpoint.list_checkpoints(Path(cfg.checkpoint.dir))] == ["step_000003"]
+    assert [p.name for p in checkpoint_layout.list_checkpoints(Path(cfg.checkpoint.dir))] == ["step_000003"]
     record = history(Path(cfg.logging.run_dir))
     assert record["run"]["status"] == "stopped" and [r["step"] for r in record["steps"]] == [0, 1, 2]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is only installed while training

@@ -13,7 +13,8 @@ Layout under `checkpoint.dir` (default `.checkpoints/`, relative to the working 
 A checkpoint is written into `.tmp-step_<n>/`, fsynced, then renamed into place, so a process killed mid-save leaves
 the previous checkpoints intact and only a stray `.tmp-*` folder (removed by the next save). `state.pt` is loaded
 with `weights_only=True`. In the full format a checkpoint can also be one file holding the same content (what the
-NaN guard asks for as `nan_grad_step_<n>.pt`); `--resume` accepts either.
+NaN guard asks for as `nan_grad_step_<n>.pt`); `--resume` accepts either. Names on disk and the choice of
+the checkpoint to resume from are in `trainer/checkpoint_layout.py` (no torch: the supervisor checks `--resume` too).
 """
 
 from __future__ import annotations
@@ -37,15 +38,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import durable
+from trainer.checkpoint_layout import META_FILE, OLD_PREFIX, STEP_PREFIX, TMP_PREFIX, list_checkpoints
 from trainer.config import Config
 from trainer.distributed import DistContext, broadcast_object, gather_objects, is_sharded
 from trainer.errors import UserError
 from trainer.model import shape_signature
 
-STEP_PREFIX = "step_"
-TMP_PREFIX = ".tmp-"
-OLD_PREFIX = ".old-"
-META_FILE = "meta.json"
 STATE_FILE = "state.pt"
 DCP_DIR = "dcp"
 FINAL_DIR = "final"
@@ -92,48 +90,7 @@ def data_position(cfg: Config, world_size: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Finding checkpoints
-
-
-def step_path(root: Path, step: int) -> Path:
-    return root / f"{STEP_PREFIX}{step:06d}"
-
-
-def step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(STEP_PREFIX) or not name[len(STEP_PREFIX):].isdigit():
-        return None
-    return int(name[len(STEP_PREFIX):])
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first (a folder is complete once it has its final name)."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and (p / META_FILE).is_file()]
-    return sorted(found, key=lambda p: step_of(p) or 0)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
-def find_resume(cfg: Config) -> Path | None:
-    """The checkpoint `checkpoint.resume` asks for: None (fresh start), "auto" (the latest, if any) or a path."""
-    spec = cfg.checkpoint.resume
-    if spec is None:
-        return None
-    if spec == "auto":
-        return latest_checkpoint(Path(cfg.checkpoint.dir))
-    path = Path(spec)
-    if path.is_file() or (path / META_FILE).is_file():
-        return path
-    latest = latest_checkpoint(path) if path.is_dir() else None
-    if latest is None:
-        raise UserError(f"--resume {spec}: no checkpoint there (expected a step_<n> folder, a folder holding them, "
-                        f"or a .pt file)")
-    return latest
+# Checking a checkpoint against the run
 
 
 def read_meta(path: Path) -> CheckpointMeta:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from trainer import checkpoint
+from trainer import checkpoint, checkpoint_layout
 from trainer.batches import BatchSampler, StepLoader
 from trainer.cache import TokenCache, prepare
 from trainer.config import Config, flops_per_token, human, tokens_per_step
@@ -266,7 +266,7 @@ class Trainer:
             model_shapes=checkpoint.shape_signature(self.module), config=self.cfg.to_dict())
 
     def resume(self) -> None:
-        path = checkpoint.find_resume(self.cfg) if self.ctx.is_main else None
+        path = checkpoint_layout.find_resume(self.cfg) if self.ctx.is_main else None
         path = broadcast_object(path, self.ctx)  # one decision for every rank
         if path is None:
             if self.cfg.checkpoint.resume == "auto" and self.ctx.is_main:
@@ -274,7 +274,7 @@ class Trainer:
             return
         meta = checkpoint.load(path, self.state, self.ctx, self.cache.key)
         self.completed = meta.step
-        if path.resolve() == checkpoint.step_path(self.ckpt_root, meta.step).resolve():
+        if path.resolve() == checkpoint_layout.step_path(self.ckpt_root, meta.step).resolve():
             self.last_saved = meta.step  # already on disk where this run saves: no need to write it again
         if self.ctx.is_main:
             self.log.info(f"resumed from {path} at step {meta.step}")
@@ -359,7 +359,7 @@ class Trainer:
 
     def save(self) -> Path:
         after_step = self.completed - 1  # the step this checkpoint follows (a fault may be set to fire inside it)
-        path = checkpoint.save(checkpoint.step_path(self.ckpt_root, self.completed), self.state, self.meta(),
+        path = checkpoint.save(checkpoint_layout.step_path(self.ckpt_root, self.completed), self.state, self.meta(),
                                self.ctx, before_publish=lambda: self.faults.during_checkpoint(after_step))
         if self.ctx.is_main:
             checkpoint.prune(self.ckpt_root, self.cfg.checkpoint.keep)
