@@ -13,7 +13,11 @@ The rank programs are the anchors of ANCHORS.md ("Launcher"), copied into bench/
    in the environment every launcher gives its ranks here (PYTHONUNBUFFERED=1, the rank contract: one write per
    line), and spam2_blocks.py, the same lines written in 8 KiB blocks, as stdout was in the anchor's direct run.
    On a loaded machine the wall ratio flatters everyone (the ranks wait for a core either way); the CPU ratio shows
-   the cost. The supervisor's log files are checked afterwards: every line whole, none lost.
+   the cost, and the launcher's own CPU seconds (sampled while it runs) show how much of it is the pump's: reading
+   480 MB from the pipes, prefixing it and writing the log files. On 2 cores that both ranks keep busy, the pump has
+   no idle core to run on, and the ranks themselves pay more for writing into a pipe than into /dev/null, so the
+   wall ratio there measures the machine as much as the launcher. The supervisor's log files are checked
+   afterwards: every line whole, none lost.
 4. start of 2 no-op ranks (noop.py), median, against spawning the two interpreters bare. Goal: ≤ 0.3 s over bare.
 5. SIGKILL to the launcher while 2 ranks sleep (sleeper.py): ranks still alive a second later; for the supervisor
    also with ranks that have children of their own, one of them in a session of its own. Goal: 0.
@@ -34,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -75,16 +80,39 @@ def kill_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def run_to_end(cmd: list[str], work: Path, stdout=None, timeout: float = 300) -> tuple[int, float]:
+class OwnCpu(threading.Thread):
+    """Samples a launcher's own CPU seconds (its threads, not its ranks) until it exits: what the pump costs."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.process = psutil.Process(pid)
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        while True:
+            try:
+                times = self.process.cpu_times()
+            except psutil.Error:
+                return
+            self.seconds = times.user + times.system
+            time.sleep(0.05)
+
+
+def run_to_end(cmd: list[str], work: Path, stdout=None, timeout: float = 300,
+               sample_own_cpu: bool = False) -> tuple[int, float, float]:
+    """(exit code, wall seconds, the launcher's own CPU seconds when sampled, else 0)."""
     started = time.perf_counter()
     with open(work / "launcher.err", "wb") as err:
         proc = subprocess.Popen(cmd, cwd=work, env=RANK_ENV, stdout=stdout or subprocess.DEVNULL, stderr=err)
+        own = OwnCpu(proc.pid) if sample_own_cpu else None
+        if own is not None:
+            own.start()
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
             kill_tree(proc)
             raise
-    return code, time.perf_counter() - started
+    return code, time.perf_counter() - started, own.seconds if own is not None else 0.0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -100,7 +128,7 @@ def failure(launcher: str, repeats: int) -> tuple[float, list[int]]:
             script = work / "fail.py"
             script.write_text((ANCHORS / "fail.py").read_text().replace("DIED_AT", str(died_at)))
             cmd = supervisor_cmd(work, script) if launcher == "supervisor" else torchrun_cmd(script)
-            code, _ = run_to_end(cmd, work)
+            code, _, _ = run_to_end(cmd, work)
             ended = time.time()
             latencies.append(ended - float(died_at.read_text()))
             codes.append(code)
@@ -176,16 +204,17 @@ def check_logs(folder: Path, lines: int) -> str:
     return "every line whole" if not problems else "BROKEN: " + ", ".join(problems)
 
 
-def log_lines(launcher: str, script: Path) -> tuple[float, float, str]:
-    """(wall, CPU seconds of the launcher and its ranks, log check)."""
+def log_lines(launcher: str, script: Path) -> tuple[float, float, str, float]:
+    """(wall, CPU seconds of the launcher and its ranks, log check, the launcher's own CPU seconds)."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         cpu = children_cpu()
         if launcher == "supervisor":
-            _, wall = run_to_end(supervisor_cmd(work, script), work)
-            return wall, children_cpu() - cpu, check_logs(next((work / "logs").iterdir()), 3_000_000)
-        _, wall = run_to_end(torchrun_cmd(script, options=("--tee", "3", "--log-dir", str(work / "tr"))), work)
-        return wall, children_cpu() - cpu, ""
+            _, wall, own = run_to_end(supervisor_cmd(work, script), work, sample_own_cpu=True)
+            return wall, children_cpu() - cpu, check_logs(next((work / "logs").iterdir()), 3_000_000), own
+        _, wall, own = run_to_end(torchrun_cmd(script, options=("--tee", "3", "--log-dir", str(work / "tr"))), work,
+                                  sample_own_cpu=True)
+        return wall, children_cpu() - cpu, "", own
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -278,19 +307,23 @@ def main() -> None:
     lines: dict[str, dict[str, tuple[float, float]]] = {}
     for kind, script in (("per line", ANCHORS / "spam2.py"), ("8 KiB blocks", ANCHORS / "spam2_blocks.py")):
         runs: dict[str, list[tuple[float, float]]] = {"direct": [], "supervisor": []}
+        own: dict[str, list[float]] = {"supervisor": []}
         checks = set()
         for _ in range(args.line_rounds):
             runs["direct"].append(direct_spam(script))
-            wall, cpu, check = log_lines("supervisor", script)
+            wall, cpu, check, launcher_cpu = log_lines("supervisor", script)
             runs["supervisor"].append((wall, cpu))
+            own["supervisor"].append(launcher_cpu)
             checks.add(check)
         if "torchrun" in launchers:
-            runs["torchrun"] = [log_lines("torchrun", script)[:2]]
+            wall, cpu, _, launcher_cpu = log_lines("torchrun", script)
+            runs["torchrun"], own["torchrun"] = [(wall, cpu)], [launcher_cpu]
         lines[kind] = {name: (statistics.median(w for w, _ in r), statistics.median(c for _, c in r))
                        for name, r in runs.items()}
         base_wall, base_cpu = lines[kind]["direct"]
         say(f"   ranks writing {kind}: direct {base_wall:.2f} s wall, {base_cpu:.2f} s CPU; " + "; ".join(
-            f"{name}: {wall:.2f} s = {wall / base_wall:.2f}x wall, {cpu / base_cpu:.2f}x CPU"
+            f"{name}: {wall:.2f} s = {wall / base_wall:.2f}x wall, {cpu / base_cpu:.2f}x CPU "
+            f"({statistics.median(own[name]):.2f} s of it the launcher's own)"
             for name, (wall, cpu) in lines[kind].items() if name != "direct") + f"; supervisor logs: {checks}")
 
     say("4. start of 2 no-op ranks")

@@ -31,10 +31,9 @@ import os
 import platform
 import re
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,10 +44,10 @@ import psutil
 from filelock import FileLock, Timeout
 
 from trainer import durable
+from trainer.build_progress import BuildProgress
 from trainer.config import PROJECT_ROOT, Config, DataConfig
 from trainer.corpus import Corpus, file_digest, open_corpus, split_documents, training_documents
 from trainer.errors import UserError
-from trainer.progress import ProgressReporter
 from trainer.token_stream import BATCH_CHARS, DTYPES, TokenStream, document_batches, encode_pipelined
 from trainer.tokenizer import (BPE, TokenizerSpec, bpe_recipe, check_vocab_size, eos_id_of, eos_token_of, export,
                                load_fast, locate_pretrained, tokenizer_digest, train_bpe)
@@ -248,7 +247,7 @@ def ensure_writable(root: Path) -> None:
 
 
 @contextmanager
-def build_lock(root: Path, name: str, progress: "BuildProgress") -> Iterator[None]:
+def build_lock(root: Path, name: str, progress: BuildProgress) -> Iterator[None]:
     """Exclusive across processes (and hosts sharing the folder, where the file system honours flock)."""
     lock = FileLock(root / LOCKS_DIR / f"{name}.lock")
     try:
@@ -293,7 +292,7 @@ def publish(folder: Path, final: Path) -> None:
 
 
 def write_cache(folder: Path, key: str, material: dict[str, Any], corpus: Corpus, spec: TokenizerSpec,
-                data: DataConfig, progress: "BuildProgress") -> None:
+                data: DataConfig, progress: BuildProgress) -> None:
     """Tokenize the corpus into `folder` and write the manifest last."""
     started = time.perf_counter()
     tokenizer = load_fast(spec.folder)
@@ -373,7 +372,7 @@ def capped(hint: int | None, max_samples: int | None) -> int | None:
 
 
 def obtain_tokenizer(data: DataConfig, corpus: Corpus, source: dict[str, Any], root: Path,
-                     progress: "BuildProgress") -> TokenizerSpec:
+                     progress: BuildProgress) -> TokenizerSpec:
     if data.tokenizer != BPE:
         folder = locate_pretrained(data.tokenizer)
         return TokenizerSpec(folder=folder, identity={"kind": "pretrained", "content": tokenizer_digest(folder)},
@@ -460,7 +459,7 @@ def prepare(cfg: Config, *, force: bool = False, show_progress: bool | None = No
         progress.close()
 
 
-def try_open(final: Path, progress: "BuildProgress | None" = None) -> TokenCache | None:
+def try_open(final: Path, progress: BuildProgress | None = None) -> TokenCache | None:
     """The cache if it exists and validates, else None (an invalid one is reported, then rebuilt over)."""
     if not (final / MANIFEST_FILE).is_file():
         return None
@@ -528,92 +527,3 @@ def remove_cache(root: Path, key: str) -> Path:
         os.rename(final, trash)
         shutil.rmtree(trash)
     return final
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Progress while building
-
-
-class BuildProgress:
-    """Build progress on stderr: a rich bar on a terminal, a plain line every few seconds when piped, or nothing.
-    It also sends phase events on the supervisor's progress channel (a no-op outside it), so a long build is not
-    mistaken for a hang. rich is imported only when a build starts."""
-
-    PLAIN_INTERVAL_S = 5.0
-
-    def __init__(self, mode: str) -> None:
-        self.mode = mode  # "rich" | "plain" | "off"
-        self.reporter = ProgressReporter()
-        self.phase_documents = 0
-        self.phase_tokens = 0
-        self._name = ""
-        self._started = self._last_line = 0.0
-        self._bar: Any = None
-        self._task: Any = None
-
-    @classmethod
-    def create(cls, show_progress: bool | None) -> "BuildProgress":
-        if show_progress is False:
-            return cls("off")
-        return cls("rich" if show_progress or sys.stderr.isatty() else "plain")
-
-    def phase(self, name: str, total: int | None = None) -> None:
-        self.end_phase()
-        self._name, self._started = name, time.perf_counter()
-        self._last_line = self._started
-        self.phase_documents = self.phase_tokens = 0
-        self.reporter.phase(f"prepare: {name}"[:200])
-        if self.mode == "rich":
-            from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                                       TimeElapsedColumn)
-
-            self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("documents{task.fields[tokens]}"), TimeElapsedColumn(),
-                                 console=Console(stderr=True), transient=False)
-            self._task = self._bar.add_task(name, total=total, tokens="")
-            self._bar.start()
-        elif self.mode == "plain":
-            self.message(f"{name} ...")
-
-    def advance(self, documents: int, tokens: int = 0) -> None:
-        self.phase_documents += documents
-        self.phase_tokens += tokens
-        if self._bar is not None:
-            self._bar.update(self._task, advance=documents,
-                             tokens=f" · {self.phase_tokens:,} tokens" if self.phase_tokens else "")
-        elif self.mode == "plain" and time.perf_counter() - self._last_line >= self.PLAIN_INTERVAL_S:
-            self._last_line = time.perf_counter()
-            self.reporter.phase(f"prepare: {self._name}"[:200])
-            self.message(f"  {self.summary()}")
-
-    def counted(self, documents: Iterable[str]) -> Iterator[str]:
-        for text in documents:
-            self.advance(1)
-            yield text
-
-    def summary(self) -> str:
-        seconds = time.perf_counter() - self._started
-        rate = f", {self.phase_tokens / seconds / 1e6:.2f} M tokens/s" if self.phase_tokens and seconds > 0 else ""
-        tokens = f", {self.phase_tokens:,} tokens" if self.phase_tokens else ""
-        return f"{self.phase_documents:,} documents{tokens} in {seconds:.1f} s{rate}"
-
-    def end_phase(self) -> None:
-        if not self._name:
-            return
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-        elif self.mode == "plain":
-            self.message(f"  done: {self.summary()}")
-        self._name = ""
-
-    def message(self, text: str) -> None:
-        if self.mode != "off":
-            print(text, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
-        self._name = ""
