@@ -45,14 +45,12 @@ Dump files (debug mode with ``debug.nan_dump``, and always when the run stops)
     ``<run dir>/nan_report_step_<step>[_gpu<id>].txt``.
 
 That the production path adds no host synchronisation is checked with ``trainer.host_sync.HostSyncCounter``.
+The report's text and the helpers the dumps are written with are in ``trainer/nan_report.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import pickle
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,14 +61,12 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Config
+from trainer.nan_report import (ForwardFault, NonFiniteStep, report_text, shown_path, to_host,
+                                 write_pickle_atomically)
 
-REPORT_RULE = "=" * 80
-SECTION_RULE = "=" * 40
 FLAG_LOSS, FLAG_NORM, FLAG_LOCAL_GRAD = 0, 1, 2  # the per-rank flags check() gathers
 FLAGS_PER_RANK = 3
 STAT_FIELDS = ("min", "max", "mean", "nan", "inf", "numel")  # tensor_stats' layout
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-GRAD_VALUES_SHOWN = 5
 LOCAL_GRADIENTS = "local, before the all-reduce and clipping"
 SHARDED_GRADIENTS = "this rank's shards, after the reduce-scatter (FSDP2)"
 # torch >= 2.13 names it all_gather_single; older releases only have all_gather_into_tensor
@@ -126,47 +122,6 @@ def tensor_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
                         r[:, 3].sum(), r[:, 4].sum(), r[:, 5].sum()])
 
 
-def format_stats(stats: dict[str, float]) -> str:
-    finite = stats["numel"] - stats["nan"] - stats["inf"]
-    values = (f"min={stats['min']:.4g} max={stats['max']:.4g} mean={stats['mean']:.4g}" if finite > 0
-              else "min=n/a max=n/a mean=n/a")
-    return f"{values} nan={int(stats['nan'])} inf={int(stats['inf'])} (of {int(stats['numel'])})"
-
-
-def to_host(t: torch.Tensor) -> np.ndarray:
-    """A host copy as numpy; half precision becomes float32 (numpy has no bfloat16); a DTensor gives its shard."""
-    t = t.detach()
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    host = t.cpu()
-    if host.dtype in HALF_DTYPES:
-        host = host.float()
-    elif host.data_ptr() == t.data_ptr():  # it already lived in host memory: copy, or later in-place ops show through
-        host = host.clone()
-    return host.numpy()
-
-
-def shown_path(path: Path) -> str:
-    """The path as the user typed it: relative to the working directory when inside it."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
-
-
-def write_pickle_atomically(path: Path, payload: dict[str, Any]) -> None:
-    """Temp file in the same folder + rename, so a reader (or a crash) never sees half a dump."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pickle.dump(payload, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Bookkeeping
 
@@ -177,38 +132,6 @@ class StepRecord:
     step: int
     values: torch.Tensor  # gathered flags (world × 3), then overflow, local loss, grad norm
     batch: torch.Tensor | None
-
-
-@dataclass
-class NonFiniteStep:
-    """One skipped step, decoded on the host."""
-    step: int
-    loss_ranks: list[int]  # ranks whose local loss was non-finite
-    grad_ranks: list[int]  # ranks whose local gradients were non-finite (known in debug mode only)
-    norm_bad: bool
-    overflow: bool  # a GradScaler overflow at a loss scale above 1: skipped, not counted towards the limit
-    loss: float  # this rank's local loss
-    grad_norm: float
-    batch: torch.Tensor | None
-
-    @property
-    def reporting_ranks(self) -> list[int]:
-        """The ranks that print and dump: where the NaN showed up first; rank 0 when only the global norm knows."""
-        return sorted(set(self.loss_ranks) | set(self.grad_ranks)) or [0]
-
-
-@dataclass
-class ForwardFault:
-    """The first module whose forward output held NaN/Inf, with its input and output statistics."""
-    name: str
-    type: str
-    call_index: int  # position among this step's module calls (execution order)
-    input_stats: dict[str, float]
-    output_stats: dict[str, float]
-
-    def describe(self) -> str:
-        return (f"First non-finite forward output: {self.name} ({self.type}), module call #{self.call_index} "
-                f"of the step | input: {format_stats(self.input_stats)} | output: {format_stats(self.output_stats)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -510,7 +433,9 @@ class NanGuard:
         pkl = self.checkpoint_dir / "debug" / f"nan_debug_step_{event.step}{suffix}.pkl" if dump else None
         if pkl is not None:
             write_pickle_atomically(pkl, self.dump_payload(event, fault, nonfinite_modules))
-        text = self.report_text(event, fault, checkpoint, pkl)
+        text = report_text(event, self.gpu_id, fault, checkpoint, pkl, debug_mode=self.debug_mode,
+                           grads=self.gradients() if self.debug_mode else {},
+                           shapes={name: p.shape for name, p in self.model.named_parameters()})
         print(text, flush=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / f"nan_report_step_{event.step}{suffix}.txt").write_text(text + "\n")
@@ -539,51 +464,3 @@ class NanGuard:
             "parameters": {name: to_host(p) for name, p in self.model.named_parameters()},
             "gradients": self.gradients(),
         }
-
-    def report_text(self, event: NonFiniteStep, fault: ForwardFault | None, checkpoint: Path | None,
-                    pkl: Path | None) -> str:
-        grads = self.gradients() if self.debug_mode else {}
-        shapes = {name: p.shape for name, p in self.model.named_parameters()}
-        with_nan = [n for n, g in grads.items() if np.isnan(g).any()]
-        with_inf = [n for n, g in grads.items() if np.isinf(g).any() and n not in with_nan]
-        lines = [REPORT_RULE, f"NaN GRADIENT DETECTED [GPU {self.gpu_id}]", REPORT_RULE,
-                 f"Step: {event.step}", f"Loss: {event.loss:.4f}", f"Gradient Norm: {event.grad_norm:.4f}", "",
-                 SECTION_RULE, "PROBLEMATIC TENSORS:", SECTION_RULE]
-        for title, names, count in (("NaN", with_nan, np.isnan), ("Inf", with_inf, np.isinf)):
-            if title == "Inf" and not names:
-                continue
-            lines.append(f"⚠️  Gradients with {title} ({len(names)} layers):")
-            for name in names:
-                g = grads[name]
-                shown = [format_value(v) for v in g.reshape(-1)[:GRAD_VALUES_SHOWN].tolist()]
-                more = ", ..." if g.size > GRAD_VALUES_SHOWN else ""
-                lines += [f"  • {name} (shape: {shapes.get(name, torch.Size(g.shape))})",
-                          f"    Grad values: [{', '.join(repr(s) for s in shown)}{more}]",
-                          f"    {title} count: {int(count(g).sum())}/{g.size}"]
-            lines += ["", f"Total layers with {title} gradients: {len(names)}", f"Affected layers: {names}"]
-        if not self.debug_mode:
-            lines.append("(gradients are not kept outside debug mode; resume from the checkpoint with --debug)")
-        lines.append(SECTION_RULE)
-        lines.append("")
-        if self.debug_mode:
-            lines.append(fault.describe() if fault else
-                         "First non-finite forward output: none on this rank (the forward pass stayed finite here; "
-                         "the non-finite values arose in backward or on another rank)")
-        batch_shape = list(event.batch.shape) if event.batch is not None else None
-        lines.append(f"Offending batch: token ids {batch_shape} saved in {shown_path(pkl)} (key 'batch')" if pkl
-                     else "Offending batch: not saved (set debug.nan_dump=true to keep it)")
-        lines.append("")
-        if checkpoint is not None:
-            lines.append(f"Checkpoint saved: {shown_path(checkpoint)}")
-        if pkl is not None:
-            lines.append(f"Debug tensors saved: {shown_path(pkl)}")
-        return "\n".join(lines)
-
-
-def format_value(v: float) -> str:
-    """A gradient value as the report shows it: 'NaN', 'Inf', '-Inf' or 4 significant digits."""
-    if np.isnan(v):
-        return "NaN"
-    if np.isinf(v):
-        return "Inf" if v > 0 else "-Inf"
-    return f"{v:.4g}"
