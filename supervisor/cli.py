@@ -26,9 +26,9 @@ from supervisor.console import Console
 from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
 from trainer.checkpoint_layout import find_resume
-from trainer.config import (PROJECT_ROOT, Config, add_config_arguments, handle_inspection_flags, human,
-                            parameter_count)
+from trainer.config import PROJECT_ROOT, Config, add_config_arguments, handle_inspection_flags
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.sizes import human, parameter_count
 
 DEFAULT_CPU_RANKS = 2
 CPU_MAX_PARAMETERS = 1_000_000_000  # beyond this a CPU run is not training, it is waiting

@@ -10,16 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import (
-    Config,
-    add_config_arguments,
-    parameter_count,
-    preset_names,
-    presets_table,
-    resolve,
-    strip_json_comments,
-)
+from trainer.config import Config, add_config_arguments, preset_names, presets_table, resolve, strip_json_comments
 from trainer.errors import UserError
+from trainer.sizes import parameter_count
 
 ROOT = Path(__file__).resolve().parent.parent
 

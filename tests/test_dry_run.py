@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from rank_support import MAIN, PYTHON, base_env
-from trainer.config import Config, apply_layer, flops_per_token, human, parameter_count, preset_layer
+from trainer.config import Config, apply_layer, preset_layer
 from trainer.estimate import GiB, estimate, format_estimate
 from trainer.rank_cli import main
+from trainer.sizes import flops_per_token, human, parameter_count
 
 PRODUCTION_PARAMETERS = 7_241_732_096
 

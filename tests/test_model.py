@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from rank_support import tiny_config
-from trainer.config import Config, parameter_count
+from trainer.config import Config
 from trainer.errors import UserError
 from trainer.model import (
     build_model,
@@ -19,6 +19,7 @@ from trainer.model import (
     shape_signature,
     use_maskless_causal_attention,
 )
+from trainer.sizes import parameter_count
 
 CPU = torch.device("cpu")
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.sizes import human, parameter_count, tokens_per_step
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PRESETS_DIR = PROJECT_ROOT / "presets"
@@ -420,41 +421,7 @@ def resolve(args: argparse.Namespace) -> Config:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Size arithmetic (no weights allocated)
-
-
-def model_vocab_size(cfg: Config) -> int:
-    return cfg.model.vocab_size or cfg.data.vocab_size
-
-
-def parameter_count(cfg: Config) -> int:
-    """Parameters of the Llama architecture the config describes (exact for transformers' LlamaForCausalLM)."""
-    m = cfg.model
-    head_dim = m.hidden_size // m.num_heads
-    attention = 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size * m.num_kv_heads * head_dim
-    mlp = 3 * m.hidden_size * m.ffn_hidden_size
-    layer = attention + mlp + 2 * m.hidden_size
-    embeddings = model_vocab_size(cfg) * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-    return m.num_layers * layer + embeddings + m.hidden_size
-
-
-def tokens_per_step(cfg: Config, world_size: int = 1) -> int:
-    t = cfg.training
-    return t.batch_size * t.grad_accum_nums * cfg.data.context_length * world_size
-
-
-def flops_per_token(cfg: Config) -> int:
-    """Training FLOPs per token: 6·N for the matmuls plus the attention scores (PaLM appendix B)."""
-    m = cfg.model
-    non_embedding = parameter_count(cfg) - model_vocab_size(cfg) * m.hidden_size
-    return 6 * non_embedding + 12 * m.num_layers * m.hidden_size * cfg.data.context_length
-
-
-def human(n: float) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f}{unit}"
-    return str(int(n))
+# The presets table
 
 
 def presets_table() -> list[dict[str, str]]:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from trainer.config import Config, flops_per_token, human, model_vocab_size, parameter_count, tokens_per_step
+from trainer.config import Config
+from trainer.sizes import flops_per_token, human, model_vocab_size, parameter_count, tokens_per_step
 
 GiB = 1024**3
 FP32 = 4

@@ -37,7 +37,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from trainer import checkpoint, checkpoint_layout
 from trainer.batches import BatchSampler, StepLoader
 from trainer.cache import TokenCache, prepare
-from trainer.config import Config, flops_per_token, human, tokens_per_step
+from trainer.config import Config
 from trainer.distributed import (
     DistContext,
     StopVote,
@@ -63,6 +63,7 @@ from trainer.model import (
 )
 from trainer.nan_guard import NanGuard
 from trainer.progress import ProgressReporter, device_label
+from trainer.sizes import flops_per_token, human, tokens_per_step
 
 RUNS_DIR = Path("logs")
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
-from trainer.config import Config, model_vocab_size
+from trainer.config import Config
 from trainer.errors import UserError
 from trainer.estimate import ModelShape
+from trainer.sizes import model_vocab_size
 
 ATTENTION = "sdpa"  # PyTorch's fused attention: flash / memory-efficient kernels on GPUs, a fused kernel on CPUs
 MASKLESS_ATTENTION = "sdpa_causal_no_mask"  # the same kernel, registered under a name no mask builder knows
