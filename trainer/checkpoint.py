@@ -229,13 +229,16 @@ def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
     def write_state() -> None:
         torch.save(payload(state, meta, rngs, with_weights=meta.format == FULL), tmp if single_file else tmp / STATE_FILE)
 
+    def seal() -> None:  # meta.json last, then flush and rename: only a complete checkpoint ever has its final name
+        if not single_file:
+            (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n")
+        publish(tmp, path)
+
     error = failure_of(write_state) if ctx.is_main else None
     if before_publish is not None:
         before_publish()
     if ctx.is_main and error is None:
-        if not single_file:
-            error = failure_of(lambda: (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n"))
-        error = error or failure_of(lambda: publish(tmp, path))
+        error = failure_of(seal)
     raise_if_main_failed(error, ctx, f"checkpoint {path}")
     return path
 
