@@ -3,6 +3,7 @@ final model gathered from shards; plus the rank environment and device rules."""
 
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -47,6 +48,27 @@ def test_cpu_device_and_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         torch.device("cpu"), "1")
     monkeypatch.setenv("GPU_RANK", "6")
     assert select_device(cfg, RankEnvironment())[1] == "6"
+
+
+def test_fsdp_mesh_is_the_ranks_own_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fully_shard gets a mesh of the rank's device. Its default mesh is a CUDA one wherever CUDA exists, so CPU ranks
+    on a GPU machine would fail (`invalid device ordinal`); the default is made to fail here on any machine."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    fully_shard_module = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+
+    def no_default_mesh(*args: object, **kwargs: object) -> None:
+        raise AssertionError("fully_shard fell back to its default mesh")
+
+    monkeypatch.setattr(fully_shard_module, "_init_default_mesh", no_default_mesh)
+    cfg = tiny_config(tmp_path, tmp_path, training={"strategy": "fsdp"})
+    ctx = init_distributed(cfg)
+    try:
+        model = wrap_model(fresh(cfg), cfg, ctx, None)
+        meshes = {(p.device_mesh.device_type, tuple(p.device_mesh.shape)) for p in model.parameters()}
+        assert meshes == {("cpu", (1,))}
+    finally:
+        teardown()
 
 
 def batch_for(rank: int, seed: int = 0) -> torch.Tensor:
@@ -108,6 +130,7 @@ def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) ->
         sharded_cfg = tiny_config(root, Path(cache_dir), model={"num_layers": 2}, training={"strategy": "fsdp"})
         fsdp = wrap_model(fresh(sharded_cfg), sharded_cfg, ctx, None)
         assert is_sharded(fsdp)
+        assert {(p.device_mesh.device_type, tuple(p.device_mesh.shape)) for p in fsdp.parameters()} == {("cpu", (2,))}
         next_token_loss(fsdp, batch_for(rank), FP32).backward()
         assert torch.allclose(flat_grads(fsdp), ddp_grads, atol=1e-6)
         norm = torch.nn.utils.clip_grad_norm_(list(fsdp.parameters()), 0.1).full_tensor()  # the pre-clip norm

@@ -26,6 +26,8 @@ def preset(name: str, **training: object) -> Config:
 def test_debug_dry_run_prints_sizes_and_the_estimate(capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SUPERVISOR_FAKE_GPUS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, whatever the machine has
     assert main(["--debug", "--dry-run", "--nproc", "2"]) == 0
     out = capsys.readouterr().out
     cfg = preset("debug")
@@ -33,7 +35,18 @@ def test_debug_dry_run_prints_sizes_and_the_estimate(capsys: pytest.CaptureFixtu
     assert "tokens per step: 1,024 (4 sequences × 128 tokens × 1 micro-step × 2 GPUs)" in out
     assert f"FLOPs per token: {human(flops_per_token(cfg))}" in out
     assert "FSDP (2 ranks)" in out and "optimizer state" in out and "activations" in out
-    assert "no GPU detected" in out
+    assert "GPUs: none detected" in out and "no GPU detected" in out
+
+
+def test_dry_run_reports_the_gpus_this_process_may_use(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Detection is the supervisor's: CUDA_VISIBLE_DEVICES limits it, as it limits the ranks."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SUPERVISOR_FAKE_GPUS", "0,1,2,3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
+    assert main(["--debug", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "GPUs: 2 × fake, 80.0 GiB each; estimate for 2 rank(s)" in out and "no GPU detected" not in out
 
 
 def test_world_size_comes_first(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,6 +62,21 @@ def test_cuda_visible_devices_limits_the_choice():
     assert ids(list(inventory("0,1,2", visible="1,7,2").usable)) == [1], "CUDA stops at the first unknown entry"
 
 
+def test_real_discovery_honours_cuda_visible_devices(monkeypatch):
+    """NVML's answer is filtered like the fake one: an empty CUDA_VISIBLE_DEVICES means no usable GPU (the default
+    test tier runs so on GPU machines), while the fake-GPU seam still wins over the real probes."""
+    h100 = gpus.Gpu(0, "NVIDIA H100 80GB HBM3", 80 * 2**30, 80 * 2**30, 0, "GPU-1234")
+    monkeypatch.setattr(gpus, "nvml_gpus", lambda: [h100])
+    assert gpus.discover({}).usable == (h100,) and not gpus.discover({}).fake
+    hidden = gpus.discover({"CUDA_VISIBLE_DEVICES": ""})
+    assert hidden.gpus == (h100,) and hidden.usable == () and gpus.select(hidden, None, None) == []
+    with pytest.raises(UserError, match="GPU 0 is hidden by CUDA_VISIBLE_DEVICES=; usable GPUs: none"):
+        gpus.select(hidden, "0", None)
+    assert gpus.discover({"CUDA_VISIBLE_DEVICES": "-1"}).usable == ()
+    fake = gpus.discover({gpus.FAKE_GPUS_ENV: "0,1"})
+    assert fake.fake and ids(list(fake.usable)) == [0, 1]
+
+
 def test_no_gpu_with_gpus_flag():
     with pytest.raises(UserError, match="no GPU found on this machine"):
         gpus.select(gpus.Inventory((), ()), "0", None)

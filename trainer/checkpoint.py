@@ -166,18 +166,19 @@ def load_payload(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def rng_state() -> dict[str, Any]:
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The generators a rank draws from; the CUDA one only on a GPU rank (a CPU rank never touches the driver)."""
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None,
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "python": random.getstate(),
     }
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if state.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
     random.setstate(state["python"])
 
 
@@ -209,7 +210,7 @@ def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
     """
     single_file = path.suffix == ".pt" and meta.format == FULL
     tmp = path.with_name(TMP_PREFIX + path.name)
-    rngs = gather_objects(rng_state(), ctx)
+    rngs = gather_objects(rng_state(ctx.device), ctx)
     error = None
     if ctx.is_main:
         try:
@@ -260,7 +261,7 @@ def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> Che
         state.scaler.load_state_dict(content["scaler"])
     rngs = content["rng"]
     if meta.world_size == ctx.world_size and ctx.rank < len(rngs):
-        set_rng_state(rngs[ctx.rank])
+        set_rng_state(rngs[ctx.rank], ctx.device)
     return meta
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -81,11 +82,14 @@ def select_device(cfg: Config, env: RankEnvironment) -> tuple[torch.device, str]
     for a run started by hand without `CUDA_VISIBLE_DEVICES`.
     """
     want = cfg.system.device
+    cpu = torch.device("cpu"), os.environ.get("GPU_RANK", str(env.local_rank))
+    if want == "cpu":  # decided before asking CUDA: a CPU rank on a GPU machine never initialises the driver
+        return cpu
     cuda = torch.cuda.is_available()
     if want == "cuda" and not cuda:
         raise UserError("system.device is 'cuda' but no CUDA GPU is visible; use --set system.device=cpu")
-    if want == "cpu" or not cuda:
-        return torch.device("cpu"), os.environ.get("GPU_RANK", str(env.local_rank))
+    if not cuda:
+        return cpu
     count = torch.cuda.device_count()
     device_id = cfg.system.device_id
     if count == 1:
@@ -190,12 +194,15 @@ def wrap_model(model: torch.nn.Module, cfg: Config, ctx: DistContext,
 
     A one-member DDP group would only add bucket copies, so a single-process DDP run trains the bare model.
     `param_dtype` is the compute dtype (bf16/fp16) FSDP gathers weights in; gradients are reduced in fp32.
+    The mesh is built from the rank's own device: left to itself, `fully_shard` builds a CUDA mesh whenever CUDA
+    exists, even for CPU ranks on gloo (and then selects the GPU numbered LOCAL_RANK, which may not exist).
     """
     if cfg.training.strategy == "fsdp":
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     if ctx.world_size == 1:
         return model

@@ -197,21 +197,16 @@ def format_estimate(est: MemoryEstimate) -> str:
 
 
 def detect_gpus() -> tuple[int, int | None, str | None]:
-    """(GPU count, the smallest GPU's memory in bytes, its name) via NVML, else torch; (0, None, None) without GPUs."""
-    try:
-        import pynvml
+    """(GPU count, the smallest GPU's memory in bytes, its name) of the GPUs this process may use; (0, None, None)
+    without any. The supervisor's discovery (NVML, then nvidia-smi, `CUDA_VISIBLE_DEVICES` honoured, so an empty one
+    means no GPU), else torch where neither tool is installed."""
+    from supervisor.gpus import discover
 
-        pynvml.nvmlInit()
-        try:
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-            if handles:
-                memory = min(int(pynvml.nvmlDeviceGetMemoryInfo(h).total) for h in handles)
-                name = pynvml.nvmlDeviceGetName(handles[0])
-                return len(handles), memory, name.decode() if isinstance(name, bytes) else name
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no driver, no library, no permission: fall back to torch
-        pass
+    inventory = discover()
+    if inventory.usable:
+        return (len(inventory.usable), min(g.memory_total for g in inventory.usable), inventory.usable[0].name)
+    if inventory.gpus:  # there are GPUs, all hidden by CUDA_VISIBLE_DEVICES
+        return 0, None, None
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

@@ -25,9 +25,13 @@ _started: list["Run"] = []
 
 
 def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without the seams and rank variables a test must set itself. The machine's GPUs stay hidden
+    (CPU ranks, as on CI) unless `extra` pretends some (SUPERVISOR_FAKE_GPUS) or names CUDA_VISIBLE_DEVICES."""
     env = {k: v for k, v in os.environ.items() if k not in SEAM_KEYS}
     env["PYTHONPATH"] = str(ROOT)
     env.update(extra)
+    if "SUPERVISOR_FAKE_GPUS" not in env:
+        env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return env
 
 

@@ -1,0 +1,15 @@
+"""Session set-up shared by every test: the default tier runs on CPUs even on a machine with GPUs.
+
+This pytest process and everything it starts inherit `CUDA_VISIBLE_DEVICES=""` (see `tests/gpu_visibility.py`); the
+GPU tier (`tests/gpu/`, marker `gpu`) gives its own processes the machine's GPUs back explicitly.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import gpu_visibility
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    gpu_visibility.hide_gpus()  # before any test can initialise CUDA in this process
