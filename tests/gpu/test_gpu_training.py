@@ -1,0 +1,125 @@
+"""Training on a real GPU through the supervisor: each precision, DDP (world size 1) and FSDP2 with gradient
+checkpointing resumed mid-run onto the same loss trajectory, torch.compile, and the final model generating on the GPU.
+
+Resume tolerance: the resumed run's losses match the uninterrupted run's within TOLERANCE (absolute, bf16). The
+checkpoint restores weights, optimizer state, schedule, data position and RNG exactly, but GPU kernels are not
+bit-exact from run to run (atomics in the embedding and attention backward sum in a varying order), so the
+trajectories may drift by rounding; the trainer sets no deterministic-algorithms mode, which would be the way to make
+them bit-exact (`torch.use_deterministic_algorithms(True)` with `CUBLAS_WORKSPACE_CONFIG=:4096:8`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_support import Machine, banner, gpu_layer, supervise
+from rank_support import history_losses
+from trainer import checkpoint, checkpoint_layout
+from trainer.metrics import peak_flops
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = 0.02  # absolute, on losses around 4-6
+STEPS, INTERVAL, CUT_AT = 8, 4, 5  # checkpoint after 4 steps; the cut run dies at the start of step 5
+
+
+def trained(machine: Machine, tmp_path: Path, cache_dir: Path, tag: str = "", *extra: str, **overrides) -> tuple:
+    run = supervise(machine, tmp_path, gpu_layer(tmp_path, cache_dir, **overrides), *extra, tag=tag)
+    assert run.code == 0, run.output[-4000:]
+    assert run.survivors == []
+    return run, history_losses(run.run_dir())
+
+
+def final_state(ckpt: Path) -> dict:
+    latest = checkpoint_layout.latest_checkpoint(ckpt)
+    return torch.load(latest / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32", "auto"])
+def test_precision(precision: str, machine: Machine, tmp_path: Path, token_cache_dir: Path) -> None:
+    run, losses = trained(machine, tmp_path, token_cache_dir, training={"precision": precision, "max_steps": 4})
+    expected = precision
+    if precision == "auto":  # bf16 wherever the GPU has it (Ampere and later: Hopper included), else fp16
+        expected = "bf16" if machine.capability >= (8, 0) else "fp16"
+        if machine.capability[0] == 9:
+            assert expected == "bf16"
+    assert banner(run, machine, "precision").startswith(f"precision: {expected} | strategy: ddp")
+    assert all(math.isfinite(v) for v in losses.values()) and losses[3] < losses[0], losses
+    scaler = final_state(tmp_path / "ckpt")["scaler"]
+    if expected == "fp16":  # the gradient scaler ran and its state is checkpointed
+        assert scaler is not None and scaler["scale"] > 0
+    else:
+        assert scaler is None
+    if expected == "bf16" and peak_flops(machine.gpu.name) is not None:
+        assert re.search(r"tokens/s \| MFU \d+\.\d%$", run.output, re.M), run.output[-3000:]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_resume_continues_the_loss_trajectory(strategy: str, machine: Machine, tmp_path: Path,
+                                              token_cache_dir: Path) -> None:
+    shape = {"model": {"num_layers": 2, "gradient_checkpointing": strategy == "fsdp"},
+             "training": {"strategy": strategy, "max_steps": STEPS}}
+    full_ckpt, cut_ckpt = tmp_path / "full", tmp_path / "cut"
+    run, full = trained(machine, tmp_path, token_cache_dir, "-full",
+                        checkpoint={"dir": str(full_ckpt), "interval": INTERVAL}, **shape)
+    line = banner(run, machine, "precision")
+    assert line.startswith(f"precision: bf16 | strategy: {strategy} | grad accumulation: 1")
+    assert ("gradient checkpointing" in line) == (strategy == "fsdp")
+    assert abs(full[STEPS - 1] - full[0]) > 10 * TOLERANCE, "the trajectory must move for the comparison to mean much"
+
+    layer = gpu_layer(tmp_path, token_cache_dir, checkpoint={"dir": str(cut_ckpt), "interval": INTERVAL},
+                      debug={"inject_fault": "exit", "inject_fault_step": CUT_AT, "inject_fault_code": 3}, **shape)
+    cut = supervise(machine, tmp_path, layer, tag="-cut")
+    assert cut.code == 3, cut.output[-4000:]
+    assert checkpoint_layout.latest_checkpoint(cut_ckpt) == checkpoint_layout.step_path(cut_ckpt, INTERVAL)
+    sharded = (checkpoint_layout.step_path(cut_ckpt, INTERVAL) / checkpoint.DCP_DIR).is_dir()
+    assert sharded == (strategy == "fsdp")
+
+    resumed, again = trained(machine, tmp_path, token_cache_dir, "-resumed", "--resume", "auto",
+                             checkpoint={"dir": str(cut_ckpt), "interval": INTERVAL}, **shape)
+    assert f"resumed from {checkpoint_layout.step_path(cut_ckpt, INTERVAL)} at step {INTERVAL}" in resumed.output
+    assert sorted(again) == list(range(INTERVAL, STEPS))
+    drift = {step: abs(again[step] - full[step]) for step in again}
+    assert max(drift.values()) < TOLERANCE, f"resumed vs uninterrupted loss differences: {drift}"
+
+
+def test_compiled_model_trains(machine: Machine, tmp_path: Path, token_cache_dir: Path) -> None:
+    run, losses = trained(machine, tmp_path, token_cache_dir, system={"device": "cuda", "compile": True},
+                          training={"max_steps": 6})
+    assert banner(run, machine, "precision").endswith("| torch.compile")
+    assert all(math.isfinite(v) for v in losses.values()) and losses[5] < losses[0], losses
+
+
+GENERATE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).to("cuda").eval()
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+prompt = tokenizer("def main():", return_tensors="pt").to("cuda")
+with torch.no_grad():
+    out = model.generate(**prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+print(json.dumps({"device": str(out.device), "prompt": prompt["input_ids"].shape[1], "total": out.shape[1],
+                  "text": tokenizer.decode(out[0])}))
+"""
+
+
+def test_final_model_loads_and_generates_on_the_gpu(machine: Machine, tmp_path: Path, token_cache_dir: Path) -> None:
+    run, _ = trained(machine, tmp_path, token_cache_dir, training={"max_steps": 4},
+                     checkpoint={"dir": str(tmp_path / "ckpt"), "save_final": True})
+    final = tmp_path / "ckpt" / checkpoint.FINAL_DIR
+    assert f"final model saved: {final}" in run.output
+    done = subprocess.run([sys.executable, "-c", GENERATE, str(final)], env=machine.env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["device"] == "cuda:0" and result["total"] == result["prompt"] + 8
+    assert "main" in result["text"]
