@@ -2,6 +2,8 @@
 
     python bench/run_all.py            # all benchmarks, then BENCHMARKS.md
     python bench/run_all.py cache      # only bench_cache.py (the page keeps the other sections as they were)
+    python bench/run_all.py gpu --out DIR   # bench_gpu.py (GPU machines; not part of the default list); options
+                                            # after the names go to the scripts, and --out DIR also gets the page
 
 Each `bench_<name>.py` prints its own figures and ratios, measured side by side against its anchor in the same run;
 this script records the machine, the command and the output verbatim. Not part of CI: about 10-15 minutes on 2 cores.
@@ -21,7 +23,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PAGE = ROOT / "BENCHMARKS.md"
-ORDER = ["cache", "supervisor", "training", "nan_guard", "dataloader"]
+ORDER = ["cache", "supervisor", "training", "nan_guard", "dataloader", "gpu"]
+DEFAULT = [name for name in ORDER if name != "gpu"]  # what a machine without a GPU can measure
 SECTION = re.compile(r"^## bench_(\w+)\n.*?(?=^## bench_|\Z)", re.S | re.M)
 
 
@@ -35,12 +38,12 @@ def machine() -> str:
             f"torch {torch.__version__}")
 
 
-def run(name: str) -> str:
+def run(name: str, options: list[str]) -> str:
     script = BENCH / f"bench_{name}.py"
-    command = f"python bench/{script.name}"
+    command = " ".join([f"python bench/{script.name}", *options])
     print(f"== {command}", flush=True)
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(script), *options], cwd=ROOT, capture_output=True, text=True)
     took = time.perf_counter() - start
     print(out.stdout[-4000:], out.stderr[-2000:] if out.returncode else "", flush=True)
     status = "" if out.returncode == 0 else f" — **exited {out.returncode}**"
@@ -48,15 +51,22 @@ def run(name: str) -> str:
             + (f"{out.stderr.strip()[-2000:]}\n" if out.returncode else "") + "```\n\n")
 
 
-def main(names: list[str]) -> None:
+def main(argv: list[str]) -> None:
+    cut = next((i for i, arg in enumerate(argv) if arg.startswith("--")), len(argv))
+    names, options = argv[:cut], argv[cut:]
     sections = {m.group(1): m.group(0) for m in SECTION.finditer(PAGE.read_text())} if PAGE.exists() else {}
-    for name in names or ORDER:
-        sections[name] = run(name)
+    for name in names or DEFAULT:
+        sections[name] = run(name, options)
     intro = (ROOT / "bench" / "INTRO.md").read_text()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     body = "".join(sections[n] for n in ORDER if n in sections)
     PAGE.write_text(f"{intro}\nLast regenerated {stamp} on: {machine()}.\n\n{body}")
     print(f"wrote {PAGE}")
+    if "--out" in options:  # a copy where a remote machine's results are collected
+        out = Path(options[options.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / PAGE.name).write_text(PAGE.read_text())
+        print(f"wrote {out / PAGE.name}")
 
 
 if __name__ == "__main__":

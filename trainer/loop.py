@@ -466,8 +466,9 @@ class Trainer:
             if self.device.type == "cuda" and utilisation is not None:
                 parts.append(f"MFU {utilisation:.1%}")
         self.log.info(" | ".join(parts))
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None  # no sync
         self.history.add(StepRecord(step=step, loss=global_loss, lr=out.lr, grad_norm=grad_norm, tokens_per_s=tok_s,
-                                    val_loss=val_loss))
+                                    val_loss=val_loss, max_memory_allocated=peak))
 
 
 def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter | None = None) -> int:

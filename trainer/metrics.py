@@ -124,6 +124,7 @@ class StepRecord:
     grad_norm: float | None = None
     tokens_per_s: float | None = None
     val_loss: float | None = None
+    max_memory_allocated: int | None = None  # bytes, rank 0's peak on its GPU so far (None on CPUs)
 
 
 class History:
