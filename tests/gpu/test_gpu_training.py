@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from gpu_support import Machine, banner, gpu_layer, supervise
-from rank_support import history_losses
+from rank_support import history, history_losses
 from trainer import checkpoint, checkpoint_layout
 from trainer.metrics import peak_flops
 
@@ -58,6 +58,8 @@ def test_precision(precision: str, machine: Machine, tmp_path: Path, token_cache
         assert scaler is not None and scaler["scale"] > 0
     else:
         assert scaler is None
+    records = history(run.run_dir())["steps"]
+    assert records and all(r["max_memory_allocated"] > 0 for r in records), "the GPU's peak memory is recorded"
     if expected == "bf16" and peak_flops(machine.gpu.name) is not None:
         assert re.search(r"tokens/s \| MFU \d+\.\d%$", run.output, re.M), run.output[-3000:]
 
