@@ -60,12 +60,14 @@ def test_mfu_uses_the_bf16_peak_of_known_gpus() -> None:
 def test_history_json_png_and_tensorboard(tmp_path: Path) -> None:
     history = History(tmp_path, {"preset": "debug"}, tensorboard=True)
     history.add(StepRecord(step=0, loss=5.0, lr=0.0, grad_norm=1.0, tokens_per_s=None))
-    history.add(StepRecord(step=1, loss=4.5, lr=1e-3, grad_norm=0.9, tokens_per_s=1000.0, val_loss=4.7))
+    history.add(StepRecord(step=1, loss=4.5, lr=1e-3, grad_norm=0.9, tokens_per_s=1000.0, val_loss=4.7,
+                           max_memory_allocated=3 << 30))
     history.save("completed")
     history.close()
     data = json.loads((tmp_path / HISTORY_JSON).read_text())
     assert data["run"] == {"preset": "debug", "status": "completed"}
     assert data["steps"][1] == {"step": 1, "loss": 4.5, "lr": 1e-3, "grad_norm": 0.9, "tokens_per_s": 1000.0,
-                                "val_loss": 4.7}
+                                "val_loss": 4.7, "max_memory_allocated": 3 << 30}
+    assert data["steps"][0]["max_memory_allocated"] is None  # CPU ranks: no GPU memory to report
     assert (tmp_path / HISTORY_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((tmp_path / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
