@@ -49,8 +49,9 @@ def probe() -> Machine | str:
     env = gpu_visibility.machine_gpus(clean_env(PYTHON=sys.executable))  # the shell scripts use this Python too
     inventory = gpus.discover(env)
     if not inventory.usable:
+        visible = gpu_visibility.MACHINE_VALUE
         return (f"no CUDA GPU: NVML and nvidia-smi found {'none' if not inventory.gpus else 'none usable'} "
-                f"(CUDA_VISIBLE_DEVICES {'unset' if gpu_visibility.MACHINE_VALUE is None else repr(gpu_visibility.MACHINE_VALUE)})")
+                f"(CUDA_VISIBLE_DEVICES {'unset' if visible is None else repr(visible)})")
     found = subprocess.run([sys.executable, "-c", TORCH_PROBE], env=env, capture_output=True, text=True, timeout=120)
     if found.returncode != 0:
         return f"torch cannot be imported: {found.stderr.strip()[-500:]}"
