@@ -158,10 +158,10 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: P
     checkpoints, both exit 138; the same command again (`--resume auto`, as the requeued job runs) continues there."""
     ckpt = tmp_path / "ckpt"
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "checkpoint": {"dir": str(ckpt)},
-                          "training": {"max_steps": 400}, "logging": {"log_interval": 1}})
+                          "training": {"max_steps": 60}, "logging": {"log_interval": 1}})
     args = ("--debug", "--nproc", "1", "--no-footer", *set_flags(layer), "--resume", "auto")
     first = slurm_nodes(tmp_path, *args, entry=None, tag="first")
-    wait_for(first[0].out_path, r"CPU0:INFO \| \[GPU 0\] Step \[3/400\]")
+    wait_for(first[0].out_path, r"CPU0:INFO \| \[GPU 0\] Step \[3/60\]")
     for node in first:
         os.kill(node.proc.pid, signal.SIGUSR1)
     for node in first:
@@ -172,7 +172,7 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: P
     assert saved is not None, first[0].stdout[-3000:]
     stopped_at = checkpoint_layout.step_of(saved)
     assert stopped_at is not None
-    assert 3 <= stopped_at < 400
+    assert 3 <= stopped_at < 60
     assert f"stopping after step {stopped_at - 1}: a stop was requested" in first[0].stdout
 
     again = slurm_nodes(tmp_path, *args, entry=None, tag="again")
@@ -180,4 +180,4 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: P
         node.wait(timeout=240)
     assert [n.returncode for n in again] == [0, 0], again[0].stderr[-3000:] + again[1].stderr[-3000:]
     assert re.search(rf"CPU0:INFO \| resumed from \S+{saved.name} at step {stopped_at}\n", again[0].stdout)
-    assert "step 400/400" in again[0].stderr
+    assert "step 60/60" in again[0].stderr
