@@ -63,8 +63,8 @@ def test_a_multi_node_job_gives_every_flag() -> None:
     args = no_flags()
     note = slurm.apply(args, job_env())
     assert (args.nnodes, args.node_rank, args.master_addr, args.master_port) == (2, 1, "gpu07", slurm.master_port(4242))
-    assert note == ("Slurm job layout (SLURM_JOB_ID=4242, SLURM_NNODES=2, SLURM_NODEID=1, SLURM_JOB_NODELIST=gpu[07-08]):"
-                    f" --nnodes 2 --node-rank 1 --master-addr gpu07 --master-port {slurm.master_port(4242)}")
+    assert note == ("Slurm job layout (SLURM_JOB_ID=4242, SLURM_NNODES=2, SLURM_NODEID=1, "
+                    f"SLURM_JOB_NODELIST=gpu[07-08]): --nnodes 2 --node-rank 1 --master-addr gpu07 --master-port {slurm.master_port(4242)}")
 
 
 def test_flags_given_explicitly_win() -> None:

@@ -476,8 +476,8 @@ def fit_warmup(cfg: Config) -> None:
     if t.warmup_steps < t.max_steps or t.max_steps <= 0:
         return
     fitted = t.max_steps // WARMUP_SHARE
-    cfg.notes.append(f"training.warmup_steps {t.warmup_steps} (preset '{cfg.preset}') does not fit a {t.max_steps}-step "
-                     f"run: shortened to {fitted} ({100 // WARMUP_SHARE} % of the run); set training.warmup_steps to "
+    cfg.notes.append(f"training.warmup_steps {t.warmup_steps} (preset '{cfg.preset}') does not fit a "
+                     f"{t.max_steps}-step run: shortened to {fitted} ({100 // WARMUP_SHARE} % of the run); set training.warmup_steps to "
                      f"choose")
     t.warmup_steps = fitted
 
