@@ -3,7 +3,7 @@
 Usage (what the shell scripts run): ``python3 supervisor/bootstrap.py -m supervisor ARGS...``
 
 Which interpreter, first match wins:
-1. ``PYTHON=/path/to/python``: used as is, nothing installed.
+1. ``PYTHON=/path/to/python`` or a name on ``PATH`` (``PYTHON=python3``): used as is, nothing installed.
 2. An active virtual environment (``VIRTUAL_ENV``): used as is, nothing installed.
 3. The interpreter running this file, when it already has every dependency (for example your CUDA build of torch).
 4. The project-local ``.venv/``: created on first use (torch pinned to 2.13.0 where no torch is importable, then
@@ -17,20 +17,31 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".installed-pyproject-sha256"
 REQUIRED_MODULES = ("torch", "transformers", "datasets", "tokenizers", "numpy", "psutil", "rich", "filelock",
-                    "pynvml", "safetensors", "matplotlib", "pytest")
+                    "pynvml", "safetensors", "matplotlib", "hostlist", "pytest")
 TORCH_PIN = "torch==2.13.0"  # the CPU build the project's machines carry; a torch already present is never replaced
+
+
+USER_ERROR_EXIT_CODE = 2  # as trainer.errors says; this file may not import the project
 
 
 def say(message: str) -> None:
     print(f"[setup] {message}", file=sys.stderr, flush=True)
+
+
+def bad_input(message: str) -> NoReturn:
+    """One `error:` line and exit 2, like every other entry point's bad input."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(USER_ERROR_EXIT_CODE)
 
 
 def pyproject_digest() -> str:
@@ -63,9 +74,19 @@ def ensure_project_venv() -> Path:
     return python
 
 
+def given_python(name: str) -> str:
+    """PYTHON as a path or a command name, resolved as the shell would (`os.execv` wants a path)."""
+    found = shutil.which(name)
+    if found is None:
+        where = "not an executable file" if os.sep in name else "not a command on PATH"
+        bad_input(f"PYTHON={name}: {where}; set PYTHON to a Python interpreter (a path, or a name such as python3), "
+                  f"or leave it unset to use the project's own environment")
+    return str(found)
+
+
 def choose_python() -> str:
     if os.environ.get("PYTHON"):
-        return os.environ["PYTHON"]
+        return given_python(os.environ["PYTHON"])
     if os.environ.get("VIRTUAL_ENV"):
         return str(Path(os.environ["VIRTUAL_ENV"]) / "bin" / "python")
     if has_dependencies():
@@ -81,7 +102,10 @@ def main(argv: list[str]) -> None:
     except subprocess.CalledProcessError as e:
         sys.exit(f"error: setting up the environment failed ({' '.join(map(str, e.cmd))} exited {e.returncode})")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    os.execv(python, [python, *argv])
+    try:
+        os.execv(python, [python, *argv])
+    except OSError as e:  # a file that is not a program (a folder, a script without #!, no permission)
+        bad_input(f"cannot run {python}: {e.strerror}; set PYTHON to a Python interpreter")
 
 
 if __name__ == "__main__":

@@ -16,19 +16,21 @@ nothing started.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from itertools import count
 from pathlib import Path
 
-from supervisor import gpus
+from supervisor import gpus, slurm
 from supervisor.console import Console
 from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
 from trainer.checkpoint_layout import find_resume
-from trainer.config import PROJECT_ROOT, Config, add_config_arguments, handle_inspection_flags
+from trainer.config import PROJECT_ROOT, Config, add_config_arguments, check_world_size, handle_inspection_flags
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 from trainer.sizes import human, parameter_count
+from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2
 CPU_MAX_PARAMETERS = 1_000_000_000  # beyond this a CPU run is not training, it is waiting
@@ -68,12 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print parameters, tokens per step, FLOPs per token and the per-GPU memory estimate "
                              "for the GPUs that would be used, then exit (the model is built on the meta device)")
     nodes = parser.add_argument_group("multi-node (torchrun's meanings)")
-    nodes.add_argument("--nnodes", type=int, default=1, metavar="N")
-    nodes.add_argument("--node-rank", type=int, default=0, metavar="R")
+    nodes.add_argument("--nnodes", type=int, metavar="N", help="default 1, or SLURM_NNODES in a Slurm job")
+    nodes.add_argument("--node-rank", type=int, metavar="R", help="default 0, or SLURM_NODEID in a Slurm job")
     nodes.add_argument("--master-addr", metavar="HOST", help="node 0's address (multi-node)")
     nodes.add_argument("--master-port", type=int, metavar="PORT",
                        help="node 0's rendezvous port (multi-node; the control channel uses PORT+1); "
-                            "single node: a free port is chosen")
+                            "single node: a free port is chosen. In a Slurm job on several nodes all four flags "
+                            "default to what the job's SLURM_* variables say")
     add_config_arguments(parser)
     return parser
 
@@ -173,14 +176,27 @@ def create_run_dir(root: Path, preset: str) -> Path:
     raise AssertionError("unreachable")
 
 
+def node_layout(args: argparse.Namespace, notes: list[str]) -> None:
+    """--nnodes and friends: as given, else from a multi-node Slurm job, else a single node."""
+    if note := slurm.apply(args, os.environ):
+        notes.append(note)
+    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
+
+
 def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], notes: list[str]) -> Plan:
+    node_layout(args, notes)
     check_flags(args)
+    notes.extend(cfg.notes)
+    if wandb_note := check_wandb(cfg):
+        notes.append(wandb_note)
     entry = entry_path(args)
     trainer_entry = entry.name == TRAINER_ENTRY
     if trainer_entry:
         find_resume(cfg)  # a --resume without a checkpoint: one error here, not a failure on every rank later
     gpu_ids = choose_devices(args, cfg, trainer_entry, notes)
     ranks = node_ranks(gpu_ids, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)
+    check_world_size(cfg, args.nnodes * len(ranks))
     run_dir = create_run_dir(Path(args.log_dir), cfg.preset)
     cfg.logging.run_dir = str(run_dir)
     return Plan(entry=entry, entry_args=entry_args, run_dir=run_dir, ranks=ranks, nnodes=args.nnodes,

@@ -60,9 +60,35 @@ CASES = {
     "context longer than positions": BadInput(
         "pretrain_main.py", ("--debug", "--context-length", "1024"),
         "data.context_length (1024) must be between 1 and model.max_position_embeddings (512)"),
-    "warmup not shorter than the run": BadInput(
-        "prepare_dataset.py", ("--debug", "--max-steps", "2"),
+    "warmup set by the user not shorter than the run": BadInput(
+        "prepare_dataset.py", ("--debug", "--max-steps", "2", "--set", "training.warmup_steps=2"),
         "training.warmup_steps (2) must be shorter than the run (training.max_steps = 2)"),
+    "warmup in the user's file not shorter than the run": BadInput(
+        "run_training.sh", ("--preset", "small", "--max-steps", "10", "--config", "run.json"),
+        "training.warmup_steps (100) must be shorter than the run (training.max_steps = 10)",
+        files={"run.json": '{"training": {"warmup_steps": 100}}'}),
+    "NaN injection without a module": BadInput(
+        "run_training.sh", ("--debug", "--set", "debug.inject_nan_step=3"),
+        "NaN injection needs both debug.inject_nan_module and debug.inject_nan_step"),
+    "fault injection past the last step": BadInput(
+        "supervisor", ("--debug", "--set", "debug.inject_fault=exit", "--set", "debug.inject_fault_step=10"),
+        "debug.inject_fault_step 10 is never reached (the run's steps are 0-9"),
+    "fault injection on a rank the run does not have": BadInput(
+        "supervisor", ("--debug", "--nproc", "2", "--set", "debug.inject_fault=sigkill", "--set",
+                       "debug.inject_fault_step=3", "--set", "debug.inject_fault_rank=2"),
+        "debug.inject_fault_rank 2 is outside the run's 2 ranks (0-1)"),
+    "W&B on without the wandb package": BadInput(
+        "run_training.sh", ("--debug", "--set", "logging.wandb=true"),
+        "logging.wandb is on but the wandb package is not installed: pip install -e '.[wandb]'",
+        files={"no_wandb/sitecustomize.py": "import sys\nsys.modules['wandb'] = None  # as if not installed\n"},
+        env={"PYTHONPATH": "no_wandb"}),
+    "PYTHON that does not exist": BadInput(
+        "run_training.sh", ("--debug",), "PYTHON=no-such-python: not a command on PATH",
+        env={"PYTHON": "no-such-python"}),
+    "Slurm job with a task per GPU": BadInput(
+        "supervisor", ("--debug",), "SLURM_NTASKS=16 on 2 nodes: the supervisor starts every rank of its node itself",
+        env={"SLURM_JOB_ID": "7", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_NTASKS": "16",
+             "SLURM_JOB_NODELIST": "gpu[1-2]"}),
     "unknown preset": BadInput("run_training.sh", ("--preset", "huge"), "unknown preset 'huge'"),
     "missing config file": BadInput(
         "supervisor", ("--debug", "--config", "nowhere.json"), "config file nowhere.json does not exist"),
@@ -118,7 +144,7 @@ def test_bad_input(name: str, tmp_path: Path) -> None:
     paths = ("--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}")
     if case.command in ("run_training.sh", "supervisor"):
         paths += ("--log-dir", str(tmp_path / "logs"), "--no-footer")
-    env = clean_env(PYTHON=sys.executable, HF_HUB_OFFLINE="1", **case.env)
+    env = clean_env(**{"PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", **case.env})
     proc = subprocess.Popen([*COMMANDS[case.command], *case.args, *paths], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     with watching(proc) as tree:
@@ -132,4 +158,5 @@ def test_bad_input(name: str, tmp_path: Path) -> None:
     assert case.message in lines[-1], err
     if case.before_any_work:
         assert len(lines) == 1, err
+        assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir()), "a run folder was made"
     no_half_written_output(tmp_path)

@@ -47,3 +47,14 @@ def test_shell_scripts_only_delegate() -> None:
     for script in ("run_training.sh", "train_gpu.sh", "train_auto_gpu.sh", "run_tests.sh"):
         lines = [line for line in (ROOT / script).read_text().splitlines() if line and not line.startswith("#")]
         assert len(lines) == 1 and lines[0].startswith('exec python3 "$(dirname "$0")/supervisor/bootstrap.py"'), script
+
+
+def test_python_given_by_name_is_found_on_path() -> None:
+    """`PYTHON=python3 bash run_training.sh ...`: a name, resolved on PATH as the shell would."""
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])  # python3 = this interpreter's
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    out = subprocess.run(["bash", str(ROOT / "run_training.sh"), "--debug", "--max-steps", "4", "--print-config"],
+                         env={**clean, "PYTHON": "python3", "PATH": path}, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert '"preset": "debug"' in out.stdout and '"max_steps": 4' in out.stdout
+    assert "[setup]" not in out.stderr

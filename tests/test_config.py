@@ -99,7 +99,8 @@ def test_config_file_may_name_its_base_preset(tmp_path: Path) -> None:
 
 def test_set_parses_json_else_string() -> None:
     cfg = parse("--debug", "--set", "data.source=/data/corpus/*.txt", "--set", "training.use_amp=true",
-                "--set", "debug.inject_nan_step=3", "--set", "training.learning_rate=2e-4")
+                "--set", "debug.inject_nan_step=3", "--set", "debug.inject_nan_module=lm_head",
+                "--set", "training.learning_rate=2e-4")
     assert cfg.data.source == "/data/corpus/*.txt" and cfg.training.use_amp is True
     assert cfg.debug.inject_nan_step == 3 and cfg.training.learning_rate == 2e-4
 
@@ -120,7 +121,8 @@ def test_max_samples_accepts_suffixes(text: str, expected: int) -> None:
     (["--context-length", "4096"], "data.context_length (4096) must be between 1 and model.max_position_embeddings"),
     (["--batch-size", "0"], "training.batch_size must be positive"),
     (["--lr", "-1"], "training.learning_rate must be positive"),
-    (["--max-steps", "2"], "training.warmup_steps (2) must be shorter than the run"),
+    (["--max-steps", "2", "--set", "training.warmup_steps=2"],
+     "training.warmup_steps (2) must be shorter than the run"),
     (["--max-samples", "lots"], "data.max_samples: expected a count"),
     (["--set", "training.strategy=zero3"], "training.strategy must be one of ddp, fsdp"),
     (["--set", "nodot"], "expected SECTION.KEY=VALUE"),
@@ -199,3 +201,30 @@ def test_readme_documents_every_key() -> None:
                                                      "debug")
                for f in dataclasses.fields(getattr(cfg, section)) if f"{section}.{f.name}`" not in readme]
     assert not missing, f"README.md does not document {missing}"
+
+
+@pytest.mark.parametrize("preset, steps, fitted", [("small", 10, 1), ("production", 10, 1), ("debug", 2, 0),
+                                                   ("debug", 25, 2)])
+def test_a_preset_warmup_longer_than_a_trial_run_shrinks_with_a_note(preset: str, steps: int, fitted: int) -> None:
+    cfg = parse("--preset", preset, "--max-steps", str(steps))
+    original = parse("--preset", preset).training.warmup_steps
+    if original < steps:
+        assert cfg.training.warmup_steps == original and cfg.notes == []
+        return
+    assert cfg.training.warmup_steps == fitted
+    assert cfg.notes == [f"training.warmup_steps {original} (preset '{preset}') does not fit a {steps}-step run: "
+                         f"shortened to {fitted} (10 % of the run); set training.warmup_steps to choose"]
+
+
+def test_the_note_survives_the_resolved_config_file(tmp_path: Path) -> None:
+    cfg = parse("--preset", "small", "--max-steps", "10")
+    cfg.save(tmp_path / "config.json")
+    assert Config.load(tmp_path / "config.json").notes == cfg.notes != []
+
+
+def test_a_warmup_the_user_set_is_never_changed(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"training.warmup_steps \(100\) must be shorter than the run"):
+        parse("--preset", "small", "--max-steps", "10", "--set", "training.warmup_steps=100")
+    with pytest.raises(UserError, match=r"training.warmup_steps \(50\) must be shorter than the run"):
+        parse("--debug", "--max-steps", "10", "--config", write(tmp_path, "w.json", {"training": {"warmup_steps": 50}}))
+    assert parse("--preset", "small", "--max-steps", "10", "--set", "training.warmup_steps=3").notes == []

@@ -42,3 +42,14 @@ def test_trainer_fault_stops_the_group(tmp_path, cache_dir, cleanup):
     assert "CPU1 (rank 1) failed: exit 3" in r.stderr
     pids = [int(line.split()[3]) for line in r.stderr.splitlines() if line.startswith("supervisor:   CPU")]
     assert len(pids) == 2 and survivors(pids, timeout=0.5) == []
+
+
+def test_a_trial_run_shorter_than_the_preset_warmup_trains(tmp_path, cache_dir, cleanup):
+    """`--debug --max-steps 2`: the preset's 2 warm-up steps do not fit; they shrink, and both banners say so."""
+    r = run(tmp_path, *tiny(tmp_path, cache_dir, "--max-steps", "2"), entry=None, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    note = ("training.warmup_steps 2 (preset 'debug') does not fit a 2-step run: shortened to 0 (10 % of the run); "
+            "set training.warmup_steps to choose")
+    assert f"supervisor: {note}" in r.stderr
+    assert f"CPU0:INFO | {note}" in r.stdout
+    assert "step 2/2, final loss" in r.stderr

@@ -13,7 +13,8 @@ from rank_scripts.harness import cleanup, start, survivors  # noqa: F401  (clean
 CHILDREN = ("--children", "2", "--escaped-child")
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129),
+                                       (signal.SIGUSR1, 138)])  # SIGUSR1: Slurm's warning before the time limit
 def test_stop_signal_stops_every_rank_and_its_children(tmp_path, cleanup, sig, code):
     r = start(tmp_path, "--nproc", "2", "--grace-period", "5", entry_args=CHILDREN)
     pids = r.wait_for_ranks(2)
@@ -36,12 +37,13 @@ def test_sigkill_of_the_supervisor_leaves_no_survivor(tmp_path, cleanup):
     assert survivors(pids, timeout=3.0) == []
 
 
-def test_ranks_get_their_grace_period_to_checkpoint(tmp_path, cleanup):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR1])
+def test_ranks_get_their_grace_period_to_checkpoint(tmp_path, cleanup, sig):
     r = start(tmp_path, "--nproc", "2", "--grace-period", "10", entry_args=("--on-term", "slow", "--term-time", "0.5"))
     pids = r.wait_for_ranks(2)
-    os.kill(r.proc.pid, signal.SIGINT)
+    os.kill(r.proc.pid, sig)
     r.wait()
-    assert r.returncode == 130
+    assert r.returncode == 128 + sig
     for rank in (0, 1):
         assert f"CPU{rank}:rank {rank} checkpoint written" in r.stdout
     assert r.stderr.count("exit 0  stopped by the supervisor") == 2

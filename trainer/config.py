@@ -106,6 +106,9 @@ class LoggingConfig:
     log_interval: int = 10
     tensorboard: bool = False
     run_dir: str | None = None  # set by the supervisor; a run by hand uses logs/<run-id>/
+    wandb: bool = False  # Weights & Biases from rank 0: the TensorBoard scalars and the resolved config
+    wandb_project: str = "gpu-pretrain"
+    wandb_run_name: str | None = None  # None: the run folder's name
 
 
 @dataclass
@@ -127,6 +130,7 @@ class DebugConfig:
 class Config:
     preset: str = DEFAULT_PRESET
     description: str = ""
+    notes: list[str] = field(default_factory=list)  # what resolving changed (a shrunk warm-up), said in the banners
     system: SystemConfig = field(default_factory=SystemConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -161,6 +165,7 @@ class Config:
 
 SECTIONS = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)]  # type: ignore[arg-type]
 TOP_LEVEL_SCALARS = ("preset", "description")
+TOP_LEVEL_LISTS = ("notes",)
 CHOICES: dict[str, tuple[str, ...]] = {
     "system.device": ("auto", "cuda", "cpu"),
     "system.backend": ("auto", "nccl", "gloo"),
@@ -276,6 +281,11 @@ def apply_layer(cfg: Config, raw: dict[str, Any], origin: str) -> None:
         if section in TOP_LEVEL_SCALARS:
             setattr(cfg, section, coerce(values, str, section, origin))
             continue
+        if section in TOP_LEVEL_LISTS:
+            if not isinstance(values, list):
+                raise UserError(f"{origin}: {section} expects a list of strings, got {json.dumps(values)}")
+            setattr(cfg, section, [coerce(item, str, section, origin) for item in values])
+            continue
         if section not in SECTIONS:
             raise UserError(f"{origin}: unknown section '{section}'{closest(section, SECTIONS, 'sections')}")
         if not isinstance(values, dict):
@@ -328,6 +338,38 @@ def validate(cfg: Config) -> None:
     for ok, message in rules:
         if not ok:
             raise UserError(message)
+    check_injection(cfg.debug, t.max_steps)
+
+
+def check_injection(d: DebugConfig, max_steps: int | None = None) -> None:
+    """Fault injection set half-way, or aimed where it can never fire. Torch-free, so the supervisor finds these
+    before it builds or starts anything; `trainer.faults.FaultInjector` runs the same checks on what it is given."""
+    if (d.inject_nan_module is None) != (d.inject_nan_step is None):
+        raise UserError("NaN injection needs both debug.inject_nan_module and debug.inject_nan_step, for example "
+                        "--set debug.inject_nan_module=model.layers.1.mlp --set debug.inject_nan_step=3")
+    if (d.inject_fault is None) != (d.inject_fault_step is None):
+        raise UserError("fault injection needs both debug.inject_fault and debug.inject_fault_step, "
+                        "for example --set debug.inject_fault=sigkill --set debug.inject_fault_step=3")
+    for kind in ("nan", "fault"):
+        step, rank = getattr(d, f"inject_{kind}_step"), getattr(d, f"inject_{kind}_rank")
+        if rank < 0:
+            raise UserError(f"debug.inject_{kind}_rank must be 0 or more, got {rank}")
+        if step is not None and not (0 <= step and (max_steps is None or step < max_steps)):
+            last = "" if max_steps is None else f" (the run's steps are 0-{max_steps - 1}; training.max_steps = " \
+                                                 f"{max_steps})"
+            raise UserError(f"debug.inject_{kind}_step {step} is never reached{last}")
+    if not 0 <= d.inject_fault_code <= 255:
+        raise UserError(f"debug.inject_fault_code must be an exit status within 0-255, got {d.inject_fault_code}")
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """Injection aimed at a rank the run does not have would silently never fire; known once the ranks are planned."""
+    d = cfg.debug
+    for kind, on in (("nan", d.inject_nan_step is not None), ("fault", d.inject_fault_step is not None)):
+        rank = getattr(d, f"inject_{kind}_rank")
+        if on and rank >= world_size:
+            raise UserError(f"debug.inject_{kind}_rank {rank} is outside the run's {world_size} "
+                            f"rank{'s' if world_size > 1 else ''} (0-{world_size - 1})")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -414,10 +456,30 @@ def resolve(args: argparse.Namespace) -> Config:
     apply_layer(cfg, preset_layer(name), f"presets/{name}.json")
     for origin, raw in files:
         apply_layer(cfg, raw, origin)
-    apply_layer(cfg, flags_layer(args), "command line")
+    flags = flags_layer(args)
+    apply_layer(cfg, flags, "command line")
     cfg.preset = name
+    users_layers = [raw for _, raw in files] + [flags]
+    if not any("warmup_steps" in (raw.get("training") or {}) for raw in users_layers):
+        fit_warmup(cfg)
     validate(cfg)
     return cfg
+
+
+WARMUP_SHARE = 10  # a warm-up that came from a preset and does not fit a short run becomes 1/10 of it
+
+
+def fit_warmup(cfg: Config) -> None:
+    """A trial run (`--max-steps 10`) shorter than the preset's warm-up: shrink the warm-up to a tenth of the run and
+    record why in `cfg.notes`. Only for a warm-up the user did not set: theirs stays, and `validate` rejects it."""
+    t = cfg.training
+    if t.warmup_steps < t.max_steps or t.max_steps <= 0:
+        return
+    fitted = t.max_steps // WARMUP_SHARE
+    cfg.notes.append(f"training.warmup_steps {t.warmup_steps} (preset '{cfg.preset}') does not fit a "
+                     f"{t.max_steps}-step run: shortened to {fitted} ({100 // WARMUP_SHARE} % of the run); set training.warmup_steps to "
+                     f"choose")
+    t.warmup_steps = fitted
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from trainer.config import DebugConfig
+from trainer.config import DebugConfig, check_injection
 from trainer.errors import UserError
 
 
@@ -59,12 +59,7 @@ class FaultInjector:
         self.step: int | None = None
         self.nan_on = debug.inject_nan_module is not None or debug.inject_nan_step is not None
         self.fault_on = debug.inject_fault is not None or debug.inject_fault_step is not None
-        if self.nan_on and (debug.inject_nan_module is None or debug.inject_nan_step is None):
-            raise UserError("NaN injection needs both debug.inject_nan_module and debug.inject_nan_step, for example "
-                            "--set debug.inject_nan_module=model.layers.1.mlp --set debug.inject_nan_step=3")
-        if self.fault_on and (debug.inject_fault is None or debug.inject_fault_step is None):
-            raise UserError("fault injection needs both debug.inject_fault and debug.inject_fault_step, "
-                            "for example --set debug.inject_fault=sigkill --set debug.inject_fault_step=3")
+        check_injection(debug)  # the config's own validation ran it too; a DebugConfig built by hand may not have
         self.enabled = self.nan_on or self.fault_on
         self.hook: torch.utils.hooks.RemovableHandle | None = None
 

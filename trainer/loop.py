@@ -37,7 +37,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from trainer import checkpoint, checkpoint_layout
 from trainer.batches import BatchSampler, StepLoader
 from trainer.cache import TokenCache, prepare
-from trainer.config import Config
+from trainer.config import Config, check_world_size
 from trainer.distributed import (
     DistContext,
     StopVote,
@@ -64,6 +64,7 @@ from trainer.model import (
 from trainer.nan_guard import NanGuard
 from trainer.progress import ProgressReporter, device_label
 from trainer.sizes import flops_per_token, human, tokens_per_step
+from trainer.wandb_run import start_wandb
 
 RUNS_DIR = Path("logs")
 
@@ -304,6 +305,7 @@ class Trainer:
         ]
         if injection := self.faults.describe():
             lines.append(injection)
+        lines += cfg.notes
         for line in lines:
             self.log.info(line)
 
@@ -381,7 +383,8 @@ class Trainer:
                                                   "world_size": self.ctx.world_size, "cache_key": self.cache.key,
                                                   "parameters": self.parameters,
                                                   "tokens_per_step": self.tokens_per_step},
-                                   tensorboard=self.cfg.logging.tensorboard)
+                                   tensorboard=self.cfg.logging.tensorboard,
+                                   wandb_run=start_wandb(self.cfg, self.run_dir) if self.cfg.logging.wandb else None)
         status = "failed"
         try:
             status = self.train()
@@ -478,6 +481,7 @@ def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter |
     with StopRequest().installed() as stop:
         ctx = init_distributed(cfg)
         try:
+            check_world_size(cfg, ctx.world_size)  # the supervisor checked already; torchrun and runs by hand did not
             folder = agree_run_dir(cfg, ctx, run_dir)
             return Trainer(cfg, ctx, folder, progress, stop).run()
         finally:

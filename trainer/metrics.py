@@ -128,12 +128,16 @@ class StepRecord:
 
 
 class History:
-    """Rank 0's record of the run: `training_history.json`, `training_history.png` and optional TensorBoard scalars."""
+    """Rank 0's record of the run: `training_history.json`, `training_history.png`, optional TensorBoard scalars and
+    the same scalars to an optional W&B run (`trainer.wandb_run.start_wandb`)."""
 
-    def __init__(self, run_dir: Path, run_info: dict[str, Any], tensorboard: bool = False) -> None:
+    def __init__(self, run_dir: Path, run_info: dict[str, Any], tensorboard: bool = False,
+                 wandb_run: Any = None) -> None:
         self.run_dir = run_dir
         self.run_info = run_info
         self.records: list[StepRecord] = []
+        self.wandb_run = wandb_run
+        self.status = "running"
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -142,13 +146,17 @@ class History:
 
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
+        scalars = {f"train/{name}" if name != "val_loss" else "val/loss": value
+                   for name, value in asdict(record).items() if name != "step" and value is not None}
         if self.writer is not None:
-            for name, value in asdict(record).items():
-                if name != "step" and value is not None:
-                    self.writer.add_scalar(f"train/{name}" if name != "val_loss" else "val/loss", value, record.step)
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, record.step)
+        if self.wandb_run is not None:
+            self.wandb_run.log(scalars, step=record.step)
 
     def save(self, status: str) -> None:
         """Write the JSON and the plot (atomically; called at the end and when the run fails)."""
+        self.status = status
         self.run_dir.mkdir(parents=True, exist_ok=True)
         data = {"run": {**self.run_info, "status": status}, "steps": [asdict(r) for r in self.records]}
         tmp = self.run_dir / (HISTORY_JSON + ".tmp")
@@ -161,6 +169,8 @@ class History:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb_run is not None:  # a stopped run (SIGTERM, checkpointed) ended as asked: not a W&B failure
+            self.wandb_run.finish(exit_code=0 if self.status in ("completed", "stopped") else 1)
 
     def plot(self, path: Path) -> None:
         import matplotlib

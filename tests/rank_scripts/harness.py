@@ -19,7 +19,8 @@ WORKER = ROOT / "tests" / "rank_scripts" / "worker.py"
 SPAM = ROOT / "tests" / "rank_scripts" / "spam.py"
 PYTHON = sys.executable
 SEAM_KEYS = ("SUPERVISOR_FAKE_GPUS", "CUDA_VISIBLE_DEVICES", "GPU_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE",
-             "MASTER_ADDR", "MASTER_PORT", "SUPERVISOR_PROGRESS_FD")
+             "MASTER_ADDR", "MASTER_PORT", "SUPERVISOR_PROGRESS_FD", "SLURM_JOB_ID", "SLURM_NNODES",
+             "SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NTASKS")
 
 _started: list["Run"] = []
 

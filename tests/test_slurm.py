@@ -1,0 +1,183 @@
+"""Launching under Slurm: the layout read from SLURM_* variables (host lists, the port, flags that win), and two
+"nodes" faked on loopback through those variables — first with the light rank program, then with the real trainer,
+stopped by Slurm's time-limit warning (SIGUSR1), checkpointed, and resumed as a requeued job would be."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from rank_scripts.harness import ROOT, Run, cleanup, clean_env, start  # noqa: F401  (cleanup: fixture)
+from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401  (token_cache_dir: fixture)
+from supervisor import slurm
+from trainer import checkpoint_layout
+from trainer.errors import UserError
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The layout, unit by unit
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node[01-04,07]", "node01"),
+    ("a[1-2],b3", "a1"),
+    ("gpu-[009-011]", "gpu-009"),
+    ("rack[2-3]-n[1-2]", "rack2-n1"),
+    ("single", "single"),
+    ("b7,a[1-2]", "b7"),  # scontrol keeps the list's order: the first named is node 0
+])
+def test_first_host_expands_slurm_host_lists(nodelist: str, first: str) -> None:
+    assert slurm.first_host(nodelist) == first
+
+
+def test_a_broken_host_list_is_a_user_error() -> None:
+    with pytest.raises(UserError, match=r"SLURM_JOB_NODELIST='node\[01-' is not a Slurm host list"):
+        slurm.first_host("node[01-")
+
+
+def test_the_port_is_the_same_on_every_node_and_leaves_room_for_the_control_channel() -> None:
+    ports = {job: slurm.master_port(job) for job in (0, 1, 2, 12345, 10_999, 11_000, 2**31 - 1)}
+    assert ports[12345] == slurm.master_port(12345)
+    assert ports[0] != ports[1] and abs(ports[0] - ports[1]) >= 2  # neighbouring jobs: disjoint port pairs
+    assert ports[11_000] == ports[0]
+    assert all(1024 < port and port + 1 < 32768 for port in ports.values())  # unprivileged, below ephemeral ports
+
+
+def job_env(nodes: int = 2, node_id: int = 1, **extra: str) -> dict[str, str]:
+    return {"SLURM_JOB_ID": "4242", "SLURM_NNODES": str(nodes), "SLURM_NODEID": str(node_id),
+            "SLURM_JOB_NODELIST": "gpu[07-08]", **extra}
+
+
+def no_flags(**given: object) -> argparse.Namespace:
+    return argparse.Namespace(**{"nnodes": None, "node_rank": None, "master_addr": None, "master_port": None,
+                                 **given})
+
+
+def test_a_multi_node_job_gives_every_flag() -> None:
+    args = no_flags()
+    note = slurm.apply(args, job_env())
+    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port) == (2, 1, "gpu07", slurm.master_port(4242))
+    assert note == ("Slurm job layout (SLURM_JOB_ID=4242, SLURM_NNODES=2, SLURM_NODEID=1, "
+                    f"SLURM_JOB_NODELIST=gpu[07-08]): --nnodes 2 --node-rank 1 --master-addr gpu07 --master-port {slurm.master_port(4242)}")
+
+
+def test_flags_given_explicitly_win() -> None:
+    args = no_flags(master_addr="10.0.0.1", master_port=29500)
+    slurm.apply(args, job_env())
+    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port) == (2, 1, "10.0.0.1", 29500)
+    args = no_flags(nnodes=2, node_rank=0, master_addr="h", master_port=1)
+    assert "not used" in str(slurm.apply(args, job_env()))
+
+
+def test_job_num_nodes_stands_in_for_nnodes() -> None:
+    env = job_env()
+    env["SLURM_JOB_NUM_NODES"] = env.pop("SLURM_NNODES")
+    args = no_flags()
+    slurm.apply(args, env)
+    assert args.nnodes == 2
+
+
+@pytest.mark.parametrize("env", [{}, job_env(nodes=1, node_id=0), {"SLURM_NNODES": "2", "SLURM_NODEID": "1"}])
+def test_no_layout_outside_a_multi_node_job(env: dict[str, str]) -> None:
+    args = no_flags()
+    assert slurm.apply(args, env) is None
+    assert (args.nnodes, args.master_port) == (None, None)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({**job_env(), "SLURM_NTASKS": "16"}, "SLURM_NTASKS=16 on 2 nodes"),
+    ({k: v for k, v in job_env().items() if k != "SLURM_NODEID"}, "SLURM_NODEID is not set"),
+    (job_env(SLURM_NNODES="two"), "SLURM_NNODES='two' is not a number"),
+])
+def test_a_job_the_supervisor_cannot_read_is_a_user_error(env: dict[str, str], message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        slurm.layout(env)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Two nodes on loopback, described only by SLURM_* variables
+
+
+def free_job_id() -> int:
+    """A job id whose port pair (rendezvous, control channel) is free on loopback right now."""
+    for job_id in range(os.getpid() % 10_000, 10**6, 7):
+        port = slurm.master_port(job_id)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return job_id
+        except OSError:
+            continue
+    raise RuntimeError("no job id with a free port pair")
+
+
+def slurm_nodes(tmp_path: Path, *args: str, entry: Path | None, entry_args: tuple[str, ...] = (),
+                tag: str = "") -> list[Run]:
+    """One supervisor per fake node, with no multi-node flag: only what srun would put in its environment."""
+    job_id = str(free_job_id())
+    nodes = []
+    for node in (0, 1):
+        env = clean_env(SLURM_JOB_ID=job_id, SLURM_NNODES="2", SLURM_NODEID=str(node), SLURM_NTASKS="2",
+                        SLURM_JOB_NODELIST="localhost,localhost")
+        nodes.append(start(tmp_path, "--grace-period", "20", *args, entry=entry, entry_args=entry_args, env=env,
+                           tag=f"{tag}{node}"))
+    return nodes
+
+
+def test_two_slurm_nodes_find_each_other(tmp_path: Path, cleanup) -> None:
+    nodes = slurm_nodes(tmp_path, "--nproc", "2", entry=ROOT / "tests" / "rank_scripts" / "worker.py",
+                        entry_args=("--steps", "5"))
+    for node in nodes:
+        node.wait()
+    assert [n.returncode for n in nodes] == [0, 0], nodes[0].stderr + nodes[1].stderr
+    for rank, node in enumerate(nodes):
+        assert f"SLURM_NODEID={rank}, SLURM_JOB_NODELIST=localhost,localhost): --nnodes 2 --node-rank {rank} " \
+               f"--master-addr localhost --master-port " in node.stderr
+    ranks = sorted(int(r) for r in re.findall(r"rank (\d+) started", nodes[0].stdout + nodes[1].stdout))
+    assert ranks == [0, 1, 2, 3]
+
+
+def wait_for(path: Path, pattern: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, path.read_text(errors="replace")):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {pattern!r} in {path} after {timeout} s:\n{path.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: Path, token_cache_dir: Path,
+                                                                     cleanup) -> None:
+    """SIGUSR1 (`#SBATCH --signal=USR1@...`) to both node supervisors: every rank finishes its step, the group
+    checkpoints, both exit 138; the same command again (`--resume auto`, as the requeued job runs) continues there."""
+    ckpt = tmp_path / "ckpt"
+    layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "checkpoint": {"dir": str(ckpt)},
+                          "training": {"max_steps": 60}, "logging": {"log_interval": 1}})
+    args = ("--debug", "--nproc", "1", "--no-footer", *set_flags(layer), "--resume", "auto")
+    first = slurm_nodes(tmp_path, *args, entry=None, tag="first")
+    wait_for(first[0].out_path, r"CPU0:INFO \| \[GPU 0\] Step \[3/60\]")
+    for node in first:
+        os.kill(node.proc.pid, signal.SIGUSR1)
+    for node in first:
+        node.wait(timeout=120)
+    assert [n.returncode for n in first] == [138, 138], first[0].stderr[-3000:] + first[1].stderr[-3000:]
+    assert "SIGUSR1: stopping every rank" in first[0].stderr + first[1].stderr
+    saved = checkpoint_layout.latest_checkpoint(ckpt)
+    assert saved is not None, first[0].stdout[-3000:]
+    stopped_at = checkpoint_layout.step_of(saved)
+    assert stopped_at is not None
+    assert 3 <= stopped_at < 60
+    assert f"stopping after step {stopped_at - 1}: a stop was requested" in first[0].stdout
+
+    again = slurm_nodes(tmp_path, *args, entry=None, tag="again")
+    for node in again:
+        node.wait(timeout=240)
+    assert [n.returncode for n in again] == [0, 0], again[0].stderr[-3000:] + again[1].stderr[-3000:]
+    assert re.search(rf"CPU0:INFO \| resumed from \S+{saved.name} at step {stopped_at}\n", again[0].stdout)
+    assert "step 60/60" in again[0].stderr
