@@ -93,9 +93,9 @@ class Plan:
         env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // max(1, self.local_world_size))))
         if self.nnodes == 1:  # gloo's own sockets stay on the machine (see supervisor/rendezvous.py)
             env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-        # the flight recorder (PyTorch's record of collectives) and the pipe the supervisor asks for its dump through
+        # the flight recorder (PyTorch's record of collectives, gloo and NCCL alike; TORCH_NCCL_TRACE_BUFFER_SIZE is
+        # its deprecated name) and the pipe the supervisor asks for its dump through
         env.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
-        env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         env[PIPE_ENV] = str(recorder_pipe(self.run_dir, spec.label))
         if spec.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)

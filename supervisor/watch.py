@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
-from supervisor.diagnosis import culprit, oom
+from supervisor.diagnosis import culprit, oom, stragglers
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
@@ -136,6 +136,8 @@ class Watch:
         self.endings: dict[int, str] = {}
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
+        self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
+        self.straggler_history: list[stragglers.Straggler] = []
 
     # -- the loop --------------------------------------------------------------------------------------------------
 
@@ -313,9 +315,15 @@ class Watch:
         *lines, state.pending = (state.pending + data).split(b"\n")
         for line in lines:
             try:
-                state.update(Progress.decode(line), self.console.writing_time())
+                record = Progress.decode(line)
+                state.update(record, self.console.writing_time())
             except (ValueError, TypeError):
                 continue  # a malformed record says nothing about progress
+            if record.event == "step" and (found := self.stragglers.add(w.spec.rank, record.step, record.ready_s,
+                                                                        record.step_s)):
+                self.console.say(found.message(), style="bold yellow")
+                self.straggler_history.append(found)
+                stragglers.record(self.plan.run_dir, self.straggler_history)
 
     def check_hangs(self, now: float) -> None:
         if self.plan.hang_timeout <= 0:
@@ -394,6 +402,8 @@ class Watch:
         for w in self.workers:
             if w.alive:
                 status = "finishing" if self.states[w.spec.rank].event == "done" else "running"
+                if (found := self.stragglers.named.get(w.spec.rank)) is not None:
+                    status += f" · straggler +{found.percent:.0f} %"
             else:
                 status = self.endings.get(w.spec.rank, describe_exit(w.exit_code or 0))
             rows.append((w, self.states[w.spec.rank], status))

@@ -26,6 +26,7 @@ from trainer.oom_report import OOM_EXIT_CODE, OomReport
 
 RUN_TIMEOUT = 150.0
 STALL_TO_GONE = 3.0
+STALL_CUE = b"stalled: no progress"
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Outcome:
     code: int
     output: str
     run_dir: Path
-    ended: float  # time.monotonic() when the supervisor exited
+    stall_to_exit: float | None  # seconds from the stall's first console line to the supervisor's exit
 
 
 def supervise(tmp_path: Path, cache_dir: Path, debug: dict[str, object], steps: int, *extra: str,
@@ -49,12 +50,18 @@ def supervise(tmp_path: Path, cache_dir: Path, debug: dict[str, object], steps: 
                                 env=clean_env(SUPERVISOR_FAKE_GPUS="0,1", **(env or {})), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     with watching(proc) as tree:
-        code = proc.wait(RUN_TIMEOUT)
+        deadline, detected = time.monotonic() + RUN_TIMEOUT, None
+        while proc.poll() is None and time.monotonic() < deadline:
+            if detected is None and STALL_CUE in log.read_bytes():
+                detected = time.monotonic()
+            time.sleep(0.02)
+        code = proc.wait(1.0)
         ended = time.monotonic()
         tree.stop()
         assert tree.survivors(timeout=5.0) == []
     runs = list((tmp_path / "logs").iterdir())
-    return Outcome(code, log.read_text(errors="replace"), runs[0] if runs else tmp_path, ended)
+    return Outcome(code, log.read_text(errors="replace"), runs[0] if runs else tmp_path,
+                   None if detected is None else ended - detected)
 
 
 def test_hang_names_the_stalled_rank_and_ends_fast(tmp_path: Path, token_cache_dir: Path) -> None:
@@ -67,9 +74,8 @@ def test_hang_names_the_stalled_rank_and_ends_fast(tmp_path: Path, token_cache_d
                          r"GPU0 \(rank 0\) waits for it in .*\(no progress for .* by flight recorder\))$", out, re.M)
     assert headline, out[-4000:]
     assert "run failed after" in out and "stall evidence" in out
-    # detection → gone: the supervisor's log stamps the detection; the last rank exits before the supervisor does
-    log = (run.run_dir / "supervisor.log").read_text()
-    assert "stalled: no progress" in log
+    # detection → every rank gone (the supervisor exits after its last rank, and after writing its report)
+    assert run.stall_to_exit is not None and run.stall_to_exit <= STALL_TO_GONE, run.stall_to_exit
     assert re.search(r"^supervisor:\s+GPU1\s+1\s+\d+\s+SIGKILL \(137\)\s+stalled", out, re.M), out[-3000:]
 
 
@@ -85,3 +91,24 @@ def test_oom_headline_and_exit_code(tmp_path: Path, token_cache_dir: Path) -> No
     report = OomReport.load(run.run_dir, "GPU1")
     assert report is not None and report.step == 2 and "OutOfMemoryError" in report.traceback
     assert f"exit code {OOM_EXIT_CODE}; logs in" in out
+
+
+def test_straggler_named(tmp_path: Path, token_cache_dir: Path) -> None:
+    run = supervise(tmp_path, token_cache_dir, {"inject_fault": "slow", "inject_fault_rank": 1,
+                                                "inject_fault_step": 5, "inject_fault_delay_s": 0.15}, 40)
+    out = run.output
+    assert run.code == 0, out[-4000:]
+    found = re.findall(r"^supervisor: straggler: (GPU\d) is (\d+) % slower than the median over the last 20 steps "
+                       r"\(at step (\d+)\)$", out, re.M)
+    assert len(found) == 1 and found[0][0] == "GPU1", out[-4000:]
+    assert int(found[0][2]) <= 5 + 30
+    history = json.loads((run.run_dir / "stragglers.json").read_text())["stragglers"]
+    assert [(s["label"], s["rank"]) for s in history] == [("GPU1", 1)]
+    assert "straggler: GPU1" in (run.run_dir / "supervisor.log").read_text()
+
+
+def test_no_straggler_on_a_normal_run(tmp_path: Path, token_cache_dir: Path) -> None:
+    run = supervise(tmp_path, token_cache_dir, {}, 40)
+    assert run.code == 0, run.output[-4000:]
+    assert "straggler:" not in run.output
+    assert not (run.run_dir / "stragglers.json").exists()

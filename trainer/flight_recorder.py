@@ -1,6 +1,6 @@
 """The rank's side of PyTorch's flight recorder: dump its record of collectives when the supervisor asks.
 
-With ``TORCH_FR_BUFFER_SIZE`` (gloo) and ``TORCH_NCCL_TRACE_BUFFER_SIZE`` (NCCL) set in its environment, c10d keeps
+With ``TORCH_FR_BUFFER_SIZE`` set in its environment (gloo and NCCL groups alike), c10d keeps
 the last N collectives of every process group with their per-group sequence numbers, and ``pg_status`` says, per
 group, the last collective this rank *enqueued* and the last it *completed*. A rank that never joined the collective
 the others wait in shows a lower ``last_enqueued_collective`` on that group: that is how the supervisor names the
