@@ -112,3 +112,41 @@ def test_no_straggler_on_a_normal_run(tmp_path: Path, token_cache_dir: Path) -> 
     assert run.code == 0, run.output[-4000:]
     assert "straggler:" not in run.output
     assert not (run.run_dir / "stragglers.json").exists()
+
+
+BUSY_STATE = {"1": {"processes": [{"pid": 4242, "name": "other-job", "used_mib": 2048}]},
+              "2": {"ecc_uncorrectable": 3, "throttle": ["HW_SLOWDOWN"]}}
+
+
+def preflight_run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    state = tmp_path / "gpu_state.json"
+    state.write_text(json.dumps(BUSY_STATE))
+    return subprocess.run(["bash", str(Path(__file__).resolve().parents[1] / "run_training.sh"), "--debug",
+                           "--no-footer", "--log-dir", str(tmp_path / "logs"), *args],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+                          env=clean_env(SUPERVISOR_FAKE_GPUS="0,1,2", SUPERVISOR_FAKE_GPU_STATE=str(state),
+                                        PYTHON=sys.executable))
+
+
+def test_preflight_refuses_a_busy_gpu(tmp_path: Path) -> None:
+    run = preflight_run(tmp_path, "--gpus", "0,1")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        "error: GPU 1 is in use by pid 4242 (other-job, 2,048 MiB); choose other GPUs with --gpus (or --gpus auto), "
+        "or pass --allow-busy-gpus to share them"]
+    assert not (tmp_path / "logs").exists()  # refused before a run folder or a rank existed
+
+
+def test_preflight_auto_skips_and_allow_busy_shares(tmp_path: Path) -> None:
+    noop = tmp_path / "noop.py"  # a rank program that does nothing: only the device choice is under test
+    noop.write_text("")
+    auto = preflight_run(tmp_path, "--gpus", "auto", "--nproc", "2", "--entry", str(noop), "--hang-timeout", "0")
+    assert auto.returncode == 0, auto.stderr
+    said = auto.stderr  # the supervisor's own lines
+    assert "--gpus auto skips GPU 1: in use by pid 4242 (other-job, 2,048 MiB)" in said, said
+    assert "GPU 2: 3 uncorrectable ECC errors since the driver loaded" in said
+    assert "GPU 2: clocks throttled (HW_SLOWDOWN)" in said
+    assert re.search(r"2 ranks \((GPU0, GPU2|GPU2, GPU0)\)", said), said
+    shared = preflight_run(tmp_path, "--gpus", "1", "--allow-busy-gpus", "--entry", str(noop))
+    assert shared.returncode == 0, shared.stderr
+    assert "GPU 1 is in use by pid 4242 (other-job, 2,048 MiB); sharing it (--allow-busy-gpus)" in shared.stderr

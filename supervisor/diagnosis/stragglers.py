@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 WINDOW = 20
-THRESHOLD = 0.20
-PERSISTENCE = 0.6
+THRESHOLD = 0.25
+PERSISTENCE = 0.75
 WARM_UP_STEPS = 2
 HISTORY_FILE = "stragglers.json"
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "rank_scripts" / "worker.py"
 SPAM = ROOT / "tests" / "rank_scripts" / "spam.py"
 PYTHON = sys.executable
-SEAM_KEYS = ("SUPERVISOR_FAKE_GPUS", "CUDA_VISIBLE_DEVICES", "GPU_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+SEAM_KEYS = ("SUPERVISOR_FAKE_GPUS", "SUPERVISOR_FAKE_GPU_STATE", "CUDA_VISIBLE_DEVICES", "GPU_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE",
              "MASTER_ADDR", "MASTER_PORT", "SUPERVISOR_PROGRESS_FD")
 
 _started: list["Run"] = []
