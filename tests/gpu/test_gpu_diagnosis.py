@@ -5,6 +5,7 @@ Runs only with ``bash run_tests.sh -m gpu`` on a machine with a CUDA GPU; skippe
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -13,16 +14,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from rank_scripts.harness import ROOT, clean_env
 from trainer.oom_report import OOM_EXIT_CODE, OomReport
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without the test seams and launcher variables a rank would otherwise inherit."""
+    drop = ("SUPERVISOR_FAKE_GPUS", "SUPERVISOR_FAKE_GPU_STATE", "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK",
+            "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": str(ROOT)}
 
 
 def supervise(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "supervisor", "--debug", "--no-footer", "--nproc", "1",
                            "--log-dir", str(tmp_path / "logs"), *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env=clean_env(PYTHONPATH=str(ROOT)))
+                          timeout=600, env=clean_env())
 
 
 def test_a_batch_that_cannot_fit_is_reported_plainly(tmp_path: Path) -> None:
