@@ -19,10 +19,12 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from itertools import count
 from pathlib import Path
 
 from supervisor import gpus, slurm
+from supervisor.diagnosis import preflight
 from supervisor.console import Console
 from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     devices.add_argument("--nproc", type=int, metavar="N",
                          help=f"ranks on this node: the first N GPUs, or N CPU ranks (default {DEFAULT_CPU_RANKS}) "
                               f"when there is no GPU")
+    devices.add_argument("--allow-busy-gpus", action="store_true",
+                         help="start on GPUs another process already uses (default: refuse them; --gpus auto skips "
+                              "them)")
     launch = parser.add_argument_group("launch")
     launch.add_argument("--entry", metavar="SCRIPT",
                         help=f"the rank program (default: the project's {TRAINER_ENTRY}); arguments after `--` "
@@ -143,8 +148,16 @@ def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
     forced_cpu = cfg.system.device == "cpu"
     if forced_cpu and args.gpus is not None:
         raise UserError(f"--gpus {args.gpus} conflicts with system.device=cpu")
+    if not forced_cpu and args.gpus is not None and args.gpus.strip() == "auto" and not args.allow_busy_gpus:
+        health = preflight.check([g.index for g in inventory.usable], inventory.fake)
+        busy = [g for g in inventory.usable if g.index in health and health[g.index].busy]
+        if busy:
+            inventory = replace(inventory, usable=tuple(g for g in inventory.usable if g not in busy))
+            console_notes += [f"--gpus auto skips GPU {g.index}: in use by {health[g.index].users()}" for g in busy]
     chosen = [] if forced_cpu else gpus.select(inventory, args.gpus, args.nproc)
     if chosen:
+        console_notes += preflight.refuse_busy(preflight.check([g.index for g in chosen], inventory.fake),
+                                               args.allow_busy_gpus)
         if inventory.fake:
             cfg.system.device = "cpu"
             fake_ids = gpus.id_ranges([g.index for g in inventory.gpus])

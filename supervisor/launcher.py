@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
+from supervisor.diagnosis.culprit import make_pipe, recorder_pipe
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import TOKEN_ENV, Reaper
@@ -126,6 +127,8 @@ class Launcher:
             if restart:
                 os.write(fd, f"----- restart {restart} of {plan.max_restarts} -----\n".encode())
             log_fds[spec.rank] = fd
+        for spec in plan.ranks:
+            make_pipe(recorder_pipe(plan.run_dir, spec.label))
         workers: list[Worker] = []
         try:
             for spec in plan.ranks:

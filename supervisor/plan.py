@@ -11,12 +11,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor.diagnosis.culprit import recorder_pipe
 from supervisor.rendezvous import loopback_interface
+from trainer.flight_recorder import PIPE_ENV
 from trainer.config import PROJECT_ROOT
 
 TRAINER_ENTRY = "pretrain_main.py"
 RUN_CONFIG_ENV = "SUPERVISOR_RUN_CONFIG"  # every rank: the resolved config of its attempt
 RESTART_COUNT_ENV = "SUPERVISOR_RESTART_COUNT"  # every rank: 0 for the first group, n for the n-th restart
+FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per rank: a few steps' worth, enough to see who fell behind
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,10 @@ class Plan:
         env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // max(1, self.local_world_size))))
         if self.nnodes == 1:  # gloo's own sockets stay on the machine (see supervisor/rendezvous.py)
             env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        # the flight recorder (PyTorch's record of collectives, gloo and NCCL alike; TORCH_NCCL_TRACE_BUFFER_SIZE is
+        # its deprecated name) and the pipe the supervisor asks for its dump through
+        env.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+        env[PIPE_ENV] = str(recorder_pipe(self.run_dir, spec.label))
         if spec.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
             env["GPU_RANK"] = str(spec.gpu)

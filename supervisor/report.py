@@ -3,7 +3,8 @@
 Exit codes: 0 when every rank finished; 2 for a user error; otherwise the code of the rank that failed first
 (128 + signal number when a signal killed it); 124 when a rank stalled (the hang watchdog stopped the group, as
 ``timeout`` reports a command that ran out of time); 130 / 143 / 129 / 138 when the supervisor itself got SIGINT /
-SIGTERM / SIGHUP / SIGUSR1; on a multi-node run, the code of the rank that failed first on whichever node it ran.
+SIGTERM / SIGHUP / SIGUSR1; on a multi-node run, the code of the rank that failed first on whichever node it ran. A rank
+that ran out of device memory exits with 99 (`trainer.oom_report.OOM_EXIT_CODE`), which the supervisor passes on.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def failure_report(result: GroupResult, run_dir: Path, restarts: int, max_restar
     assert stop is not None
     verb = {"interrupt": "interrupted", "remote": "stopped"}.get(stop.reason, "failed")
     lines = [f"run {verb} after {duration(total)}: {stop.detail}"]
+    if stop.evidence:
+        lines.append("stall evidence (flight records and main-thread stacks):")
+        lines += [f"  {line}" for line in stop.evidence]
     if max_restarts:
         lines.append(f"restarts: {restarts} of {max_restarts} used")
     lines += rank_table(result)

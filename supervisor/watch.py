@@ -15,7 +15,10 @@ Hang watchdog: a rank that reports nothing for its allowance is stalled. The all
 last: after a ``step`` record, ``--hang-timeout``; before its first step, or after a ``phase`` (start-up,
 evaluation, checkpoint) or ``done`` record, ``--startup-timeout``. Time the console spent blocked (a paused pager)
 does not count: a rank waiting to write its output is not stalled. A stalled group first gets SIGUSR1 on every
-rank (faulthandler prints all Python thread stacks into each log), a short pause, then the normal stop.
+rank (faulthandler prints all Python thread stacks into each log) and a flight-recorder dump request, a short pause,
+then `supervisor.diagnosis.culprit` names the rank that holds the others up (the headline). The stop that follows
+SIGKILLs at once every rank that has been silent for half its allowance or more (a stalled rank, or one waiting for
+it, can no longer checkpoint); a rank still making progress gets the normal SIGTERM and grace period.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
+from supervisor.diagnosis import culprit, oom, stragglers
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
 from supervisor.signals import STOP_SIGNALS, SignalInbox
 from supervisor.worker import Worker, describe_exit
+from trainer.oom_report import OOM_EXIT_CODE
 from trainer.progress import Progress
 
 if TYPE_CHECKING:
@@ -99,6 +104,8 @@ class Stop:
     kill_at: float = float("inf")
     terminated: bool = False
     killed: bool = False
+    silence: float = 0.0  # a hang: how long the rank that tripped the watchdog had been silent
+    evidence: list[str] = field(default_factory=list)  # a hang: each rank's evidence, for the report
 
 
 @dataclass
@@ -129,6 +136,8 @@ class Watch:
         self.endings: dict[int, str] = {}
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
+        self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
+        self.straggler_history: list[stragglers.Straggler] = []
 
     # -- the loop --------------------------------------------------------------------------------------------------
 
@@ -209,8 +218,10 @@ class Watch:
                 self.endings[rank] = FINISHED
             else:
                 self.endings[rank] = FAILED_FIRST
-                self.begin_stop(Stop("failure", code, f"{w.label} (rank {rank}) failed: {describe_exit(code)}",
-                                     worker=w))
+                detail = f"{w.label} (rank {rank}) failed: {describe_exit(code)}"
+                if code == OOM_EXIT_CODE:
+                    detail = oom.describe(self.plan.run_dir, w.label, rank)
+                self.begin_stop(Stop("failure", code, detail, worker=w))
                 self.console.say(f"{w.label} (rank {rank}, pid {w.pid}) failed with {describe_exit(code)}; "
                                  f"stopping the other ranks", style="bold red")
         elif rank not in self.endings:
@@ -242,8 +253,12 @@ class Watch:
         if not stop.terminated and now >= stop.term_at:
             stop.terminated = True
             stop.kill_at = now + self.plan.grace_period
+            stalled = self.diagnose_stall(now) if stop.reason == "hang" else set()
             for w in self.workers:
-                w.terminate()
+                if w.spec.rank in stalled:
+                    w.kill_group()
+                else:
+                    w.terminate()
         if stop.terminated and not stop.killed and now >= stop.kill_at:
             self.kill_all()
         if stop.killed and now >= stop.kill_at + KILL_WAIT:
@@ -300,9 +315,15 @@ class Watch:
         *lines, state.pending = (state.pending + data).split(b"\n")
         for line in lines:
             try:
-                state.update(Progress.decode(line), self.console.writing_time())
+                record = Progress.decode(line)
+                state.update(record, self.console.writing_time())
             except (ValueError, TypeError):
                 continue  # a malformed record says nothing about progress
+            if record.event == "step" and (found := self.stragglers.add(w.spec.rank, record.step, record.ready_s,
+                                                                        record.step_s)):
+                self.console.say(found.message(), style="bold yellow")
+                self.straggler_history.append(found)
+                stragglers.record(self.plan.run_dir, self.straggler_history)
 
     def check_hangs(self, now: float) -> None:
         if self.plan.hang_timeout <= 0:
@@ -322,13 +343,39 @@ class Watch:
                 last += f", last phase '{st.phase}'"
             detail = f"{w.label} (rank {w.spec.rank}) stalled: no progress for {silence:.1f} s " \
                      f"(since {since}; {last})"
-            self.console.say(f"{detail}; dumping every rank's Python stacks (SIGUSR1), then stopping",
-                             style="bold red")
-            self.endings[w.spec.rank] = STALLED
+            self.console.say(f"{detail}; dumping every rank's Python stacks (SIGUSR1) and flight records, then "
+                             f"stopping", style="bold red")
             for other in self.workers:
                 other.signal(signal.SIGUSR1)
-            self.begin_stop(Stop("hang", EXIT_HANG, detail, worker=w), pause=DUMP_WAIT)
+                culprit.request_dump(culprit.recorder_pipe(self.plan.run_dir, other.label))
+            self.begin_stop(Stop("hang", EXIT_HANG, detail, worker=w, silence=silence), pause=DUMP_WAIT)
             return
+
+    def diagnose_stall(self, now: float) -> set[int]:
+        """After the dump pause: name the culprit (headline and report), and return the ranks to SIGKILL now."""
+        stop = self.stop
+        assert stop is not None
+        console_time = self.console.writing_time()
+        evidence, stalled = [], set()
+        for w in self.workers:
+            st = self.states[w.spec.rank]
+            if st.silence(now, console_time) >= st.allowance(self.plan.hang_timeout, self.plan.startup_timeout) / 2:
+                stalled.add(w.spec.rank)
+            when = f"in phase '{st.phase}' after step {st.step}" if st.event == "phase" else f"at step {st.step}"
+            tail = self.tails.get(w.spec.rank)
+            evidence.append(culprit.RankEvidence(
+                w.spec.rank, w.label, when, culprit.main_stack(tail.tail.decode(errors="replace")) if tail else None,
+                culprit.load_recorder(culprit.recorder_pipe(self.plan.run_dir, w.label).with_suffix(".json"))))
+        verdict = culprit.find_culprit(evidence)
+        stop.detail, stop.evidence = verdict.headline(stop.silence), verdict.lines
+        by_rank = {w.spec.rank: w for w in self.workers}
+        stop.worker = by_rank[verdict.culprits[0].rank] if len(verdict.culprits) == 1 else stop.worker
+        for c in verdict.culprits or ([] if stop.worker is None else [evidence[self.workers.index(stop.worker)]]):
+            self.endings[c.rank] = STALLED
+        self.console.say(stop.detail, style="bold red")
+        for line in verdict.lines:
+            self.console.log(f"stall evidence: {line}")
+        return {rank for rank in stalled if by_rank[rank].alive}
 
     # -- the sweep -------------------------------------------------------------------------------------------------
 
@@ -355,6 +402,8 @@ class Watch:
         for w in self.workers:
             if w.alive:
                 status = "finishing" if self.states[w.spec.rank].event == "done" else "running"
+                if (found := self.stragglers.named.get(w.spec.rank)) is not None:
+                    status += f" · straggler +{found.percent:.0f} %"
             else:
                 status = self.endings.get(w.spec.rank, describe_exit(w.exit_code or 0))
             rows.append((w, self.states[w.spec.rank], status))

@@ -118,7 +118,7 @@ class Case:
 
     def report_pattern(self) -> str:
         if self.fault == "hang":
-            return r"GPU[01] \(rank [01]\) stalled: no progress"
+            return rf"GPU{self.fault_rank} \(rank {self.fault_rank}\) stalled .* by flight recorder\)"
         if self.by_supervisor:
             return rf"run interrupted after .*: interrupted by {self.fault}"
         described = {"raise": "exit 1", "exit": "exit 3", "sigkill": "SIGKILL (137)", "segv": "SIGSEGV (139)"}

@@ -80,8 +80,7 @@ class SigtermAt(ProgressReporter):
         super().__init__(fd=None)
         self.at = step
 
-    def step(self, step: int, total: int, loss: float | None = None, tok_s: float | None = None,
-             eta_s: float | None = None) -> None:
+    def step(self, step: int, total: int, **record: float | None) -> None:
         if step == self.at:
             signal.raise_signal(signal.SIGTERM)
 

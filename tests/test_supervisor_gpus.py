@@ -119,7 +119,8 @@ def test_rank_environment_on_chosen_gpus(tmp_path, cleanup):
     assert ranks[0]["ports"] == {"plain_bind": False, "reuse_listen": True}, \
         "the port is held against others, yet rank 0's store can take it"
     run_dir = r.run_dir()
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "gpu1.log", "gpu3.log", "supervisor.log"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "flight_recorder", "gpu1.log", "gpu3.log",
+                                                         "supervisor.log"]
     assert r.stdout.startswith("GPU3:") or r.stdout.startswith("GPU1:")
 
 

@@ -119,11 +119,12 @@ class DebugConfig:
     inject_nan_step: int | None = None
     inject_nan_rank: int = 0
     inject_nan_module: str | None = None
-    inject_fault: str | None = None  # raise | exit | sigkill | segv | hang
+    inject_fault: str | None = None  # raise | exit | sigkill | segv | hang | slow | oom
     inject_fault_step: int | None = None
     inject_fault_rank: int = 0
     inject_fault_code: int = 1
     inject_fault_during: str = "step"  # step (at its start) | checkpoint (inside the save that follows it)
+    inject_fault_delay_s: float = 0.2  # slow: the sleep before every step from inject_fault_step on
 
 
 @dataclass
@@ -173,7 +174,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.precision": ("auto", "bf16", "fp16", "fp32"),
     "training.strategy": ("ddp", "fsdp"),
     "logging.level": ("DEBUG", "INFO", "WARNING"),
-    "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang"),
+    "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang", "slow", "oom"),
     "debug.inject_fault_during": ("step", "checkpoint"),
 }
 
@@ -334,6 +335,8 @@ def validate(cfg: Config) -> None:
         (cfg.checkpoint.keep > 0, f"checkpoint.keep must be positive, got {cfg.checkpoint.keep}"),
         (cfg.debug.max_nonfinite_steps > 0,
          f"debug.max_nonfinite_steps must be positive, got {cfg.debug.max_nonfinite_steps}"),
+        (cfg.debug.inject_fault_delay_s > 0,
+         f"debug.inject_fault_delay_s must be positive, got {cfg.debug.inject_fault_delay_s}"),
     ]
     for ok, message in rules:
         if not ok:

@@ -7,13 +7,16 @@ Two kinds, both off by default and set with ``--set debug.<key>=<value>``:
   rank. Multiplying (rather than overwriting) keeps the autograd graph, so the NaN flows on through the rest of the
   forward pass *and* back through backward into the gradients, as a real overflow would. Only training-mode forwards
   are touched, so an evaluation run at the same step stays clean.
-* **Process faults** — ``inject_fault`` (``raise | exit | sigkill | segv | hang``), ``inject_fault_step``,
+* **Process faults** — ``inject_fault`` (``raise | exit | sigkill | segv | hang | slow | oom``), ``inject_fault_step``,
   ``inject_fault_rank`` and ``inject_fault_code`` (the exit status for ``exit``). By default
   (``inject_fault_during=step``) they fire at the start of that optimizer step, before its first micro-batch, so
   every other rank is left waiting in that step's collectives — exactly the situation the supervisor has to detect
   and clean up. With ``inject_fault_during=checkpoint`` they fire instead inside the checkpoint save that follows that
   step, once its temporary files are partly written and before they are published: the moment a crash must never
   leave a checkpoint that looks complete (nothing fires where no checkpoint follows that step).
+  Two kinds rehearse the operator's diagnoses rather than a crash: ``slow`` sleeps ``inject_fault_delay_s`` before
+  every step from ``inject_fault_step`` on (a straggler), and ``oom`` raises ``torch.OutOfMemoryError`` from a forward
+  hook on the model in that step (as the caching allocator would), so the out-of-memory report runs on CPU ranks too.
 
 Steps are the loop's own step numbers (whatever ``before_step`` and ``during_checkpoint`` are called with).
 """
@@ -72,12 +75,18 @@ class FaultInjector:
         if self.nan_on:
             parts.append(f"NaN in {d.inject_nan_module} output at step {d.inject_nan_step} on rank {d.inject_nan_rank}")
         if self.fault_on:
-            code = f" (code {d.inject_fault_code})" if d.inject_fault == "exit" else ""
-            parts.append(f"{d.inject_fault}{code} {self.where(d.inject_fault_step)} on rank {d.inject_fault_rank}")
+            if d.inject_fault == "slow":
+                parts.append(f"slow ({d.inject_fault_delay_s:g} s before every step) from step {d.inject_fault_step} "
+                             f"on rank {d.inject_fault_rank}")
+            else:
+                code = f" (code {d.inject_fault_code})" if d.inject_fault == "exit" else ""
+                parts.append(f"{d.inject_fault}{code} {self.where(d.inject_fault_step)} on rank {d.inject_fault_rank}")
         return "fault injection ON: " + "; ".join(parts)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook the named module of the *unwrapped* model (before DDP/FSDP, whose wrappers change the names)."""
+        if self.debug.inject_fault == "oom" and self.rank == self.debug.inject_fault_rank:
+            model.register_forward_pre_hook(self._raise_oom)
         if not self.nan_on:
             return
         name = self.debug.inject_nan_module
@@ -97,6 +106,10 @@ class FaultInjector:
             return poison(output)
         return None
 
+    def _raise_oom(self, module: torch.nn.Module, args: Any) -> None:
+        if module.training and self.step == self.debug.inject_fault_step and self.debug.inject_fault_during == "step":
+            raise torch.OutOfMemoryError(f"injected out-of-memory error at step {self.step} on rank {self.rank}")
+
     def where(self, step: int | None) -> str:
         """Where the process fault fires, in the words the banner and the fault's own message use."""
         if self.debug.inject_fault_during == "checkpoint":
@@ -106,7 +119,10 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """Record the step for the NaN hook; fire a step fault when this is its step and rank."""
         self.step = step
-        if self.debug.inject_fault_during == "step":
+        d = self.debug
+        if d.inject_fault == "slow" and self.rank == d.inject_fault_rank and step >= (d.inject_fault_step or 0):
+            time.sleep(d.inject_fault_delay_s)
+        elif d.inject_fault_during == "step":
             self._fire_if_due(step)
 
     def during_checkpoint(self, step: int) -> None:

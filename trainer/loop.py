@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from trainer import checkpoint, checkpoint_layout
+from trainer import checkpoint, checkpoint_layout, flight_recorder, oom_report
 from trainer.batches import BatchSampler, StepLoader
 from trainer.cache import TokenCache, prepare
 from trainer.config import Config, check_world_size
@@ -64,6 +64,7 @@ from trainer.model import (
 from trainer.nan_guard import NanGuard
 from trainer.progress import ProgressReporter, device_label
 from trainer.sizes import flops_per_token, human, tokens_per_step
+from trainer.step_timer import StepTimer
 from trainer.wandb_run import start_wandb
 
 RUNS_DIR = Path("logs")
@@ -217,6 +218,7 @@ class Trainer:
         module.train()
         self.faults = FaultInjector(cfg.debug, ctx.rank)
         self.faults.attach(module)  # before wrapping: the wrappers rename modules
+        self.timer = StepTimer(self.device)
         wrapped = wrap_model(module, cfg, ctx, self.precision.dtype)
         self.model = torch.compile(wrapped) if cfg.system.compile else wrapped
         self.module = unwrap(self.model)
@@ -321,6 +323,7 @@ class Trainer:
         return host, host.to(self.device, non_blocking=True)
 
     def train_step(self, step: int) -> StepOutput:
+        self.timer.start()
         self.faults.before_step(step)
         host, batches = self.fetch(step)
         self.guard.start_step(step, host.flatten(0, 1))
@@ -328,6 +331,8 @@ class Trainer:
         for m in range(self.accum):
             with gradient_sync(self.model, enabled=m == self.accum - 1):
                 loss = next_token_loss(self.model, batches[m], self.precision)
+                if m == self.accum - 1:
+                    self.timer.ready()
                 scaled = loss / self.accum
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             loss_sum += loss.detach()
@@ -344,6 +349,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.completed = step + 1
         self.guard.after_step(step, local_loss, grad_norm, found_inf, self.save_nan_checkpoint)
+        self.timer.end()
         return StepOutput(local_loss, grad_norm, lr)
 
     @torch.no_grad()
@@ -443,10 +449,14 @@ class Trainer:
         if step % cfg.logging.log_interval == 0 or last or val_loss is not None:
             self.report(step, out, val_loss, throughput.update(self.completed, now), eta_s)
         else:
-            self.progress.step(self.completed, self.total, eta_s=eta_s)
+            self.progress.step(self.completed, self.total, eta_s=eta_s, **self.step_times())
         if cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last:
             self.save()
         return vote.result() and not last
+
+    def step_times(self) -> dict[str, float | None]:
+        ready_s, step_s = self.timer.take()
+        return {"ready_s": ready_s, "step_s": step_s}
 
     def report(self, step: int, out: StepOutput, val_loss: float | None, tok_s: float | None, eta_s: float) -> None:
         """A log step: the only place the loop reads device values on the host."""
@@ -457,7 +467,8 @@ class Trainer:
         self.log.log(logging.INFO if math.isfinite(loss) else logging.WARNING, line)
         for text in self.guard.on_log(step):
             print(text, flush=True)
-        self.progress.step(self.completed, self.total, loss=global_loss, tok_s=tok_s, eta_s=eta_s)
+        self.progress.step(self.completed, self.total, loss=global_loss, tok_s=tok_s, eta_s=eta_s,
+                           **self.step_times())
         if not self.ctx.is_main or self.history is None:
             return
         parts = [f"[all ranks] step {step}/{self.total}", f"mean loss {global_loss:.4f}"]
@@ -477,12 +488,29 @@ class Trainer:
 def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter | None = None) -> int:
     """Run one rank from a resolved config: join the group, train, leave the group (on every exit path)."""
     progress = progress or ProgressReporter()
+    flight_recorder.start_from_environment()
     progress.phase("distributed")
     with StopRequest().installed() as stop:
         ctx = init_distributed(cfg)
+        trainer: Trainer | None = None
         try:
             check_world_size(cfg, ctx.world_size)  # the supervisor checked already; torchrun and runs by hand did not
             folder = agree_run_dir(cfg, ctx, run_dir)
-            return Trainer(cfg, ctx, folder, progress, stop).run()
+            trainer = Trainer(cfg, ctx, folder, progress, stop)
+            return trainer.run()
+        except torch.OutOfMemoryError as e:
+            step = trainer.faults.step if trainer is not None else None
+            report = oom_report.collect(e, cfg, device_label(ctx.device.type == "cuda"), ctx.rank, ctx.world_size,
+                                        step)
+            raise OutOfMemory(report.save(folder), step) from None
         finally:
             teardown()
+
+
+class OutOfMemory(Exception):
+    """A rank ran out of device memory; its report (`trainer.oom_report`) is at `path`."""
+
+    def __init__(self, path: Path, step: int | None) -> None:
+        super().__init__(f"out of memory {'before the first step' if step is None else f'at step {step}'}; "
+                         f"figures and traceback in {path}")
+        self.path = path

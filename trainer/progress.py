@@ -26,6 +26,8 @@ class Progress:
     eta_s: float | None = None
     phase: str | None = None
     time: float = 0.0
+    ready_s: float | None = None  # this step: start → forward done (trainer.step_timer), for the straggler detector
+    step_s: float | None = None  # this step: start → end
 
     def encode(self) -> bytes:
         line = json.dumps(asdict(self), separators=(",", ":"), allow_nan=True).encode() + b"\n"
@@ -59,8 +61,9 @@ class ProgressReporter:
         self.send(Progress(event="phase", phase=name))
 
     def step(self, step: int, total: int, loss: float | None = None, tok_s: float | None = None,
-             eta_s: float | None = None) -> None:
-        self.send(Progress(event="step", step=step, total=total, loss=loss, tok_s=tok_s, eta_s=eta_s))
+             eta_s: float | None = None, ready_s: float | None = None, step_s: float | None = None) -> None:
+        self.send(Progress(event="step", step=step, total=total, loss=loss, tok_s=tok_s, eta_s=eta_s,
+                           ready_s=ready_s, step_s=step_s))
 
     def done(self, step: int, total: int, loss: float | None = None) -> None:
         self.send(Progress(event="done", step=step, total=total, loss=loss))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trainer.config import FLAG_KEYS, Config, add_config_arguments, handle_inspection_flags, print_presets_table
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.oom_report import OOM_EXIT_CODE
 
 FAILURE_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run_report(cfg, args.nproc), flush=True)
             return 0
-        from trainer.loop import train
+        from trainer.loop import OutOfMemory, train
         from trainer.nan_guard import NonFiniteError
 
         try:
@@ -83,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         except NonFiniteError as e:  # the guard already printed its report and wrote its dumps
             print(f"ERROR | training stopped: {e}", flush=True)
             return FAILURE_EXIT_CODE
+        except OutOfMemory as e:  # one line here; the traceback is in the report file
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return OOM_EXIT_CODE
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE

@@ -1,0 +1,43 @@
+"""An out-of-memory failure made plain: which GPU, which step, the figures, and the fixes in the order to try them.
+
+The rank that ran out of memory exits with `trainer.oom_report.OOM_EXIT_CODE` after writing its report file; the
+watcher calls `headline` with it and uses the result as the failure's one-line reason.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.oom_report import OomReport
+
+GIB = 1 << 30
+
+FIXES = ("lower --batch-size and raise training.grad_accum_nums by the same factor (same tokens per step)",
+         "turn on gradient checkpointing (--set model.gradient_checkpointing=true)",
+         "shard the model with FSDP (--set training.strategy=fsdp)")
+
+
+def gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def headline(report: OomReport) -> str:
+    when = "before the first step" if report.step is None else f"at step {report.step}"
+    if report.allocated is None:
+        figures = "no allocator figures (not a CUDA device)"
+    else:
+        figures = (f"{gib(report.allocated)} allocated, {gib(report.reserved)} reserved, peak {gib(report.peak)} "
+                   f"of {gib(report.total)}")
+    estimate = "" if report.estimate is None else f"; the dry run estimated {gib(report.estimate)} per GPU"
+    fixes = FIXES if report.strategy != "fsdp" else FIXES[:2]
+    steps = "; ".join(f"{n}) {fix}" for n, fix in enumerate(fixes, 1))
+    return (f"{report.label} (rank {report.rank}) ran out of memory {when}: {figures}{estimate}. Fixes, in order: "
+            f"{steps}")
+
+
+def describe(run_dir: Path, label: str, rank: int) -> str:
+    """The headline for a rank that exited with the out-of-memory code (a short one when its report is missing)."""
+    report = OomReport.load(run_dir, label)
+    if report is None:
+        return f"{label} (rank {rank}) ran out of memory (no report file: {run_dir}/oom-{label.lower()}.json)"
+    return headline(report)

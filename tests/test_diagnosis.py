@@ -1,0 +1,89 @@
+"""The diagnoses' analysis on their own: culprit verdicts from flight records shaped as PyTorch writes them (NCCL
+ranks' records have the same JSON shape as gloo's) and from faulthandler stacks; the straggler detector's arithmetic."""
+
+from __future__ import annotations
+
+from supervisor.diagnosis.culprit import RankEvidence, find_culprit, main_stack, read_recorder
+from supervisor.diagnosis.stragglers import WARM_UP_STEPS, WINDOW, StragglerDetector
+
+
+def record(pg_status: dict[str, tuple[int, int]], backend: str = "nccl") -> dict:
+    """A flight-recorder dump: `pg_status` and the entry of each group's last enqueued collective."""
+    return {"version": "2.10", "pg_status": {pg: {"last_enqueued_collective": str(e), "last_completed_collective":
+                                                    str(c), "last_started_collective": "-1"}
+                                               for pg, (e, c) in pg_status.items()},
+            "entries": [{"pg_id": int(pg), "collective_seq_id": e, "profiling_name": f"{backend}:all_reduce",
+                         "process_group": [pg, "default_pg" if pg == "0" else "undefined"], "retired": e == c}
+                        for pg, (e, c) in pg_status.items()]}
+
+
+STACK_HUNG = '''Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+  File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
+
+Current thread 0x00007f0000000000 (most recent call first):
+  File "/x/trainer/faults.py", line 160 in _fire_if_due
+  File "/x/trainer/faults.py", line 133 in before_step
+  File "/x/trainer/loop.py", line 324 in train_step
+  File "/x/pretrain_main.py", line 13 in <module>
+'''
+STACK_WAITING = '''Current thread 0x00007f0000000000 (most recent call first):
+  File "/v/torch/autograd/graph.py", line 829 in _engine_run_backward
+  File "/v/torch/_tensor.py", line 625 in backward
+  File "/x/trainer/loop.py", line 333 in train_step
+  File "/x/pretrain_main.py", line 13 in <module>
+'''
+
+
+def evidence(rank: int, stack: str | None, rec: dict | None) -> RankEvidence:
+    return RankEvidence(rank, f"GPU{rank}", "at step 3", main_stack(stack) if stack else None,
+                        read_recorder(rec) if rec else None)
+
+
+def test_recorder_names_the_rank_that_never_joined() -> None:
+    ranks = [evidence(0, STACK_WAITING, record({"0": (14, 13), "1": (7, 7)})),
+             evidence(1, STACK_HUNG, record({"0": (13, 13), "1": (7, 7)})),
+             evidence(2, STACK_WAITING, record({"0": (14, 13), "1": (7, 7)}))]
+    verdict = find_culprit(ranks)
+    assert verdict.method == "flight recorder" and [c.rank for c in verdict.culprits] == [1]
+    assert verdict.headline(10.0).startswith(
+        "GPU1 (rank 1) stalled at step 3 in _fire_if_due (trainer/faults.py:160); GPU0 (rank 0) waits for it in "
+        "nccl:all_reduce #14 on default_pg at _engine_run_backward (autograd/graph.py:829)")
+
+
+def test_crossed_collectives_single_out_nobody() -> None:
+    ranks = [evidence(0, None, record({"0": (5, 4), "1": (3, 3)})), evidence(1, None, record({"0": (4, 4),
+                                                                                               "1": (4, 3)}))]
+    verdict = find_culprit(ranks)
+    assert verdict.culprits == [] and "singles out no rank" in verdict.headline(5.0)
+
+
+def test_stacks_decide_when_the_records_agree() -> None:
+    same = record({"0": (9, 9)})
+    verdict = find_culprit([evidence(0, STACK_WAITING, same), evidence(1, STACK_HUNG, same)])
+    assert verdict.method == "stacks" and [c.rank for c in verdict.culprits] == [1]
+    everyone_waits = find_culprit([evidence(0, STACK_WAITING, None), evidence(1, STACK_WAITING, None)])
+    assert everyone_waits.culprits == []
+
+
+def feed(detector: StragglerDetector, steps: range, slow_from: int, slowdown: float) -> list:
+    found = []
+    for step in steps:
+        base = 0.100 + 0.004 * ((step * 7) % 5)  # jitter shared by both ranks
+        delay = base * slowdown if step >= slow_from else 0.0
+        # rank 1 is slow: it gets ready `delay` later; the step lasts base + delay on both
+        for rank, ready in ((0, 0.03), (1, 0.03 + delay)):
+            if hit := detector.add(rank, step, ready, base + delay):
+                found.append(hit)
+    return found
+
+
+def test_a_rank_slowed_by_30_percent_is_named_within_30_steps() -> None:
+    found = feed(StragglerDetector({0: "GPU0", 1: "GPU1"}), range(1, 60), slow_from=5, slowdown=0.3)
+    assert [(s.label, s.rank) for s in found] == [("GPU1", 1)]
+    assert found[0].step <= 5 + 30 and 25 <= found[0].percent <= 31
+
+
+def test_no_straggler_without_a_slowdown() -> None:
+    assert feed(StragglerDetector({0: "GPU0", 1: "GPU1"}), range(1, 200), slow_from=10**6, slowdown=0.0) == []
+    assert WARM_UP_STEPS < WINDOW
