@@ -112,5 +112,10 @@ def test_maskless_causal_attention_is_sdpa_without_host_reads(tmp_path: Path) ->
 def test_gradient_checkpointing_switch(tmp_path: Path) -> None:
     model = build_model(cfg_for(tmp_path, num_layers=2), 300, 0, CPU)
     assert not any(layer.gradient_checkpointing for layer in model.model.layers)
-    enable_gradient_checkpointing(model)
+    enable_gradient_checkpointing(model, "none")
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+    enable_gradient_checkpointing(model, "full")
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    selective = build_model(cfg_for(tmp_path, num_layers=4), 300, 0, CPU)
+    enable_gradient_checkpointing(selective, "selective")  # every other layer, from the first
+    assert [layer.gradient_checkpointing for layer in selective.model.layers] == [True, False, True, False]
