@@ -297,15 +297,17 @@ def apply_layer(cfg: Config, raw: dict[str, Any], origin: str) -> None:
             setattr(target, key, coerce(value, types_[key], f"{section}.{key}", origin))
 
 
-CHECKPOINTING_SWITCH = {True: "full", False: "none"}  # what the boolean of older configs meant
+def checkpointing_policy(value: bool | str) -> str:
+    """`model.gradient_checkpointing` as a policy: the boolean of older configs meant full (true) or none (false)."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return value
 
 
 def normalise_switches(cfg: Config) -> None:
     """`model.gradient_checkpointing` was a boolean: true/false become the policy they always meant (full/none).
     `system.compile` stays a boolean or "auto"."""
-    m = cfg.model
-    if isinstance(m.gradient_checkpointing, bool):
-        m.gradient_checkpointing = CHECKPOINTING_SWITCH[m.gradient_checkpointing]
+    cfg.model.gradient_checkpointing = checkpointing_policy(cfg.model.gradient_checkpointing)
     if not isinstance(cfg.system.compile, bool) and cfg.system.compile != "auto":
         raise UserError(f"system.compile must be auto, true or false, got '{cfg.system.compile}'")
 

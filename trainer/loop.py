@@ -37,6 +37,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from trainer import checkpoint, checkpoint_layout
 from trainer.batches import BatchSampler, StepLoader
 from trainer.cache import TokenCache, prepare
+from trainer.choices import compile_enabled
 from trainer.config import Config
 from trainer.distributed import (
     DistContext,
@@ -58,7 +59,6 @@ from trainer.metrics import EtaClock, History, StepRecord, Throughput, get_logge
 from trainer.model import (
     attention_backend,
     build_model,
-    compile_enabled,
     compile_layers,
     count_parameters,
     enable_gradient_checkpointing,
@@ -223,7 +223,7 @@ class Trainer:
         module.train()
         self.faults = FaultInjector(cfg.debug, ctx.rank)
         self.faults.attach(module)  # before wrapping: the wrappers rename modules
-        self.compiled = compile_enabled(cfg, self.device)
+        self.compiled = compile_enabled(cfg, self.device.type == "cuda")
         if self.compiled:
             compile_layers(module)
         self.loss = choose_loss(cfg, module, self.device)

@@ -32,9 +32,8 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.model import traces_modules
+from trainer.choices import CHUNK_ELEMENTS, auto_loss
 
-CHUNK_ELEMENTS = 2**27  # logits per chunk: 128M (512 MiB in fp32), 4,096 tokens of a 32k vocabulary
 LIGER_MODULE = "liger_kernel"
 
 
@@ -72,11 +71,9 @@ def choose_loss(cfg: Config, model: torch.nn.Module, device: torch.device) -> Lo
         raise UserError(f"training.loss {want}: this model's logits are not hidden × lm_head (a bias, soft-capping "
                         f"or scaling); use --set training.loss=full")
     if want == "auto":
-        if device.type != "cuda":
-            return LossChoice("full")
-        if traces_modules(cfg):
-            return LossChoice("full", "NaN localisation or injection traces lm_head")
-        return LossChoice("liger") if liger_installed() else LossChoice("chunked")
+        kind = auto_loss(cfg, device.type == "cuda", liger_installed())
+        return LossChoice(kind, "NaN localisation or injection traces lm_head" if kind == "full" and
+                          device.type == "cuda" else None)
     if want == "liger":
         if device.type != "cuda":
             raise UserError("training.loss liger needs a CUDA GPU (Triton kernels); use chunked or auto on CPUs")

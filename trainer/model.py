@@ -136,21 +136,6 @@ def enable_gradient_checkpointing(model: PreTrainedModel, policy: str = "full") 
             layer.gradient_checkpointing = index % 2 == 0
 
 
-def traces_modules(cfg: Config) -> bool:
-    """NaN localisation or injection hook individual modules: the `auto` choices then keep every module eager and
-    called (no compiled graphs, no lm_head skipped by a fused loss)."""
-    return cfg.debug.nan_localize or cfg.debug.inject_nan_module is not None
-
-
-def compile_enabled(cfg: Config, device: torch.device) -> bool:
-    """`system.compile`: auto compiles on CUDA only (on CPUs it costs start-up and buys little), and not while NaN
-    localisation or injection hooks trace every module (they would be traced into the graphs)."""
-    setting = cfg.system.compile
-    if setting != "auto":
-        return bool(setting)
-    return device.type == "cuda" and not traces_modules(cfg)
-
-
 def compile_layers(model: torch.nn.Module) -> None:
     """`torch.compile` each decoder layer in place (`nn.Module.compile`), as torchtitan does: one small graph compiled
     once and reused by every layer keeps start-up short, and the module and parameter names do not change (no
