@@ -77,6 +77,24 @@ def test_chunked_loss_trains_like_the_full_loss(tmp_path: Path, token_cache_dir:
     assert all(math.isclose(losses["full"][s], losses["chunked"][s], rel_tol=1e-5) for s in losses["full"])
 
 
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager_ones(tmp_path: Path, token_cache_dir: Path, one_thread: None,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """system.compile=true on a CPU rank (inductor's C++ backend, about a minute): with selective checkpointing and
+    the chunked loss inside the compiled run, the same losses as eager, and the log reports the compile time."""
+    losses = {}
+    for compiled in (False, True):
+        cfg = tiny_config(tmp_path / str(compiled), token_cache_dir,
+                          system={"compile": compiled}, training={"max_steps": 3, "loss": "chunked"},
+                          model={"num_layers": 2, "gradient_checkpointing": "selective"})
+        assert loop.train(cfg) == 0
+        losses[compiled] = history_losses(Path(cfg.logging.run_dir))
+    out = capsys.readouterr().out
+    assert "compute: torch.compile each decoder layer | loss chunked | activation checkpointing selective" in out
+    assert "torch.compile: step 0 took" in out and "more than a compiled step (the compilation)" in out
+    assert all(math.isclose(losses[True][s], losses[False][s], rel_tol=1e-5) for s in losses[False])
+
+
 def test_a_failing_run_still_writes_its_history(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:
     cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 5},
                       debug={"inject_fault": "raise", "inject_fault_step": 2})
