@@ -73,4 +73,4 @@ def test_history_json_png_and_tensorboard(tmp_path: Path) -> None:
 
 
 def test_memory_field_of_the_summary_line() -> None:
-    assert memory_part(int(41.2 * 1024**3), 80 * 1024**3) == "mem 41.2 GiB (52 %)"
+    assert memory_part(int(41.6 * 1024**3), 80 * 1024**3) == "mem 41.6 GiB (52 %)"
