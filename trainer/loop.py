@@ -53,6 +53,7 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.errors import UserError
+from trainer.estimate import GiB
 from trainer.faults import FaultInjector
 from trainer.loss import CausalLMLoss, choose_loss
 from trainer.metrics import EtaClock, History, StepRecord, Throughput, get_logger, memory_part, mfu, step_line
@@ -70,7 +71,6 @@ from trainer.progress import ProgressReporter, device_label
 from trainer.sizes import flops_per_token, human, tokens_per_step
 
 RUNS_DIR = Path("logs")
-GiB = 1024**3
 
 
 # ---------------------------------------------------------------------------------------------------------------------

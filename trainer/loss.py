@@ -126,6 +126,8 @@ class CausalLMLoss(torch.nn.Module):
         hidden = self.model.base_model(input_ids=batch[:, :-1]).last_hidden_state.flatten(0, 1)
         weight = self.model.get_output_embeddings().weight
         targets = batch[:, 1:].flatten()
-        if self.fused is not None:  # liger takes one dtype for both operands: the one autocast computes in
-            return self.fused(weight.to(hidden.dtype), hidden, targets)
+        if self.fused is not None:  # the kernel takes both operands in one dtype: the one autocast computes in
+            device = hidden.device.type
+            dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+            return self.fused(weight.to(dtype), hidden.to(dtype), targets)
         return chunked_cross_entropy(hidden, weight, targets)
