@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from trainer.config import Config
@@ -145,8 +146,8 @@ def compile_layers(model: torch.nn.Module) -> None:
         layer.compile()
 
 
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
-                 "math": "MATH"}
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 
 
 def attention_backend(cfg: Config, device: torch.device) -> tuple[str, Callable[[], AbstractContextManager[Any]]]:
@@ -157,10 +158,7 @@ def attention_backend(cfg: Config, device: torch.device) -> tuple[str, Callable[
     want = cfg.model.attention_backend
     if want == "auto" or (device.type != "cuda" and want != "math"):
         return ("auto" if want == "auto" else f"auto ({want} needs CUDA)"), nullcontext
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, SDPA_BACKENDS[want])
-    return want, lambda: sdpa_kernel(backend)
+    return want, lambda: sdpa_kernel(SDPA_BACKENDS[want])
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
