@@ -2,7 +2,7 @@
 the cores it gets, and the supervisor's log pump where cores are free.
 
 1. Training: for each shape, the rank (`python -m supervisor --nproc 1`, the trainer exactly as shipped; tokens/s
-   read from rank 0's steady-state `training_history.json` records, with its peak `torch.cuda.max_memory_allocated`)
+   read from rank 0's steady-state `training_history.json` records, with its peak `torch.cuda.max_memory_reserved`)
    and a textbook loop written here (transformers `LlamaForCausalLM` with SDPA, bf16 autocast, fused AdamW, clipping,
    gradient accumulation, random tokens; in a fresh process per run), each eager and compiled. MFU = tokens/s ×
    FLOPs per token (`trainer.sizes.flops_per_token`: 6·N_non-embedding + 12·L·H·T) / the GPU's bf16 peak
@@ -162,8 +162,8 @@ def rank_throughput(run: RankRun, shape: Shape, opts: Options) -> Result:
     records = json.loads((run_dir / HISTORY_JSON).read_text())["steps"]
     steady = [r for r in records if r["step"] >= shape.warmup and r["tokens_per_s"]]
     result.tokens_per_s = statistics.median(r["tokens_per_s"] for r in steady)
-    peaks = [r.get("max_memory_allocated") for r in records if r.get("max_memory_allocated")]
-    result.peak_bytes = max(peaks) if peaks else None
+    peaks = [r["peak_mem_gib"] for r in records if r.get("peak_mem_gib")]
+    result.peak_bytes = int(max(peaks) * 2**30) if peaks else None
     result.device = next((line.split("devices: ", 1)[1].split(" (", 1)[1].rstrip(")")
                           for line in done.stdout.splitlines() if "| devices: " in line), "")
     return result
@@ -211,7 +211,7 @@ def plain_loop(shape: Shape, compiled: bool, smoke: bool) -> dict[str, object]:
     seconds = time.perf_counter() - started
     timed = shape.steps - shape.warmup
     return {"tokens_per_s": timed * shape.accum * shape.batch * shape.context / seconds,
-            "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
+            "peak_bytes": torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
 
 

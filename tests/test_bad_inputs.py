@@ -118,6 +118,15 @@ CASES = {
     "resume folder without checkpoints": BadInput(
         "supervisor", ("--debug", "--resume", "old_run", *SMALL_DATA), "--resume old_run: no checkpoint there",
         files={"old_run/notes.txt": "not a checkpoint\n"}),
+    "unknown loss": BadInput(
+        "supervisor", ("--debug", "--set", "training.loss=fused"),
+        "training.loss must be one of auto, chunked, liger, full, got 'fused'"),
+    "compile neither auto nor a boolean": BadInput(
+        "run_training.sh", ("--debug", "--set", "system.compile=always"),
+        "system.compile must be auto, true or false, got 'always'"),
+    "unknown checkpointing policy": BadInput(
+        "pretrain_main.py", ("--debug", "--set", "model.gradient_checkpointing=half"),
+        "model.gradient_checkpointing must be one of none, selective, full, got 'half'"),
     "production preset on a CPU": BadInput(
         "run_training.sh", ("--preset", "production"),
         "preset 'production' (7.2B parameters, fsdp, bf16) needs GPUs and none was found"),

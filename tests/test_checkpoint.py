@@ -19,7 +19,8 @@ from trainer.checkpoint import CheckpointMeta, TrainState
 from trainer.config import Config
 from trainer.distributed import DistContext, init_distributed, teardown
 from trainer.errors import UserError
-from trainer.loop import Precision, build_optimizer, build_scheduler, next_token_loss
+from trainer.loop import build_optimizer, build_scheduler
+from trainer.loss import full_loss
 from trainer.model import build_model, shape_signature
 
 CPU = torch.device("cpu")
@@ -39,7 +40,7 @@ def make_state(cfg: Config) -> TrainState:
 
 def train_once(state: TrainState, seed: int) -> None:
     batch = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(seed))
-    next_token_loss(state.model, batch, Precision("fp32", None)).backward()
+    full_loss(state.model, batch).backward()
     state.optimizer.step()
     state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)

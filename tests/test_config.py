@@ -30,7 +30,7 @@ def write(tmp_path: Path, name: str, data: dict | str) -> str:
 
 
 def test_presets_exist_and_state_their_use_case() -> None:
-    assert {"debug", "small", "production"} <= set(preset_names())
+    assert {"debug", "small", "1b", "production"} <= set(preset_names())
     for name in preset_names():
         cfg = parse("--preset", name)
         assert cfg.description, f"preset {name} must state its use case"
@@ -50,6 +50,21 @@ def test_production_preset_is_llama3_8b_shaped() -> None:
     assert cfg.preset == "production"
     assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size) == (32, 4096, 32, 8, 14336)
     assert cfg.training.max_steps == 10_000 and cfg.training.precision == "bf16" and cfg.training.strategy == "fsdp"
+
+
+def test_1b_preset_is_llama32_1b_shaped_and_fits_one_80_gib_gpu() -> None:
+    from trainer.estimate import GiB, estimate
+
+    cfg = parse("--preset", "1b")
+    m, t = cfg.model, cfg.training
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size) == (16, 2048, 32, 8, 8192)
+    assert (cfg.data.source, cfg.data.tokenizer, cfg.data.vocab_size, cfg.data.context_length) == (
+        "stdlib", "bpe", 32000, 2048)
+    assert t.batch_size * t.grad_accum_nums >= 16 and t.strategy == "ddp"
+    assert 1.0e9 < parameter_count(cfg) < 1.3e9
+    assert estimate(cfg, 1, 80 * GiB).selected.fits  # with the GPU defaults (compiled layers, chunked loss)
+    cfg.system.compile = False
+    assert estimate(cfg, 1, 80 * GiB).selected.fits  # and eager, for a run that turns compilation off
 
 
 def test_small_preset_is_about_125m_parameters() -> None:

@@ -27,10 +27,10 @@ from trainer.distributed import (
     unwrap,
     wrap_model,
 )
-from trainer.loop import Precision, build_optimizer, build_scheduler, next_token_loss
+from trainer.loop import build_optimizer, build_scheduler
+from trainer.loss import full_loss
 from trainer.model import build_model, shape_signature
 
-FP32 = Precision("fp32", None)
 WORLD = 2
 
 
@@ -111,17 +111,17 @@ def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) ->
 
         # DDP: the gradient is the mean of the ranks' local gradients, identical everywhere.
         local = fresh(cfg)
-        next_token_loss(local, batch_for(rank), FP32).backward()
+        full_loss(local, batch_for(rank)).backward()
         expected = flat_grads(local)
         dist.all_reduce(expected)
         expected /= WORLD
         ddp = wrap_model(fresh(cfg), cfg, ctx, None)
         with gradient_sync(ddp, enabled=False):  # an accumulation micro-step: no all-reduce
-            next_token_loss(ddp, batch_for(rank), FP32).backward()
+            full_loss(ddp, batch_for(rank)).backward()
         assert not same_on_all_ranks(flat_grads(unwrap(ddp)))
         unwrap(ddp).zero_grad(set_to_none=False)
         with gradient_sync(ddp, enabled=True):
-            next_token_loss(ddp, batch_for(rank), FP32).backward()
+            full_loss(ddp, batch_for(rank)).backward()
         ddp_grads = flat_grads(unwrap(ddp))
         assert same_on_all_ranks(ddp_grads)
         assert torch.allclose(ddp_grads, expected, atol=1e-6)
@@ -131,7 +131,7 @@ def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) ->
         fsdp = wrap_model(fresh(sharded_cfg), sharded_cfg, ctx, None)
         assert is_sharded(fsdp)
         assert {(p.device_mesh.device_type, tuple(p.device_mesh.shape)) for p in fsdp.parameters()} == {("cpu", (2,))}
-        next_token_loss(fsdp, batch_for(rank), FP32).backward()
+        full_loss(fsdp, batch_for(rank)).backward()
         assert torch.allclose(flat_grads(fsdp), ddp_grads, atol=1e-6)
         norm = torch.nn.utils.clip_grad_norm_(list(fsdp.parameters()), 0.1).full_tensor()  # the pre-clip norm
         assert torch.allclose(norm, torch.nn.utils.clip_grad_norm_(list(ddp.parameters()), 0.1), rtol=1e-5)
@@ -152,7 +152,7 @@ def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) ->
         assert checkpoint.load(path, restored, ctx, "k").format == checkpoint.SHARDED
         assert torch.equal(flat_params(restored_model), flat_params(fsdp))
         for s in (state, restored):  # same optimizer state → same next update
-            next_token_loss(s.model, batch_for(rank, seed=1), FP32).backward()
+            full_loss(s.model, batch_for(rank, seed=1)).backward()
             s.optimizer.step()
         assert torch.equal(flat_params(restored_model), flat_params(fsdp))
 

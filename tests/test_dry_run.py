@@ -82,13 +82,26 @@ def test_the_supervisor_can_estimate_without_torch() -> None:
     assert "FSDP (training.strategy) fits" in result.stdout
 
 
-def test_checkpointing_and_batch_drive_activations() -> None:
-    base = estimate(preset("production"), 8, None)
-    no_ckpt = preset("production")
-    no_ckpt.model.gradient_checkpointing = False
-    assert estimate(no_ckpt, 8, None).selected.activations > 5 * base.selected.activations
-    bigger = preset("production", batch_size=4)
-    assert estimate(bigger, 8, None).selected.activations == 2 * base.selected.activations
+def test_checkpointing_compile_loss_and_batch_drive_activations() -> None:
+    base = estimate(preset("production"), 8, None)  # full checkpointing, compiled layers, chunked loss (GPU defaults)
+    assert (base.gradient_checkpointing, base.compiled, base.loss) == ("full", True, "chunked")
+
+    def activations(**changes: object) -> int:
+        cfg = preset("production")
+        for dotted, value in changes.items():
+            section, key = dotted.split("__")
+            setattr(getattr(cfg, section), key, value)
+        return estimate(cfg, 8, None).selected.activations
+
+    none = activations(model__gradient_checkpointing="none")
+    assert none > 4 * base.selected.activations
+    assert base.selected.activations < activations(model__gradient_checkpointing="selective") < none
+    assert activations(model__gradient_checkpointing=False) == none  # the boolean of older configs
+    assert activations(model__gradient_checkpointing="none", system__compile=False) > 1.5 * none  # eager keeps more
+    # 16k tokens per micro-batch: the full logits hold 4 chunks' worth more than the chunked loss's single chunk
+    assert (activations(training__loss="full", training__batch_size=8)
+            > activations(training__batch_size=8) + 3 * GiB)
+    assert activations(training__loss="full", training__batch_size=4) == 2 * activations(training__loss="full")
 
 
 def test_production_dry_run_never_allocates_the_weights(tmp_path: Path) -> None:

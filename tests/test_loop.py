@@ -52,15 +52,47 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path: Path, token_cache_
     assert all(got[s] == expected[s] for s in got)  # bit-identical on CPU
 
 
-def test_gradient_checkpointing_changes_memory_not_results(tmp_path: Path, token_cache_dir: Path,
-                                                           one_thread: None) -> None:
-    losses = []
-    for checkpointing in (False, True):
-        cfg = tiny_config(tmp_path / str(checkpointing), token_cache_dir, training={"max_steps": 3},
-                          model={"gradient_checkpointing": checkpointing, "num_layers": 2})
+def test_every_checkpointing_policy_gives_the_same_losses(tmp_path: Path, token_cache_dir: Path,
+                                                         one_thread: None) -> None:
+    """none, selective, full (and the boolean of older configs) recompute the same numbers: bit-identical in fp32."""
+    losses = {}
+    for policy in ("none", "selective", "full", True):
+        cfg = tiny_config(tmp_path / str(policy), token_cache_dir, training={"max_steps": 3},
+                          model={"gradient_checkpointing": policy, "num_layers": 2})
         assert loop.train(cfg) == 0
-        losses.append(history_losses(Path(cfg.logging.run_dir)))
-    assert losses[0] == losses[1]
+        losses[policy] = history_losses(Path(cfg.logging.run_dir))
+    assert len(losses["none"]) == 3
+    assert losses["selective"] == losses["full"] == losses[True] == losses["none"]
+
+
+def test_chunked_loss_trains_like_the_full_loss(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:
+    """The chunked lm_head + cross-entropy through the whole loop (accumulation, clipping, AdamW): the same losses."""
+    losses = {}
+    for kind in ("full", "chunked"):
+        cfg = tiny_config(tmp_path / kind, token_cache_dir, training={"max_steps": 4, "loss": kind,
+                                                                       "grad_accum_nums": 2, "batch_size": 2})
+        assert loop.train(cfg) == 0
+        losses[kind] = history_losses(Path(cfg.logging.run_dir))
+    assert losses["full"].keys() == losses["chunked"].keys() == {0, 1, 2, 3}
+    assert all(math.isclose(losses["full"][s], losses["chunked"][s], rel_tol=1e-5) for s in losses["full"])
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager_ones(tmp_path: Path, token_cache_dir: Path, one_thread: None,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """system.compile=true on a CPU rank (inductor's C++ backend, about a minute): with selective checkpointing and
+    the chunked loss inside the compiled run, the same losses as eager, and the log reports the compile time."""
+    losses = {}
+    for compiled in (False, True):
+        cfg = tiny_config(tmp_path / str(compiled), token_cache_dir,
+                          system={"compile": compiled}, training={"max_steps": 3, "loss": "chunked"},
+                          model={"num_layers": 2, "gradient_checkpointing": "selective"})
+        assert loop.train(cfg) == 0
+        losses[compiled] = history_losses(Path(cfg.logging.run_dir))
+    out = capsys.readouterr().out
+    assert "compute: torch.compile each decoder layer | loss chunked | activation checkpointing selective" in out
+    assert "torch.compile: step 0 took" in out and "more than a compiled step (the compilation)" in out
+    assert all(math.isclose(losses[True][s], losses[False][s], rel_tol=1e-5) for s in losses[False])
 
 
 def test_a_failing_run_still_writes_its_history(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:

@@ -15,6 +15,7 @@ from trainer.metrics import (
     StepRecord,
     Throughput,
     format_eta,
+    memory_part,
     mfu,
     peak_flops,
     step_line,
@@ -61,13 +62,17 @@ def test_history_json_png_and_tensorboard(tmp_path: Path) -> None:
     history = History(tmp_path, {"preset": "debug"}, tensorboard=True)
     history.add(StepRecord(step=0, loss=5.0, lr=0.0, grad_norm=1.0, tokens_per_s=None))
     history.add(StepRecord(step=1, loss=4.5, lr=1e-3, grad_norm=0.9, tokens_per_s=1000.0, val_loss=4.7,
-                           max_memory_allocated=3 << 30))
+                           peak_mem_gib=3.0))
     history.save("completed")
     history.close()
     data = json.loads((tmp_path / HISTORY_JSON).read_text())
     assert data["run"] == {"preset": "debug", "status": "completed"}
     assert data["steps"][1] == {"step": 1, "loss": 4.5, "lr": 1e-3, "grad_norm": 0.9, "tokens_per_s": 1000.0,
-                                "val_loss": 4.7, "max_memory_allocated": 3 << 30}
-    assert data["steps"][0]["max_memory_allocated"] is None  # CPU ranks: no GPU memory to report
+                                "val_loss": 4.7, "peak_mem_gib": 3.0}
+    assert data["steps"][0]["peak_mem_gib"] is None  # CPU ranks: no GPU memory to report
     assert (tmp_path / HISTORY_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((tmp_path / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+
+
+def test_memory_field_of_the_summary_line() -> None:
+    assert memory_part(int(41.6 * 1024**3), 80 * 1024**3) == "mem 41.6 GiB (52 %)"

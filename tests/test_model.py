@@ -11,8 +11,11 @@ from transformers import LlamaForCausalLM
 from rank_support import tiny_config
 from trainer.config import Config
 from trainer.errors import UserError
+from trainer.choices import compile_enabled
 from trainer.model import (
+    attention_backend,
     build_model,
+    compile_layers,
     count_parameters,
     enable_gradient_checkpointing,
     model_shape,
@@ -112,5 +115,48 @@ def test_maskless_causal_attention_is_sdpa_without_host_reads(tmp_path: Path) ->
 def test_gradient_checkpointing_switch(tmp_path: Path) -> None:
     model = build_model(cfg_for(tmp_path, num_layers=2), 300, 0, CPU)
     assert not any(layer.gradient_checkpointing for layer in model.model.layers)
-    enable_gradient_checkpointing(model)
+    enable_gradient_checkpointing(model, "none")
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+    enable_gradient_checkpointing(model, "full")
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    selective = build_model(cfg_for(tmp_path, num_layers=4), 300, 0, CPU)
+    enable_gradient_checkpointing(selective, "selective")  # every other layer, from the first
+    assert [layer.gradient_checkpointing for layer in selective.model.layers] == [True, False, True, False]
+
+
+def test_compile_auto_means_cuda_only_and_never_while_tracing(tmp_path: Path) -> None:
+    def enabled(cuda: bool, compile: object = "auto", **debug: object) -> bool:
+        cfg = tiny_config(tmp_path, tmp_path / "cache", system={"compile": compile}, debug=dict(debug))
+        return compile_enabled(cfg, cuda)
+
+    assert enabled(cuda=True) and not enabled(cuda=False)
+    assert not enabled(cuda=True, nan_localize=True) and not enabled(cuda=True, inject_nan_module="model.norm")
+    assert enabled(cuda=False, compile=True) and not enabled(cuda=True, compile=False)
+
+
+def test_attention_backend_on_cpu_ranks(tmp_path: Path) -> None:
+    """auto and math apply on a CPU rank (math pins SDPA's reference kernel: the same numbers); the CUDA kernels fall
+    back to auto and say so."""
+    def backend(name: str):  # noqa: ANN202
+        return attention_backend(tiny_config(tmp_path, tmp_path / "cache", model={"attention_backend": name}), CPU)
+
+    assert backend("auto")[0] == "auto" and backend("flash")[0] == "auto (flash needs CUDA)"
+    name, context = backend("math")
+    model = build_model(cfg_for(tmp_path, num_layers=2), 300, 0, CPU)
+    use_maskless_causal_attention(model)
+    batch = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=batch).logits
+        with context():
+            got = model(input_ids=batch).logits
+    assert name == "math" and torch.allclose(got, expected, atol=1e-5)
+
+
+def test_compiled_layers_keep_their_names(tmp_path: Path) -> None:
+    """nn.Module.compile in place: no `_orig_mod` in parameter names (checkpoints, hooks and save_pretrained see the
+    same model); compilation itself happens at the first call, on GPUs."""
+    model = build_model(cfg_for(tmp_path, num_layers=2), 300, 0, CPU)
+    names = list(shape_signature(model))
+    compile_layers(model)
+    assert list(shape_signature(model)) == names
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)

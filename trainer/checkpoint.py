@@ -52,8 +52,8 @@ FULL, SHARDED = "full", "sharded"
 
 @dataclass
 class TrainState:
-    """The live objects a checkpoint captures. `model` is the unwrapped transformers model (an FSDP2 root when
-    sharded); `scaler` exists only for fp16."""
+    """The live objects a checkpoint captures. `model` is the unwrapped transformers model (inside the FSDP2 root
+    when sharded: the loss module, see trainer.loss); `scaler` exists only for fp16."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer

@@ -35,7 +35,7 @@ class SystemConfig:
     seed: int = 1337
     backend: str = "auto"  # auto (nccl on GPUs, gloo on CPUs) | nccl | gloo
     dist_timeout_s: float = 600.0
-    compile: bool = False
+    compile: bool | str = "auto"  # auto (each decoder layer on CUDA, never on CPUs) | true | false
 
 
 @dataclass
@@ -52,7 +52,8 @@ class ModelConfig:
     init_std: float = 0.02
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | str = "none"  # none | selective (every other layer) | full; true = full
+    attention_backend: str = "auto"  # auto (PyTorch picks) | flash | efficient | cudnn | math; CUDA only
 
 
 @dataclass
@@ -87,6 +88,7 @@ class TrainingConfig:
     use_amp: bool = True  # mixed precision on GPUs; always fp32 on CPUs
     precision: str = "auto"  # auto (bf16 where supported, else fp16) | bf16 | fp16 | fp32
     strategy: str = "ddp"  # ddp | fsdp
+    loss: str = "auto"  # auto | chunked | liger | full: how the lm_head and the cross-entropy are computed
     eval_interval: int = 0  # 0: no validation
     eval_steps: int = 10
 
@@ -173,6 +175,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.architecture": ("llama",),
     "training.precision": ("auto", "bf16", "fp16", "fp32"),
     "training.strategy": ("ddp", "fsdp"),
+    "training.loss": ("auto", "chunked", "liger", "full"),
+    "model.gradient_checkpointing": ("none", "selective", "full"),
+    "model.attention_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "logging.level": ("DEBUG", "INFO", "WARNING"),
     "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang", "slow", "oom"),
     "debug.inject_fault_during": ("step", "checkpoint"),
@@ -267,6 +272,8 @@ def coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
         return value
     elif base in (str, bool) and type(value) is base:
         return value
+    elif isinstance(tp, types.UnionType) and type(value) in typing.get_args(tp):  # bool | str: a switch or a choice
+        return value
     given = "null" if value is None else type(value).__name__
     raise UserError(f"{origin}: {key} expects {type_name(tp)}, got {given} ({json.dumps(value)})")
 
@@ -301,8 +308,24 @@ def apply_layer(cfg: Config, raw: dict[str, Any], origin: str) -> None:
             setattr(target, key, coerce(value, types_[key], f"{section}.{key}", origin))
 
 
+def checkpointing_policy(value: bool | str) -> str:
+    """`model.gradient_checkpointing` as a policy: the boolean of older configs meant full (true) or none (false)."""
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    return value
+
+
+def normalise_switches(cfg: Config) -> None:
+    """`model.gradient_checkpointing` was a boolean: true/false become the policy they always meant (full/none).
+    `system.compile` stays a boolean or "auto"."""
+    cfg.model.gradient_checkpointing = checkpointing_policy(cfg.model.gradient_checkpointing)
+    if not isinstance(cfg.system.compile, bool) and cfg.system.compile != "auto":
+        raise UserError(f"system.compile must be auto, true or false, got '{cfg.system.compile}'")
+
+
 def validate(cfg: Config) -> None:
     """Cross-field rules: what no single key's type can say."""
+    normalise_switches(cfg)
     for dotted, allowed in CHOICES.items():
         section, key = dotted.split(".")
         value = getattr(getattr(cfg, section), key)

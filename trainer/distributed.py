@@ -233,10 +233,11 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under torch.compile and DDP (FSDP2 shards in place, so it is its own module)."""
+    """The module under torch.compile and DDP (FSDP2 shards in place, so it is its own module)."""
     model = getattr(model, "_orig_mod", model)
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(unwrap(model), FSDPModule)
+    """True for an FSDP2 root and for the model inside the loss module that is the root (its layers are sharded)."""
+    return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())

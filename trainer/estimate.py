@@ -5,7 +5,9 @@ for a model described by the config's fields). `--dry-run` sizes the model built
 8B-parameter preset costs nothing to inspect. The figures are estimates:
 weights, gradients and optimizer state are exact byte counts for this code's choices (fp32 master weights, AdamW's two
 fp32 moments, DDP gradients living in its buckets); activations follow what autograd saves per decoder layer for the
-Llama block with SDPA attention (no score matrix), and the overhead is a flat allowance.
+Llama block with SDPA attention (no score matrix), eager or compiled, under the activation-checkpointing policy, plus
+the loss's logits (all of them for the full loss, one chunk for the chunked and fused ones), and the overhead is a flat
+allowance. The fast-path choices are resolved as a GPU rank resolves them (trainer.choices).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from trainer.config import Config
+from trainer.choices import CHUNK_ELEMENTS, auto_loss, compile_enabled
+from trainer.config import Config, checkpointing_policy
 from trainer.sizes import flops_per_token, human, model_vocab_size, parameter_count, tokens_per_step
 
 GiB = 1024**3
@@ -76,7 +79,9 @@ class MemoryEstimate:
     shape: ModelShape
     compute_bytes: int  # 2 for bf16/fp16 autocast, 4 for fp32
     micro_batch_tokens: int
-    gradient_checkpointing: bool
+    gradient_checkpointing: str  # none | selective | full
+    compiled: bool  # torch.compile on the decoder layers (as a GPU rank resolves system.compile)
+    loss: str  # full | chunked | liger (as a GPU rank resolves training.loss)
     chosen: str  # training.strategy
     tokens_per_step: int
     flops_per_token: int
@@ -93,22 +98,44 @@ def compute_bytes(cfg: Config) -> int:
     return FP32 if not t.use_amp or t.precision == "fp32" else 2
 
 
-def activation_bytes_per_token_layer(s: ModelShape, c: int) -> int:
-    """What autograd keeps per token for one Llama decoder layer (c = bytes per compute element):
-    two RMSNorms in fp32 (input + normalised, 8h each); q/k/v/o projection inputs and SDPA's q, k, v and output
-    (6·c·h + 2·c·kv_dim); the SwiGLU MLP's two input casts, gate, SiLU, up and product (2·c·h + 4·c·ffn)."""
+def activation_bytes_per_token_layer(s: ModelShape, c: int, compiled: bool = False) -> int:
+    """What autograd keeps per token for one Llama decoder layer (c = bytes per compute element).
+
+    Eager: two RMSNorms in fp32 (input + normalised, 8h each); q/k/v/o projection inputs and SDPA's q, k, v and
+    output (6·c·h + 2·c·kv_dim); the SwiGLU MLP's two input casts, gate, SiLU, up and product (2·c·h + 4·c·ffn).
+    Compiled: inductor's partitioner recomputes the element-wise ops in backward instead of saving their outputs, so
+    a layer keeps the two fp32 norm inputs (8h), the attention input, q, SDPA's output and the MLP input in the compute
+    dtype (4·c·h), k and v (2·c·kv_dim), and the gate and up projections (2·c·ffn)."""
     head_dim = s.hidden_size // s.num_heads
     kv_dim = s.num_kv_heads * head_dim
+    if compiled:
+        return 8 * s.hidden_size + 4 * c * s.hidden_size + 2 * c * kv_dim + 2 * c * s.ffn_hidden_size
     return 16 * s.hidden_size + 8 * c * s.hidden_size + 2 * c * kv_dim + 4 * c * s.ffn_hidden_size
 
 
-def activation_bytes(s: ModelShape, c: int, tokens: int, checkpointing: bool) -> int:
-    """One micro-batch's activations at the peak (end of forward), plus the loss's logits (16-bit, fp32 copy, fp32
-    log-softmax). With checkpointing, each layer keeps only its fp32 input and one layer is recomputed at a time."""
-    per_layer = activation_bytes_per_token_layer(s, c)
-    layers = s.num_layers * FP32 * s.hidden_size + per_layer if checkpointing else s.num_layers * per_layer
-    logits = (c + 2 * FP32) * s.vocab_size
-    return tokens * (layers + logits)
+def checkpointed_layers(num_layers: int, policy: str) -> int:
+    """Decoder layers recomputed in backward: all (full), the even-numbered ones (selective), none."""
+    return {"none": 0, "selective": (num_layers + 1) // 2, "full": num_layers}[policy]
+
+
+def logits_bytes(s: ModelShape, c: int, tokens: int, loss: str) -> int:
+    """The loss's share: full logits keep a 16-bit copy, the fp32 upcast and the fp32 log-softmax for every token;
+    the chunked and fused losses keep the final hidden states and one chunk's worth of those three."""
+    per_token = (c + 2 * FP32) * s.vocab_size
+    if loss == "full":
+        return tokens * per_token
+    return tokens * c * s.hidden_size + min(tokens, max(1, CHUNK_ELEMENTS // s.vocab_size)) * per_token
+
+
+def activation_bytes(s: ModelShape, c: int, tokens: int, checkpointing: str, compiled: bool = False,
+                     loss: str = "full") -> int:
+    """One micro-batch's activations at the peak (end of forward), plus the loss's logits. A checkpointed layer keeps
+    only its fp32 input, and one layer is recomputed at a time."""
+    per_layer = activation_bytes_per_token_layer(s, c, compiled)
+    recomputed = checkpointed_layers(s.num_layers, checkpointing)
+    layers = (recomputed * FP32 * s.hidden_size + (s.num_layers - recomputed) * per_layer
+              + (per_layer if recomputed else 0))
+    return tokens * layers + logits_bytes(s, c, tokens, loss)
 
 
 def layer_parameters(s: ModelShape) -> int:
@@ -132,7 +159,10 @@ def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None,
     c = compute_bytes(cfg)
     p = s.parameters
     tokens = cfg.training.batch_size * cfg.data.context_length
-    acts = activation_bytes(s, c, tokens, cfg.model.gradient_checkpointing)
+    compiled = compile_enabled(cfg, cuda=True)
+    loss = cfg.training.loss if cfg.training.loss != "auto" else auto_loss(cfg, cuda=True, liger_installed=False)
+    checkpointing = checkpointing_policy(cfg.model.gradient_checkpointing)
+    acts = activation_bytes(s, c, tokens, checkpointing, compiled, loss)
     embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
     layer = layer_parameters(s)
     # DDP: fp32 weights, fp32 gradients (the buckets are the gradients), two fp32 AdamW moments, and autocast's
@@ -146,7 +176,8 @@ def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None,
                             gradients=FP32 * p // n + c * 2 * layer, optimizer=2 * FP32 * p // n, activations=acts,
                             overhead=OVERHEAD_BYTES, gpu_memory_bytes=gpu_memory_bytes)
     return MemoryEstimate(world_size=n, gpu_memory_bytes=gpu_memory_bytes, shape=s, compute_bytes=c,
-                          micro_batch_tokens=tokens, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                          micro_batch_tokens=tokens, gradient_checkpointing=checkpointing,
+                          compiled=compiled, loss=loss,
                           chosen=cfg.training.strategy, tokens_per_step=tokens_per_step(cfg, n),
                           flops_per_token=flops_per_token(cfg) if not cfg.model.name_or_path else 0,
                           strategies={"ddp": ddp, "fsdp": fsdp})
@@ -172,9 +203,9 @@ def format_estimate(est: MemoryEstimate) -> str:
     if est.gpu_memory_bytes is not None:
         fits = ["yes" if est.strategies[k].fits else "NO" for k in STRATEGIES]
         lines.append(f"  {f'fits in {size(est.gpu_memory_bytes)}?':<20}{fits[0]:>14}{fits[1]:>20}")
-    checkpointing = "on" if est.gradient_checkpointing else "off"
     lines.append(f"  (activations: {est.micro_batch_tokens:,} tokens per micro-batch, "
-                 f"{'16-bit' if est.compute_bytes == 2 else 'fp32'} compute, gradient checkpointing {checkpointing}; "
+                 f"{'16-bit' if est.compute_bytes == 2 else 'fp32'} compute, activation checkpointing "
+                 f"{est.gradient_checkpointing}, {'compiled' if est.compiled else 'eager'} layers, {est.loss} loss; "
                  f"overhead: a flat allowance for the CUDA context and communication buffers)")
     chosen = est.selected
     if chosen.fits is None:
@@ -190,7 +221,7 @@ def format_estimate(est: MemoryEstimate) -> str:
     else:
         other = next(k for k in STRATEGIES if k != est.chosen)
         hint = (f"; --set training.strategy={other} would fit" if est.strategies[other].fits else
-                "; lower training.batch_size, turn on model.gradient_checkpointing or use more GPUs")
+                "; lower training.batch_size, set model.gradient_checkpointing=selective or full, or use more GPUs")
         lines.append(f"  WARNING: {est.chosen.upper()} (training.strategy) will NOT fit: {size(chosen.total)} needed "
                      f"per GPU, {size(est.gpu_memory_bytes or 0)} available{hint}")
     return "\n".join(lines)

@@ -3,7 +3,8 @@
 Per optimizer step (the order the NaN guard relies on; `step` counts from 0, like the NaN report's "Step:"):
 
     faults.before_step(step); guard.start_step(step, batch)
-    for each micro-batch (gradient sync only on the last): forward under autocast → loss / grad_accum → backward
+    for each micro-batch (gradient sync only on the last), inside the SDPA backend context: the loss module's forward
+        under autocast (trainer.loss: the model and the cross-entropy) → loss / grad_accum → backward
     grad_norm = clip_grad_norm_(...)                      the pre-clip total norm, still on the device
     found_inf = guard.check(local_loss, grad_norm)        one tiny collective, no host read
     guard.step_optimizer(...); scheduler.step(); zero_grad; guard.after_step(...)
@@ -31,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer import checkpoint, checkpoint_layout, flight_recorder, oom_report
 from trainer.batches import BatchSampler, StepLoader
 from trainer.cache import TokenCache, prepare
+from trainer.choices import compile_enabled
 from trainer.config import Config, check_world_size
 from trainer.distributed import (
     DistContext,
@@ -52,10 +53,14 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.errors import UserError
+from trainer.estimate import GiB
 from trainer.faults import FaultInjector
-from trainer.metrics import EtaClock, History, StepRecord, Throughput, get_logger, mfu, step_line
+from trainer.loss import CausalLMLoss, choose_loss
+from trainer.metrics import EtaClock, History, StepRecord, Throughput, get_logger, memory_part, mfu, step_line
 from trainer.model import (
+    attention_backend,
     build_model,
+    compile_layers,
     count_parameters,
     enable_gradient_checkpointing,
     model_shape,
@@ -123,11 +128,12 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.opti
         optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps, min_lr_rate=t.min_lr_ratio)
 
 
-def next_token_loss(model: torch.nn.Module, batch: torch.Tensor, precision: Precision) -> torch.Tensor:
-    """Mean cross-entropy of predicting batch[:, 1:] from batch[:, :-1] (logits upcast to fp32 for the softmax)."""
-    with precision.autocast(batch.device):
-        logits = model(input_ids=batch[:, :-1]).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+def peak_memory(device: torch.device) -> tuple[int, int] | None:
+    """(the caching allocator's peak reservation since start, the GPU's total memory) in bytes; None off CUDA.
+    Reserved rather than allocated: it is what has to fit, the allocator's fragmentation included."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -209,19 +215,28 @@ class Trainer:
 
         progress.phase("model")
         self.precision = resolve_precision(cfg, self.device)
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls left outside autocast
         torch.manual_seed(cfg.system.seed)  # same seed everywhere: identical initial weights on every rank
         random.seed(cfg.system.seed)
         module = build_model(cfg, self.cache.vocab_size, self.cache.eos_id, self.device)
         use_maskless_causal_attention(module)
-        if cfg.model.gradient_checkpointing:
-            enable_gradient_checkpointing(module)
+        enable_gradient_checkpointing(module, cfg.model.gradient_checkpointing)
         module.train()
         self.faults = FaultInjector(cfg.debug, ctx.rank)
         self.faults.attach(module)  # before wrapping: the wrappers rename modules
         self.timer = StepTimer(self.device)
-        wrapped = wrap_model(module, cfg, ctx, self.precision.dtype)
-        self.model = torch.compile(wrapped) if cfg.system.compile else wrapped
-        self.module = unwrap(self.model)
+        self.compiled = compile_enabled(cfg, self.device.type == "cuda")
+        if self.compiled:
+            compile_layers(module)
+        self.loss = choose_loss(cfg, module, self.device)
+        self.attention, self.attention_context = attention_backend(cfg, self.device)
+        # The root that forward and backward go through: DDP or FSDP2 around the loss module around the model.
+        self.model = wrap_model(CausalLMLoss(module, self.loss.kind), cfg, ctx, self.precision.dtype)
+        self.loss_module = unwrap(self.model)  # evaluation skips DDP (no gradients to synchronise)
+        self.module = module  # the transformers model: checkpoints, the NaN guard, save_pretrained
+        self.first_step: tuple[int, float] | None = None  # with torch.compile: (the first step, its seconds)
+        self.compile_reported = False
         self.parameters = count_parameters(self.module)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.module, cfg)
@@ -294,9 +309,10 @@ class Trainer:
         lines = [
             f"run folder: {self.run_dir}",
             f"world size: {self.ctx.world_size} ({self.ctx.backend}) | devices: {', '.join(labels)}",
-            f"precision: {self.precision.name} | strategy: {t.strategy} | grad accumulation: {self.accum}"
-            f"{' | gradient checkpointing' if cfg.model.gradient_checkpointing else ''}"
-            f"{' | torch.compile' if cfg.system.compile else ''}",
+            f"precision: {self.precision.name} | strategy: {t.strategy} | grad accumulation: {self.accum}",
+            f"compute: torch.compile {'each decoder layer' if self.compiled else 'off'} | loss {self.loss.kind}"
+            f"{f' ({self.loss.note})' if self.loss.note else ''} | activation checkpointing "
+            f"{cfg.model.gradient_checkpointing} | attention {self.attention}",
             f"batch: {t.batch_size} per GPU per micro-step, {t.batch_size * self.accum} per GPU per step, "
             f"global {t.batch_size * self.accum * self.ctx.world_size} sequences of {d.context_length} tokens | "
             f"tokens per step: {self.tokens_per_step:,}",
@@ -329,8 +345,9 @@ class Trainer:
         self.guard.start_step(step, host.flatten(0, 1))
         loss_sum = torch.zeros((), device=self.device)
         for m in range(self.accum):
-            with gradient_sync(self.model, enabled=m == self.accum - 1):
-                loss = next_token_loss(self.model, batches[m], self.precision)
+            with gradient_sync(self.model, enabled=m == self.accum - 1), self.attention_context():
+                with self.precision.autocast(self.device):
+                    loss = self.model(batches[m])
                 if m == self.accum - 1:
                     self.timer.ready()
                 scaled = loss / self.accum
@@ -360,7 +377,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i in range(self.cfg.training.eval_steps):
             batch = torch.from_numpy(self.val_sampler.get(i, 0)).to(self.device, non_blocking=True)
-            total += next_token_loss(self.module, batch, self.precision)
+            with self.precision.autocast(self.device):
+                total += self.loss_module(batch)
         self.module.train()
         return float(all_reduce_mean(total / self.cfg.training.eval_steps, self.ctx).item())
 
@@ -439,7 +457,12 @@ class Trainer:
         start, read at the end). True when every rank agreed to stop now."""
         cfg = self.cfg
         vote.cast(self.stop.requested)
+        started = time.perf_counter()
         out = self.train_step(step)
+        if self.compiled and self.first_step is None:  # this run's first step also compiled the layers
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.first_step = (step, time.perf_counter() - started)
         val_loss = None
         last = self.completed == self.total
         if self.val_sampler is not None and (self.completed % cfg.training.eval_interval == 0 or last):
@@ -479,10 +502,17 @@ class Trainer:
             utilisation = mfu(tok_s, self.flops_per_token, self.ctx.world_size, self.device_name)
             if self.device.type == "cuda" and utilisation is not None:
                 parts.append(f"MFU {utilisation:.1%}")
+        if (memory := peak_memory(self.device)) is not None:
+            parts.append(memory_part(*memory))
         self.log.info(" | ".join(parts))
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None  # no sync
+        if self.first_step is not None and not self.compile_reported and step > self.first_step[0] and tok_s:
+            first, seconds = self.first_step
+            extra = seconds - self.tokens_per_step / tok_s
+            self.log.info(f"torch.compile: step {first} took {seconds:.1f} s, {extra:.1f} s more than a compiled step "
+                          f"(the compilation)")
+            self.compile_reported = True
         self.history.add(StepRecord(step=step, loss=global_loss, lr=out.lr, grad_norm=grad_norm, tokens_per_s=tok_s,
-                                    val_loss=val_loss, max_memory_allocated=peak))
+                                    val_loss=val_loss, peak_mem_gib=memory[0] / GiB if memory else None))
 
 
 def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter | None = None) -> int:

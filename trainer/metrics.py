@@ -67,6 +67,11 @@ def step_line(gpu_id: str, step: int, total: int, loss: float, lr: float, grad_n
             f"ETA: {format_eta(eta_s)}")
 
 
+def memory_part(peak_bytes: int, total_bytes: int) -> str:
+    """The log line's memory field: `mem 41.2 GiB (52 %)` of the GPU's total."""
+    return f"mem {peak_bytes / 1024**3:.1f} GiB ({100 * peak_bytes / total_bytes:.0f} %)"
+
+
 def peak_flops(device_name: str) -> float | None:
     """The bf16 peak of a known GPU, None for anything else (no MFU is shown then)."""
     for key, flops in PEAK_BF16_FLOPS:
@@ -124,7 +129,7 @@ class StepRecord:
     grad_norm: float | None = None
     tokens_per_s: float | None = None
     val_loss: float | None = None
-    max_memory_allocated: int | None = None  # bytes, rank 0's peak on its GPU so far (None on CPUs)
+    peak_mem_gib: float | None = None  # the allocator's peak reservation on this GPU (rank 0's), GiB; None on CPUs
 
 
 class History:

@@ -7,9 +7,13 @@ anyone can load with `AutoModelForCausalLM`. Building on the meta device gives e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from trainer.config import Config
@@ -113,19 +117,55 @@ def use_maskless_causal_attention(model: PreTrainedModel) -> None:
     model.set_attn_implementation(MASKLESS_ATTENTION)
 
 
-def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """Recompute each decoder layer in backward: activations drop to one tensor per layer boundary.
-    (transformers 5 renamed the switch; older releases only have gradient_checkpointing_enable.)"""
+def enable_gradient_checkpointing(model: PreTrainedModel, policy: str = "full") -> None:
+    """Recompute decoder layers in backward instead of keeping their activations.
+
+    `full`: every layer keeps only its input (the least memory, one extra forward). `selective`: every other layer
+    (0, 2, 4, …) is recomputed and the rest keep their activations: about half the saving for half the recomputation,
+    for a model that almost fits. Layer-granular rather than op-level (saving chosen matmul outputs) so that the memory
+    estimate can say exactly what is kept. (transformers 5 renamed the switch; older releases only have
+    gradient_checkpointing_enable.)"""
+    if policy == "none":
+        return
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if policy == "selective":
+        for index, layer in enumerate(decoder_layers(model)):
+            layer.gradient_checkpointing = index % 2 == 0
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """`torch.compile` each decoder layer in place (`nn.Module.compile`), as torchtitan does: one small graph compiled
+    once and reused by every layer keeps start-up short, and the module and parameter names do not change (no
+    `_orig_mod`), so checkpoints, hooks and `save_pretrained` see the same model. Called before DDP/FSDP wrapping;
+    FSDP2's hooks stay outside the graphs (dynamo skips them)."""
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+
+
+def attention_backend(cfg: Config, device: torch.device) -> tuple[str, Callable[[], AbstractContextManager[Any]]]:
+    """(the effective `model.attention_backend`, a context factory pinning SDPA to it around forward and backward).
+
+    `auto` lets PyTorch choose (flash, then cuDNN or memory-efficient kernels on GPUs). The named kernels are CUDA
+    kernels: a CPU rank asked for one of them uses auto instead (math is kept: it exists everywhere)."""
+    want = cfg.model.attention_backend
+    if want == "auto" or (device.type != "cuda" and want != "math"):
+        return ("auto" if want == "auto" else f"auto ({want} needs CUDA)"), nullcontext
+    return want, lambda: sdpa_kernel(SDPA_BACKENDS[want])
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks (the unit FSDP shards and gathers one at a time)."""
-    base = getattr(model, "model", model)
+    base = model  # a causal LM (.model.layers), its base model (.layers), or the loss module around it
+    while not hasattr(base, "layers") and isinstance(getattr(base, "model", None), torch.nn.Module):
+        base = base.model
     layers = getattr(base, "layers", None)
     if layers is None:
         raise UserError(f"{type(model).__name__}: no `.model.layers`; sharded training needs a decoder-layer list")

@@ -59,7 +59,7 @@ def test_precision(precision: str, machine: Machine, tmp_path: Path, token_cache
     else:
         assert scaler is None
     records = history(run.run_dir())["steps"]
-    assert records and all(r["max_memory_allocated"] > 0 for r in records), "the GPU's peak memory is recorded"
+    assert records and all(r["peak_mem_gib"] > 0 for r in records), "the GPU's peak memory is recorded"
     if expected == "bf16" and peak_flops(machine.gpu.name) is not None:
         assert re.search(r"tokens/s \| MFU \d+\.\d%$", run.output, re.M), run.output[-3000:]
 
