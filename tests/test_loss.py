@@ -73,7 +73,7 @@ def test_which_loss_each_setting_picks(tmp_path: Path, token_cache_dir: Path) ->
     assert pick(CPU, training={"loss": "chunked"}) == ("chunked", None)
     assert pick(CUDA)[0] == ("liger" if liger_installed() else "chunked")
     assert pick(CUDA, debug={"nan_localize": True})[0] == "full"  # every module, lm_head included, is traced
-    assert pick(CUDA, debug={"inject_nan_module": "lm_head"})[0] == "full"
+    assert pick(CUDA, debug={"inject_nan_module": "lm_head", "inject_nan_step": 1})[0] == "full"
     with pytest.raises(UserError, match="liger needs a CUDA GPU"):
         pick(CPU, training={"loss": "liger"})
     if not liger_installed():

@@ -130,7 +130,8 @@ def test_compile_auto_means_cuda_only_and_never_while_tracing(tmp_path: Path) ->
         return compile_enabled(cfg, cuda)
 
     assert enabled(cuda=True) and not enabled(cuda=False)
-    assert not enabled(cuda=True, nan_localize=True) and not enabled(cuda=True, inject_nan_module="model.norm")
+    assert not enabled(cuda=True, nan_localize=True)
+    assert not enabled(cuda=True, inject_nan_module="model.norm", inject_nan_step=1)
     assert enabled(cuda=False, compile=True) and not enabled(cuda=True, compile=False)
 
 

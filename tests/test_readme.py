@@ -58,5 +58,7 @@ def test_readme_command_runs(command: str, project: Path) -> None:
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])  # `python` = this interpreter
     env = {**os.environ, "PYTHON": sys.executable, "PATH": path}
     env.pop("VIRTUAL_ENV", None)
+    if "SUPERVISOR_FAKE_GPUS=" in command:  # the pretended GPUs, not the "no GPU" the default tier runs with
+        env.pop("CUDA_VISIBLE_DEVICES", None)
     out = subprocess.run(["bash", "-c", command], cwd=project, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, f"`{command}` exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
