@@ -1,6 +1,6 @@
 """Diagnosis benchmark: the stall's stop, the straggler detector's delay and its false alarms, 2 CPU ranks on gloo.
 
-    python bench/bench_diagnosis.py [--normal-runs 3] [--steps 60]
+    python bench/bench_diagnosis.py [--normal-runs 20] [--steps 60]
 
 Every run is ``python -m supervisor`` with two fake GPUs (``SUPERVISOR_FAKE_GPUS=0,1``) on a tiny model:
 1. stall detected → every rank gone: rank 1 hangs at step 3 (``--hang-timeout 5``); seconds from the supervisor's
@@ -63,7 +63,7 @@ def step_time(run_dir: Path) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--normal-runs", type=int, default=3, help="normal runs counted for false alarms (default 3)")
+    parser.add_argument("--normal-runs", type=int, default=20, help="normal runs counted for false alarms (default 20)")
     parser.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
