@@ -19,6 +19,11 @@ readable; the cost is that a bar that never ends its line shows up only when it 
 
 The log file gets the lines without the prefix (it belongs to one rank already). For each stderr stream the pump
 keeps the last 64 KiB, from which the failure report takes the failing rank's last lines.
+
+Fallout stays off the console: once one rank has failed, the others' collectives are cut short and each of them
+prints a traceback of its own (gloo's "Connection closed by peer", NCCL's abort) that says nothing about the cause
+and buries the failing rank's lines. `Stream.mute` sends such a stream's further lines to its log file only and
+counts them, so the report can say where they are.
 """
 
 from __future__ import annotations
@@ -59,10 +64,20 @@ class Stream:
     carry: bytearray = field(default_factory=bytearray)  # the unfinished last line
     carry_cr: bool = False  # the carry holds a carriage return
     tail: bytes = b""
+    muted: bool = False  # set from the watcher's thread; a plain bool is read whole under the GIL
+    muted_lines: int = 0  # lines kept from the console since `mute`
     nl_prefix: bytes = field(init=False)
 
     def __post_init__(self) -> None:
         self.nl_prefix = b"\n" + self.prefix
+
+    @property
+    def label(self) -> str:
+        return self.prefix.decode()[:-1]
+
+    def mute(self) -> None:
+        """From now on, lines go to the log file only (fallout of another rank's failure)."""
+        self.muted = True
 
     def tail_lines(self, count: int) -> list[str]:
         lines = self.tail.decode(errors="replace").splitlines()
@@ -188,8 +203,10 @@ class Pump(threading.Thread):
                 write_all(stream.log_fd, [head, lines])
             except OSError as e:
                 stream.log_fd = None
-                self.console.say(f"cannot write the log of {stream.prefix.decode()[:-1]} any more: {e}")
-        if self.console.terminal:
+                self.console.say(f"cannot write the log of {stream.label} any more: {e}")
+        if stream.muted:
+            stream.muted_lines += data.count(b"\n", 0, size)  # `head` is the start of a line, never a whole one
+        elif self.console.terminal:
             self.console.print_lines(stream.prefix, head + bytes(lines))
         else:
             replaced = data.replace(b"\n", stream.nl_prefix)  # the unfinished rest after `size` has no newline

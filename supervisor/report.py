@@ -71,8 +71,17 @@ def failure_report(result: GroupResult, run_dir: Path, restarts: int, max_restar
             lines += [f"  | {line}" for line in tail]
         else:
             lines.append(f"{stop.worker.label} wrote nothing to stderr")
+    lines += fallout_lines(result, run_dir)
     lines.append(f"exit code {stop.exit_code}; logs in {run_dir}/")
     return "\n".join(lines)
+
+
+def fallout_lines(result: GroupResult, run_dir: Path) -> list[str]:
+    """Where the stderr lines kept off the console went (`supervisor.pump.Stream.mute`)."""
+    return [f"{w.label} (rank {w.spec.rank}): {count} more stderr line{'s' * (count != 1)} after the failure, "
+            f"in {run_dir / w.spec.log_name} only"
+            for w in result.workers
+            if w.spec.rank in result.tails and (count := result.tails[w.spec.rank].muted_lines)]
 
 
 def success_report(result: GroupResult, run_dir: Path, restarts: int, max_restarts: int, total: float) -> str:

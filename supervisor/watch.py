@@ -37,6 +37,7 @@ from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
 from supervisor.signals import STOP_SIGNALS, SignalInbox
 from supervisor.worker import Worker, describe_exit
+from trainer.errors import USER_ERROR_EXIT_CODE
 from trainer.oom_report import OOM_EXIT_CODE
 from trainer.progress import Progress
 
@@ -136,6 +137,7 @@ class Watch:
         self.endings: dict[int, str] = {}
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
+        self.first_failing: int | None = None  # the rank whose failure the others' errors follow from
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
 
@@ -221,6 +223,8 @@ class Watch:
                 detail = f"{w.label} (rank {rank}) failed: {describe_exit(code)}"
                 if code == OOM_EXIT_CODE:
                     detail = oom.describe(self.plan.run_dir, w.label, rank)
+                if code != USER_ERROR_EXIT_CODE:  # a bad input fails every rank alike: their lines are no fallout
+                    self.quiet_fallout(rank)
                 self.begin_stop(Stop("failure", code, detail, worker=w))
                 self.console.say(f"{w.label} (rank {rank}, pid {w.pid}) failed with {describe_exit(code)}; "
                                  f"stopping the other ranks", style="bold red")
@@ -297,7 +301,19 @@ class Watch:
         node, label, code, why = event
         if self.stop is None:
             self.console.say(f"node {node}: {why}; stopping this node's ranks", style="bold red")
+            self.quiet_fallout(None)
             self.begin_stop(Stop("remote", code, f"node {node}: {why}"))
+
+    def quiet_fallout(self, failing: int | None) -> None:
+        """Keep the other ranks' stderr off the console from now on (it goes on into their log files): their
+        collectives are cut short by `failing`'s failure (or another node's), and their tracebacks would bury its
+        lines. The first failure decides; `None` quiets every rank here."""
+        if self.first_failing is not None:
+            return
+        self.first_failing = -1 if failing is None else failing
+        for rank, stream in self.tails.items():
+            if rank != failing:
+                stream.mute()
 
     # -- progress and hangs ----------------------------------------------------------------------------------------
 
@@ -319,7 +335,9 @@ class Watch:
                 state.update(record, self.console.writing_time())
             except (ValueError, TypeError):
                 continue  # a malformed record says nothing about progress
-            if record.event == "step" and (found := self.stragglers.add(w.spec.rank, record.step, record.ready_s,
+            if record.event == "failing" and self.stop is None:
+                self.quiet_fallout(w.spec.rank)
+            elif record.event == "step" and (found := self.stragglers.add(w.spec.rank, record.step, record.ready_s,
                                                                         record.step_s)):
                 self.console.say(found.message(), style="bold yellow")
                 self.straggler_history.append(found)

@@ -1,10 +1,15 @@
 """The diagnoses' analysis on their own: culprit verdicts from flight records shaped as PyTorch writes them (NCCL
-ranks' records have the same JSON shape as gloo's) and from faulthandler stacks; the straggler detector's arithmetic."""
+ranks' records have the same JSON shape as gloo's) and from faulthandler stacks; the straggler detector's arithmetic;
+the out-of-memory headline's figures and fixes."""
 
 from __future__ import annotations
 
+import pytest
+
+from supervisor.diagnosis import oom
 from supervisor.diagnosis.culprit import RankEvidence, find_culprit, main_stack, read_recorder
 from supervisor.diagnosis.stragglers import WARM_UP_STEPS, WINDOW, StragglerDetector
+from trainer.oom_report import OomReport
 
 
 def record(pg_status: dict[str, tuple[int, int]], backend: str = "nccl") -> dict:
@@ -87,3 +92,27 @@ def test_a_rank_slowed_by_30_percent_is_named_within_30_steps() -> None:
 def test_no_straggler_without_a_slowdown() -> None:
     assert feed(StragglerDetector({0: "GPU0", 1: "GPU1"}), range(1, 200), slow_from=10**6, slowdown=0.0) == []
     assert WARM_UP_STEPS < WINDOW
+
+
+def oom_report(strategy: str, checkpointing: str) -> OomReport:
+    return OomReport(label="GPU3", rank=3, step=0, allocated=70 << 30, reserved=78 << 30, peak=76 << 30,
+                     total=80 << 30, estimate=61 << 30, strategy=strategy, message="CUDA out of memory.",
+                     traceback="Traceback ...", checkpointing=checkpointing)
+
+
+def test_oom_headline_has_the_figures_and_the_estimate() -> None:
+    line = oom.headline(oom_report("ddp", "none"))
+    assert line.startswith("GPU3 (rank 3) ran out of memory at step 0: 70.00 GiB allocated, 78.00 GiB reserved, "
+                           "peak 76.00 GiB of 80.00 GiB; the dry run estimated 61.00 GiB per GPU. Fixes, in order: "
+                           "1) lower --batch-size"), line
+
+
+@pytest.mark.parametrize("strategy, checkpointing, expected", [
+    ("ddp", "none", ["batch-size", "gradient_checkpointing=selective, then =full", "strategy=fsdp"]),
+    ("ddp", "selective", ["batch-size", "gradient_checkpointing=full", "strategy=fsdp"]),
+    ("fsdp", "full", ["batch-size"]),
+])
+def test_oom_fixes_leave_out_what_the_run_already_does(strategy: str, checkpointing: str,
+                                                        expected: list[str]) -> None:
+    fixes = oom.fixes(oom_report(strategy, checkpointing))
+    assert len(fixes) == len(expected) and all(part in fix for part, fix in zip(expected, fixes)), fixes

@@ -86,8 +86,13 @@ def test_oom_headline_and_exit_code(tmp_path: Path, token_cache_dir: Path) -> No
     assert run.code == OOM_EXIT_CODE, out[-4000:]
     assert re.search(r"run failed after .*: GPU1 \(rank 1\) ran out of memory at step 2: .*the dry run estimated "
                      r"[\d.]+ GiB per GPU\. Fixes, in order: 1\) lower --batch-size", out), out[-4000:]
-    # the traceback is in the report file only (GPU0's own error, its collective cut short, is another rank's)
-    assert not re.search(r"^GPU1:.*Traceback", out, re.M), out[-4000:]
+    # the traceback is in the report file only; GPU0's own error (its all-reduce cut short by GPU1's exit) is
+    # fallout: in its log file, and the report says so, but not on the console
+    assert not re.search(r"^GPU[01]:.*Traceback", out, re.M), out[-4000:]
+    fallout = re.search(r"^supervisor: GPU0 \(rank 0\): (\d+) more stderr lines after the failure, in (\S+) only$",
+                        out, re.M)
+    assert fallout, out[-4000:]
+    assert "Traceback" in Path(fallout[2]).read_text()
     report = OomReport.load(run.run_dir, "GPU1")
     assert report is not None and report.step == 2 and "OutOfMemoryError" in report.traceback
     assert f"exit code {OOM_EXIT_CODE}; logs in" in out

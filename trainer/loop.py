@@ -532,7 +532,13 @@ def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter |
             step = trainer.faults.step if trainer is not None else None
             report = oom_report.collect(e, cfg, device_label(ctx.device.type == "cuda"), ctx.rank, ctx.world_size,
                                         step)
+            progress.failing()
             raise OutOfMemory(report.save(folder), step) from None
+        except UserError:
+            raise  # a bad input fails every rank alike: no rank is first
+        except Exception:
+            progress.failing()
+            raise
         finally:
             teardown()
 

@@ -33,6 +33,7 @@ class OomReport:
     strategy: str
     message: str  # the error's first line
     traceback: str
+    checkpointing: str = "none"  # model.gradient_checkpointing's policy (none | selective | full)
 
     def save(self, run_dir: Path) -> Path:
         path = report_path(run_dir, self.label)
@@ -55,6 +56,7 @@ def collect(error: BaseException, cfg: Any, label: str, rank: int, world_size: i
     """The report for `error`, with the figures the device can give (none on a CPU)."""
     import torch
 
+    from trainer.config import checkpointing_policy
     from trainer.estimate import estimate
 
     allocated = reserved = peak = total = None
@@ -69,4 +71,5 @@ def collect(error: BaseException, cfg: Any, label: str, rank: int, world_size: i
     text = "".join(traceback.format_exception(error))
     return OomReport(label=label, rank=rank, step=step, allocated=allocated, reserved=reserved, peak=peak,
                      total=total, estimate=planned, strategy=cfg.training.strategy,
-                     message=(str(error).strip().splitlines() or ["out of memory"])[0], traceback=text)
+                     message=(str(error).strip().splitlines() or ["out of memory"])[0], traceback=text,
+                     checkpointing=checkpointing_policy(cfg.model.gradient_checkpointing))

@@ -18,7 +18,7 @@ MAX_RECORD_BYTES = 512
 
 @dataclass
 class Progress:
-    event: str  # "phase" (start-up stages) | "step" | "done"
+    event: str  # "phase" (start-up stages) | "step" | "done" | "failing" (about to exit with an error)
     step: int = 0
     total: int = 0
     loss: float | None = None
@@ -67,6 +67,11 @@ class ProgressReporter:
 
     def done(self, step: int, total: int, loss: float | None = None) -> None:
         self.send(Progress(event="done", step=step, total=total, loss=loss))
+
+    def failing(self) -> None:
+        """Sent before the rank leaves its process group on an error: the supervisor learns which rank failed first
+        while the other ranks are still inside their collectives, before their own errors (the fallout) begin."""
+        self.send(Progress(event="failing"))
 
 
 def gpu_id() -> str | None:

@@ -12,9 +12,22 @@ from trainer.oom_report import OomReport
 
 GIB = 1 << 30
 
-FIXES = ("lower --batch-size and raise training.grad_accum_nums by the same factor (same tokens per step)",
-         "turn on gradient checkpointing (--set model.gradient_checkpointing=true)",
-         "shard the model with FSDP (--set training.strategy=fsdp)")
+SMALLER_BATCH = "lower --batch-size and raise training.grad_accum_nums by the same factor (same tokens per step)"
+MORE_CHECKPOINTING = {  # the policy in force → the next one to try
+    "none": "turn on gradient checkpointing (--set model.gradient_checkpointing=selective, then =full)",
+    "selective": "checkpoint every layer (--set model.gradient_checkpointing=full)",
+}
+SHARD = "shard the model with FSDP (--set training.strategy=fsdp)"
+
+
+def fixes(report: OomReport) -> list[str]:
+    """What to try, cheapest first, leaving out what the run already does."""
+    found = [SMALLER_BATCH]
+    if report.checkpointing in MORE_CHECKPOINTING:
+        found.append(MORE_CHECKPOINTING[report.checkpointing])
+    if report.strategy != "fsdp":
+        found.append(SHARD)
+    return found
 
 
 def gib(n: int | None) -> str:
@@ -29,8 +42,7 @@ def headline(report: OomReport) -> str:
         figures = (f"{gib(report.allocated)} allocated, {gib(report.reserved)} reserved, peak {gib(report.peak)} "
                    f"of {gib(report.total)}")
     estimate = "" if report.estimate is None else f"; the dry run estimated {gib(report.estimate)} per GPU"
-    fixes = FIXES if report.strategy != "fsdp" else FIXES[:2]
-    steps = "; ".join(f"{n}) {fix}" for n, fix in enumerate(fixes, 1))
+    steps = "; ".join(f"{n}) {fix}" for n, fix in enumerate(fixes(report), 1))
     return (f"{report.label} (rank {report.rank}) ran out of memory {when}: {figures}{estimate}. Fixes, in order: "
             f"{steps}")
 
