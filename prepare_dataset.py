@@ -1,8 +1,8 @@
-"""Build or reuse the token cache for a config (step 2 of a run, on its own). See trainer/prepare_cli.py."""
+"""Build or reuse the token cache for a config (step 2 of a run, on its own). See trainer/data/prepare_cli.py."""
 
 import sys
 
-from trainer.prepare_cli import main
+from trainer.data.prepare_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -36,12 +36,12 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
-from trainer.cache import (OFFSETS_FILE, TOKENS_FILE, VAL_OFFSETS_FILE, VAL_TOKENS_FILE, TokenCache,  # noqa: E402
-                           digest, prepare, publish, staging, write_manifest)
 from trainer.config import Config  # noqa: E402
-from trainer.corpus import StdlibCorpus  # noqa: E402
-from trainer.token_stream import TokenStream  # noqa: E402
-from trainer.tokenizer import export, load_fast  # noqa: E402
+from trainer.data.cache import (OFFSETS_FILE, TOKENS_FILE, VAL_OFFSETS_FILE, VAL_TOKENS_FILE, TokenCache,  # noqa: E402
+                                digest, prepare, publish, staging, write_manifest)
+from trainer.data.corpus import StdlibCorpus  # noqa: E402
+from trainer.data.token_stream import TokenStream  # noqa: E402
+from trainer.data.tokenizer import export, load_fast  # noqa: E402
 
 ANCHORS = {"map": 0.47, "raw": 0.74}  # M tokens/s on the reference 2-core machine (ANCHORS.md)
 
@@ -128,7 +128,7 @@ def child_map(tokenizer_folder: str) -> dict:
 
 def child_reader(path: str, copy: str) -> dict:
     """Read the whole cache (one epoch of BatchSampler windows), say READ, wait for the parent, then measure."""
-    from trainer.batches import BatchSampler  # here: that module also holds the torch DataLoader wrapper
+    from trainer.data.batches import BatchSampler  # here: that module also holds the torch DataLoader wrapper
 
     process = psutil.Process()
     base = process.memory_full_info()

@@ -5,7 +5,7 @@
 
 Each measurement runs in a fresh interpreter that first joins a one-member gloo group (as a rank has before its first
 batch, so `fork` copies a process with gloo's threads running) and memory-maps a generated token file, then reads
-batches through `trainer.batches.StepLoader`:
+batches through `trainer.data.batches.StepLoader`:
   start    StepLoader created → first batch in hand: the one-off cost at a run's first step (and at each resume)
   step     time per batch over the next --steps batches with no compute in between: the pure read rate
   +gpu     the same with --compute-ms of sleep after each batch, a GPU step during which the CPU only waits: what
@@ -53,11 +53,11 @@ def child(method: str, tokens_path: str, workers: int, steps: int, compute_ms: f
     import numpy as np
     import torch.distributed as dist
 
-    from trainer.batches import BatchSampler, StepLoader
+    from trainer.data.batches import BatchSampler, StepLoader
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if method == "forkserver":
-        multiprocessing.set_forkserver_preload(["torch", "trainer.batches"])
+        multiprocessing.set_forkserver_preload(["torch", "trainer.data.batches"])
     tokens = np.memmap(tokens_path, dtype="<u2", mode="r")
     sampler = BatchSampler(tokens, world_size=1, rank=0, seed=1, **shape)
     started = time.perf_counter()

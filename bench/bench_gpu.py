@@ -267,8 +267,8 @@ def cache_scaling(opts: Options) -> str:
     """Build the same large cache with 1, 2, 4 … cores; tokens/s and the fraction of linear scaling from one core."""
     from bench_cache import config_for
 
-    from trainer.cache import prepare
-    from trainer.corpus import StdlibCorpus
+    from trainer.data.cache import prepare
+    from trainer.data.corpus import StdlibCorpus
 
     data = SMOKE_DATA if opts.smoke else {}
     seed_cfg = config_for(opts.cache_dir, vocab_size=300 if opts.smoke else 8192,

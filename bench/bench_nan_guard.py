@@ -4,7 +4,7 @@ Two identical tiny-Llama trainers (same seed, same batches) take turns step by s
 a shared machine's speed hits both alike. Printed: both medians, the median of the per-step differences (the steadier
 figure on a busy machine), and the guard's own calls timed alone. Each step follows trainer/loop.py's order;
 every `--log-interval` steps both do the loop's log-step host reads (loss and grad norm), and the guarded one also
-calls `on_log`. Host synchronisations are counted with `trainer.host_sync.HostSyncCounter` (a TorchDispatchMode
+calls `on_log`. Host synchronisations are counted with `trainer.diagnosis.host_sync.HostSyncCounter` (a TorchDispatchMode
 counting `aten._local_scalar_dense` — item/bool/float — plus wrapped `Tensor.tolist`/`Tensor.cpu`) around whole steps.
 A debug-mode row shows what localisation costs. Single process: the multi-rank guard adds one all-gather of 3 float32
 per rank per step, which this does not time.
@@ -28,8 +28,8 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from trainer.config import Config  # noqa: E402
-from trainer.host_sync import HostSyncCounter  # noqa: E402
-from trainer.nan_guard import NanGuard  # noqa: E402
+from trainer.diagnosis.host_sync import HostSyncCounter  # noqa: E402
+from trainer.diagnosis.nan_guard import NanGuard  # noqa: E402
 
 VOCAB, SEQ, BATCH = 2048, 128, 4
 
@@ -141,7 +141,7 @@ def main() -> None:
           f"({statistics.median(pairs) / base:+.2%})")
     print(f"guard calls timed alone (check + step_optimizer vs optimizer.step, best of 200): "
           f"{cost * 1e6:+.0f} us per step = {cost / base:+.3%} of the median step")
-    print("host syncs counted with trainer.host_sync.HostSyncCounter (item/bool/float via aten._local_scalar_dense, "
+    print("host syncs counted with trainer.diagnosis.host_sync.HostSyncCounter (item/bool/float via aten._local_scalar_dense, "
           "Tensor.tolist, Tensor.cpu) over whole steps, log steps included")
 
 

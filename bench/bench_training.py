@@ -115,8 +115,8 @@ class MinimalDDP:
         from torch.nn.parallel import DistributedDataParallel
         from transformers import LlamaConfig, LlamaForCausalLM, get_cosine_with_min_lr_schedule_with_warmup
 
-        from trainer.batches import BatchSampler
-        from trainer.cache import TokenCache, prepare
+        from trainer.data.batches import BatchSampler
+        from trainer.data.cache import TokenCache, prepare
 
         t, m = cfg.training, cfg.model
         self.cfg = cfg
@@ -228,7 +228,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-training-") as tmp:
         root = Path(tmp)
         cache_dir = root / "cache"
-        from trainer.cache import prepare
+        from trainer.data.cache import prepare
 
         prepare(bench_config(root, cache_dir, args.steps), show_progress=False)  # build once, outside the timing
         results: dict[str, list[float]] = {"minimal": [], "rank": []}

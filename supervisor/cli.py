@@ -29,8 +29,9 @@ from supervisor.console import Console
 from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
 from trainer.checkpoint_layout import find_resume
-from trainer.config import PROJECT_ROOT, Config, add_config_arguments, check_world_size, handle_inspection_flags
+from trainer.config import PROJECT_ROOT, Config, check_world_size
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.resolve import add_config_arguments, handle_inspection_flags
 from trainer.sizes import human, parameter_count
 from trainer.wandb_run import check_wandb
 

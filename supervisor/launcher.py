@@ -96,7 +96,7 @@ class Launcher:
         """Build (or find) the token cache once, before any rank starts, so ranks never race to build it."""
         if not (self.plan.prepare and self.plan.trainer_entry):
             return
-        from trainer.cache import prepare  # here, not at the top: its build path imports the tokenizer libraries
+        from trainer.data.cache import prepare  # here, not at the top: its build path imports the tokenizer libraries
 
         info = prepare(self.cfg)
         state = "built" if info.built else "ready"

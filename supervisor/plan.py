@@ -13,8 +13,8 @@ from pathlib import Path
 
 from supervisor.diagnosis.culprit import recorder_pipe
 from supervisor.rendezvous import loopback_interface
-from trainer.flight_recorder import PIPE_ENV
 from trainer.config import PROJECT_ROOT
+from trainer.diagnosis.flight_recorder import PIPE_ENV
 
 TRAINER_ENTRY = "pretrain_main.py"
 RUN_CONFIG_ENV = "SUPERVISOR_RUN_CONFIG"  # every rank: the resolved config of its attempt

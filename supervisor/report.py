@@ -4,7 +4,7 @@ Exit codes: 0 when every rank finished; 2 for a user error; otherwise the code o
 (128 + signal number when a signal killed it); 124 when a rank stalled (the hang watchdog stopped the group, as
 ``timeout`` reports a command that ran out of time); 130 / 143 / 129 / 138 when the supervisor itself got SIGINT /
 SIGTERM / SIGHUP / SIGUSR1; on a multi-node run, the code of the rank that failed first on whichever node it ran. A rank
-that ran out of device memory exits with 99 (`trainer.oom_report.OOM_EXIT_CODE`), which the supervisor passes on.
+that ran out of device memory exits with 99 (`trainer.diagnosis.oom_report.OOM_EXIT_CODE`), which the supervisor passes on.
 """
 
 from __future__ import annotations

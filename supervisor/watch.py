@@ -37,8 +37,8 @@ from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
 from supervisor.signals import STOP_SIGNALS, SignalInbox
 from supervisor.worker import Worker, describe_exit
+from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.errors import USER_ERROR_EXIT_CODE
-from trainer.oom_report import OOM_EXIT_CODE
 from trainer.progress import Progress
 
 if TYPE_CHECKING:

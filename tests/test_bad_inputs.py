@@ -20,8 +20,8 @@ import pytest
 from process_tree import watching
 from rank_scripts.harness import ROOT, clean_env
 from supervisor import gpus
-from trainer.cache import BUILD_PREFIX, list_caches
 from trainer.checkpoint_layout import STEP_PREFIX, TMP_PREFIX
+from trainer.data.cache import BUILD_PREFIX, list_caches
 
 COMMANDS = {
     "run_training.sh": ["bash", str(ROOT / "run_training.sh")],

@@ -7,7 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
-from trainer.batches import BatchSampler, WindowOrder
+from trainer.data.batches import BatchSampler, WindowOrder
 from trainer.errors import UserError
 
 

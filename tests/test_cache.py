@@ -20,13 +20,13 @@ import numpy as np
 import psutil
 import pytest
 
-from trainer import cache as cache_module
-from trainer.cache import (BUILD_PREFIX, TOKENIZERS_DIR, TRASH_PREFIX, CacheInfo, TokenCache, cache_root,
-                           list_caches, prepare, process_tag)
+from trainer.data import cache as cache_module
+from trainer.data.cache import (BUILD_PREFIX, TOKENIZERS_DIR, TRASH_PREFIX, CacheInfo, TokenCache, cache_root,
+                                list_caches, prepare, process_tag)
 from trainer.config import PROJECT_ROOT, Config
-from trainer.corpus import open_corpus, split_documents
+from trainer.data.corpus import open_corpus, split_documents
+from trainer.data.token_stream import TokenStream
 from trainer.errors import UserError
-from trainer.token_stream import TokenStream
 
 TINY = {"source": "stdlib", "vocab_size": 300, "context_length": 32, "max_samples": 24, "val_fraction": 0.1}
 
@@ -147,7 +147,7 @@ def test_editing_a_local_file_changes_the_key(tmp_path: Path) -> None:
 def test_a_hub_source_is_keyed_by_its_resolved_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 
-    from trainer import corpus as corpus_module
+    from trainer.data import corpus as corpus_module
 
     texts = [f"hub document {i}: " + "lorem ipsum dolor sit amet " * 30 for i in range(8)]
     monkeypatch.setattr(datasets, "load_dataset",
@@ -409,7 +409,7 @@ def test_the_hit_path_imports_no_heavy_library(built: tuple[Config, CacheInfo], 
     code = (
         "import json, sys\n"
         "from trainer.config import Config\n"
-        "from trainer.cache import prepare\n"
+        "from trainer.data.cache import prepare\n"
         f"info = prepare(Config.from_dict(json.load(open({str(config)!r}))), show_progress=False)\n"
         "heavy = [m for m in ('torch', 'transformers', 'datasets', 'tokenizers', 'rich') if m in sys.modules]\n"
         "print(json.dumps({'built': info.built, 'heavy': heavy}))\n")

@@ -19,9 +19,9 @@ from trainer.checkpoint import CheckpointMeta, TrainState
 from trainer.config import Config
 from trainer.distributed import DistContext, init_distributed, teardown
 from trainer.errors import UserError
-from trainer.loop import build_optimizer, build_scheduler
 from trainer.loss import full_loss
 from trainer.model import build_model, shape_signature
+from trainer.optim import build_optimizer, build_scheduler
 
 CPU = torch.device("cpu")
 KEY = "0123456789abcdef0123456789abcdef"

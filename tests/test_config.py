@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import Config, add_config_arguments, preset_names, presets_table, resolve, strip_json_comments
+from trainer.config import Config, strip_json_comments
 from trainer.errors import UserError
+from trainer.resolve import add_config_arguments, preset_names, presets_table, resolve
 from trainer.sizes import parameter_count
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,7 +182,7 @@ def test_presets_table_rows() -> None:
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     code = ("import argparse, sys\n"
-            "from trainer.config import add_config_arguments, handle_inspection_flags\n"
+            "from trainer.resolve import add_config_arguments, handle_inspection_flags\n"
             "from trainer.errors import UserError\n"
             "p = argparse.ArgumentParser(); add_config_arguments(p)\n"
             "try:\n    handle_inspection_flags(p.parse_args(sys.argv[1:]))\n"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from trainer.config import PROJECT_ROOT, DataConfig
-from trainer.corpus import (HubCorpus, LocalCorpus, StdlibCorpus, is_validation, open_corpus, split_documents,
-                            training_documents)
+from trainer.data.corpus import (HubCorpus, LocalCorpus, StdlibCorpus, is_validation, open_corpus, split_documents,
+                                 training_documents)
 from trainer.errors import UserError
 
 
@@ -99,7 +99,7 @@ def test_a_name_that_is_not_a_path_is_a_hub_dataset() -> None:
 def test_hub_dataset_is_read_at_its_resolved_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 
-    from trainer import corpus as corpus_module
+    from trainer.data import corpus as corpus_module
 
     calls = []
 
@@ -120,7 +120,7 @@ def test_hub_dataset_is_read_at_its_resolved_commit(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize("env", [{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": "http://127.0.0.1:9"}],
                          ids=["offline-mode", "unreachable-endpoint"])
 def test_hub_name_offline_fails_with_one_line(env: dict[str, str]) -> None:
-    code = ("from trainer.config import DataConfig\nfrom trainer.corpus import open_corpus\n"
+    code = ("from trainer.config import DataConfig\nfrom trainer.data.corpus import open_corpus\n"
             "open_corpus(DataConfig(source='someone/some-dataset')).identity()\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
                             timeout=60, env={**os.environ, **env, "HF_HUB_DISABLE_TELEMETRY": "1"})

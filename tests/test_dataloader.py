@@ -32,7 +32,7 @@ from rank_support import (  # noqa: F401 (fixtures)
     token_cache_dir,
 )
 from trainer import loop
-from trainer.batches import BatchSampler, StepLoader
+from trainer.data.batches import BatchSampler, StepLoader
 
 WORKER_NAME = "pt_data_worker"  # the name torch gives its DataLoader worker processes
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -153,7 +153,7 @@ def test_rank_with_a_worker_trains_like_inline_survives_a_group_sigterm_and_leav
     """Two runs side by side, num_workers=1 and num_workers=0. The first is stopped by SIGTERM to its whole process
     group (its workers get it too and must not die of it): it checkpoints and exits 0, and once it has exited none
     of its processes remains. The second is then stopped past the same step: the losses are equal step for step."""
-    from trainer.cache import prepare
+    from trainer.data.cache import prepare
 
     prepare(tiny_config(tmp_path / "prepare", token_cache_dir), show_progress=False)  # before the runs race for it
     token = uuid.uuid4().hex

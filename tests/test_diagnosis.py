@@ -9,7 +9,7 @@ import pytest
 from supervisor.diagnosis import oom
 from supervisor.diagnosis.culprit import RankEvidence, find_culprit, main_stack, read_recorder
 from supervisor.diagnosis.stragglers import WARM_UP_STEPS, WINDOW, StragglerDetector
-from trainer.oom_report import OomReport
+from trainer.diagnosis.oom_report import OomReport
 
 
 def record(pg_status: dict[str, tuple[int, int]], backend: str = "nccl") -> dict:
@@ -27,8 +27,8 @@ STACK_HUNG = '''Thread 0x00007f0000000001 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 1002 in _bootstrap
 
 Current thread 0x00007f0000000000 (most recent call first):
-  File "/x/trainer/faults.py", line 160 in _fire_if_due
-  File "/x/trainer/faults.py", line 133 in before_step
+  File "/x/trainer/diagnosis/faults.py", line 160 in _fire_if_due
+  File "/x/trainer/diagnosis/faults.py", line 133 in before_step
   File "/x/trainer/loop.py", line 324 in train_step
   File "/x/pretrain_main.py", line 13 in <module>
 '''
@@ -52,7 +52,7 @@ def test_recorder_names_the_rank_that_never_joined() -> None:
     verdict = find_culprit(ranks)
     assert verdict.method == "flight recorder" and [c.rank for c in verdict.culprits] == [1]
     assert verdict.headline(10.0).startswith(
-        "GPU1 (rank 1) stalled at step 3 in _fire_if_due (trainer/faults.py:160); GPU0 (rank 0) waits for it in "
+        "GPU1 (rank 1) stalled at step 3 in _fire_if_due (trainer/diagnosis/faults.py:160); GPU0 (rank 0) waits for it in "
         "nccl:all_reduce #14 on default_pg at _engine_run_backward (autograd/graph.py:829)")
 
 

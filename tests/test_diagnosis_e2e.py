@@ -17,12 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 from process_tree import watching
 from rank_scripts.harness import clean_env
 from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
-from trainer.oom_report import OOM_EXIT_CODE, OomReport
+from trainer.diagnosis.oom_report import OOM_EXIT_CODE, OomReport
 
 RUN_TIMEOUT = 150.0
 STALL_TO_GONE = 3.0
@@ -70,7 +68,7 @@ def test_hang_names_the_stalled_rank_and_ends_fast(tmp_path: Path, token_cache_d
                     "--hang-timeout", "4", "--startup-timeout", "60")
     out = run.output
     assert run.code == 124, out[-4000:]
-    headline = re.search(r"^supervisor: (GPU1 \(rank 1\) stalled at step 3 in \S+ \(trainer/faults\.py:\d+\); "
+    headline = re.search(r"^supervisor: (GPU1 \(rank 1\) stalled at step 3 in \S+ \(trainer/diagnosis/faults\.py:\d+\); "
                          r"GPU0 \(rank 0\) waits for it in .*\(no progress for .* by flight recorder\))$", out, re.M)
     assert headline, out[-4000:]
     assert "run failed after" in out and "stall evidence" in out

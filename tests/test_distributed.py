@@ -14,8 +14,8 @@ import torch.multiprocessing as mp
 
 from rank_support import free_port, tiny_config, token_cache_dir  # noqa: F401 (fixture)
 from trainer import checkpoint
-from trainer.cache import prepare
 from trainer.config import Config
+from trainer.data.cache import prepare
 from trainer.distributed import (
     RankEnvironment,
     agree_any,
@@ -27,9 +27,9 @@ from trainer.distributed import (
     unwrap,
     wrap_model,
 )
-from trainer.loop import build_optimizer, build_scheduler
 from trainer.loss import full_loss
 from trainer.model import build_model, shape_signature
+from trainer.optim import build_optimizer, build_scheduler
 
 WORLD = 2
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from rank_support import MAIN, PYTHON, base_env
-from trainer.config import Config, apply_layer, preset_layer
+from trainer.config import Config, apply_layer
 from trainer.estimate import GiB, estimate, format_estimate
 from trainer.rank_cli import main
+from trainer.resolve import preset_layer
 from trainer.sizes import flops_per_token, human, parameter_count
 
 PRODUCTION_PARAMETERS = 7_241_732_096
@@ -71,7 +72,7 @@ def test_production_estimate_on_eight_80_gib_gpus() -> None:
 
 def test_the_supervisor_can_estimate_without_torch() -> None:
     code = ("import sys\n"
-            "from trainer.config import Config, apply_layer, preset_layer\n"
+            "from trainer.config import Config, apply_layer\nfrom trainer.resolve import preset_layer\n"
             "from trainer.estimate import GiB, estimate, format_estimate\n"
             "cfg = Config()\n"
             "apply_layer(cfg, preset_layer('production'), 'production')\n"

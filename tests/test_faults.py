@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from trainer.config import DebugConfig
+from trainer.diagnosis.faults import FaultInjector
 from trainer.errors import UserError
-from trainer.faults import FaultInjector
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ import faulthandler, signal, sys
 faulthandler.enable()
 signal.signal(signal.SIGTERM, lambda *_: print("SIGTERM noted", flush=True))  # like the loop: finish the step first
 from trainer.config import DebugConfig
-from trainer.faults import FaultInjector
+from trainer.diagnosis.faults import FaultInjector
 faults = FaultInjector(DebugConfig(inject_fault={kind!r}, inject_fault_step=2, inject_fault_rank=1,
                                    inject_fault_code=7), rank={rank})
 for step in range(4):
@@ -171,8 +171,8 @@ from pathlib import Path
 from test_checkpoint import make_cfg, make_meta, make_state, train_once
 from trainer import checkpoint, checkpoint_layout
 from trainer.config import DebugConfig
+from trainer.diagnosis.faults import FaultInjector
 from trainer.distributed import init_distributed
-from trainer.faults import FaultInjector
 cfg = make_cfg(Path({folder!r}))
 ctx = init_distributed(cfg)
 state = make_state(cfg)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from rank_support import history, history_losses, one_thread, tiny_config, token_cache_dir  # noqa: F401 (fixtures)
-from trainer import checkpoint, checkpoint_layout, loop
+from trainer import checkpoint, checkpoint_layout, loop, optim
 from trainer.config import Config
+from trainer.diagnosis.host_sync import HostSyncCounter
 from trainer.distributed import init_distributed, teardown
-from trainer.host_sync import HostSyncCounter
 from trainer.progress import ProgressReporter
 
 
@@ -161,12 +161,12 @@ def test_weight_decay_on_matrices_only_and_the_schedule(tmp_path: Path) -> None:
     from trainer.model import build_model
 
     model = build_model(cfg, 300, 0, torch.device("cpu"))
-    optimizer = loop.build_optimizer(model, cfg)
+    optimizer = optim.build_optimizer(model, cfg)
     decay, no_decay = optimizer.param_groups
     assert decay["weight_decay"] == 0.1 and all(p.ndim >= 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and no_decay["params"] and all(p.ndim == 1 for p in no_decay["params"])
     assert optimizer.defaults["fused"]
-    scheduler = loop.build_scheduler(optimizer, cfg)
+    scheduler = optim.build_scheduler(optimizer, cfg)
     lrs = []
     for _ in range(100):
         lrs.append(scheduler.get_last_lr()[0])
@@ -175,4 +175,4 @@ def test_weight_decay_on_matrices_only_and_the_schedule(tmp_path: Path) -> None:
     assert lrs[0] == 0.0 and lrs[5] == pytest.approx(5e-4) and lrs[10] == pytest.approx(1e-3)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # cosine decay
     assert scheduler.get_last_lr()[0] == pytest.approx(1e-4)  # learning_rate · min_lr_ratio at max_steps
-    assert loop.resolve_precision(cfg, torch.device("cpu")) == loop.Precision("fp32", None)
+    assert optim.resolve_precision(cfg, torch.device("cpu")) == optim.Precision("fp32", None)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from rank_support import free_port, tiny_config, token_cache_dir  # noqa: F401 (fixture)
 from trainer import checkpoint
-from trainer.cache import prepare
 from trainer.config import Config
+from trainer.data.cache import prepare
 from trainer.distributed import init_distributed, is_sharded, teardown, unwrap, wrap_model
 from trainer.errors import UserError
 from trainer.loss import CausalLMLoss, choose_loss, chunked_cross_entropy, liger_installed

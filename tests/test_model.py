@@ -9,9 +9,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from rank_support import tiny_config
+from trainer.choices import compile_enabled
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.choices import compile_enabled
 from trainer.model import (
     attention_backend,
     build_model,
@@ -80,7 +80,8 @@ def test_a_model_smaller_than_the_tokenizer_is_refused(tmp_path: Path) -> None:
 
 
 def test_meta_sizes_of_the_production_preset_allocate_nothing() -> None:
-    from trainer.config import apply_layer, preset_layer
+    from trainer.config import apply_layer
+    from trainer.resolve import preset_layer
 
     cfg = Config()
     apply_layer(cfg, preset_layer("production"), "production")
@@ -97,7 +98,7 @@ def test_shape_signature_names_every_parameter(tmp_path: Path) -> None:
 
 
 def test_maskless_causal_attention_is_sdpa_without_host_reads(tmp_path: Path) -> None:
-    from trainer.host_sync import HostSyncCounter
+    from trainer.diagnosis.host_sync import HostSyncCounter
 
     model = build_model(cfg_for(tmp_path, num_layers=2), 300, 0, CPU)
     batch = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))

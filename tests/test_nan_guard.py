@@ -26,9 +26,9 @@ import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from trainer.config import Config  # noqa: E402
-from trainer.faults import FaultInjector, poison  # noqa: E402
-from trainer.host_sync import HostSyncCounter  # noqa: E402
-from trainer.nan_guard import NanGuard, NonFiniteError  # noqa: E402
+from trainer.diagnosis.faults import FaultInjector, poison  # noqa: E402
+from trainer.diagnosis.host_sync import HostSyncCounter  # noqa: E402
+from trainer.diagnosis.nan_guard import NanGuard, NonFiniteError  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 16, 2
 NAN_MODULE = "model.layers.1.mlp"

@@ -10,8 +10,9 @@ import pytest
 from rank_scripts.harness import WORKER, cleanup, run  # noqa: F401  (cleanup: fixture)
 from supervisor.cli import check_fits_on_cpu
 from supervisor.plan import Plan, RankSpec
-from trainer.config import Config, apply_layer, preset_layer
+from trainer.config import Config, apply_layer
 from trainer.errors import UserError
+from trainer.resolve import preset_layer
 
 
 @pytest.mark.parametrize("args, message", [

@@ -25,20 +25,22 @@ import random
 import signal
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from trainer import checkpoint, checkpoint_layout, flight_recorder, oom_report
-from trainer.batches import BatchSampler, StepLoader
-from trainer.cache import TokenCache, prepare
+from trainer import checkpoint, checkpoint_layout
 from trainer.choices import compile_enabled
 from trainer.config import Config, check_world_size
+from trainer.data.batches import BatchSampler, StepLoader
+from trainer.data.cache import TokenCache, prepare
+from trainer.diagnosis import flight_recorder, oom_report
+from trainer.diagnosis.faults import FaultInjector
+from trainer.diagnosis.nan_guard import NanGuard
+from trainer.diagnosis.step_timer import StepTimer
 from trainer.distributed import (
     DistContext,
     StopVote,
@@ -54,7 +56,6 @@ from trainer.distributed import (
 )
 from trainer.errors import UserError
 from trainer.estimate import GiB
-from trainer.faults import FaultInjector
 from trainer.loss import CausalLMLoss, choose_loss
 from trainer.metrics import EtaClock, History, StepRecord, Throughput, get_logger, memory_part, mfu, step_line
 from trainer.model import (
@@ -66,66 +67,15 @@ from trainer.model import (
     model_shape,
     use_maskless_causal_attention,
 )
-from trainer.nan_guard import NanGuard
+from trainer.optim import build_optimizer, build_scheduler, resolve_precision
 from trainer.progress import ProgressReporter, device_label
+from trainer.run_dir import agree_run_dir
 from trainer.sizes import flops_per_token, human, tokens_per_step
-from trainer.step_timer import StepTimer
 from trainer.wandb_run import start_wandb
-
-RUNS_DIR = Path("logs")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Precision, optimizer, schedule
-
-
-@dataclass(frozen=True)
-class Precision:
-    """How the step computes: `dtype` is the autocast (and FSDP gather) dtype, None for plain fp32."""
-
-    name: str  # "bf16" | "fp16" | "fp32"
-    dtype: torch.dtype | None
-
-    def autocast(self, device: torch.device) -> Any:
-        if self.dtype is None:
-            return nullcontext()
-        return torch.autocast(device.type, dtype=self.dtype)
-
-
-def resolve_precision(cfg: Config, device: torch.device) -> Precision:
-    """bf16 where the GPU has it, fp16 (with a loss scaler) where not, fp32 on CPUs or when AMP is off."""
-    t = cfg.training
-    if device.type != "cuda" or not t.use_amp or t.precision == "fp32":
-        return Precision("fp32", None)
-    bf16_ok = torch.cuda.is_bf16_supported()
-    if t.precision == "bf16" and not bf16_ok:
-        raise UserError(f"training.precision bf16: {torch.cuda.get_device_name(device)} has no bf16 support; "
-                        f"use --set training.precision=fp16 (or auto)")
-    if t.precision == "bf16" or (t.precision == "auto" and bf16_ok):
-        return Precision("bf16", torch.bfloat16)
-    return Precision("fp16", torch.float16)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms and biases).
-
-    The fused kernel exists on CPUs and GPUs and accepts a device-side `found_inf`, which is how the NaN guard skips a
-    step without a host synchronisation.
-    """
-    t = cfg.training
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": t.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=t.learning_rate, betas=(t.beta1, t.beta2), fused=True)
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then cosine decay to learning_rate · min_lr_ratio at max_steps."""
-    t = cfg.training
-    return get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.max_steps, min_lr_rate=t.min_lr_ratio)
+# Peak memory and stop requests
 
 
 def peak_memory(device: torch.device) -> tuple[int, int] | None:
@@ -134,10 +84,6 @@ def peak_memory(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Stop requests and the run folder
 
 
 class StopRequest:
@@ -157,31 +103,6 @@ class StopRequest:
             yield self
         finally:
             signal.signal(signal.SIGTERM, self.previous)
-
-
-def new_run_dir(cfg: Config) -> Path:
-    """logs/<date>-<time>-<preset>[-n]/ under the working directory, for a run started by hand."""
-    stem = f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{cfg.preset}"
-    for n in range(1, 1000):
-        path = RUNS_DIR / (stem if n == 1 else f"{stem}-{n}")
-        try:
-            path.mkdir(parents=True)
-            return path
-        except FileExistsError:
-            continue
-    raise UserError(f"cannot create a run folder under {RUNS_DIR}")
-
-
-def agree_run_dir(cfg: Config, ctx: DistContext, given: Path | None) -> Path:
-    """The run folder: the supervisor's (`given`), else logging.run_dir, else a new logs/<run-id>/ that rank 0
-    picks for every rank. Outside the supervisor rank 0 also records the resolved config there."""
-    if given is not None:
-        return given
-    path = (Path(cfg.logging.run_dir) if cfg.logging.run_dir else new_run_dir(cfg)) if ctx.is_main else None
-    path = broadcast_object(path, ctx)
-    if ctx.is_main:
-        cfg.save(path / "config.json")  # what the run actually used, as the supervisor would have written it
-    return path
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -544,7 +465,7 @@ def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter |
 
 
 class OutOfMemory(Exception):
-    """A rank ran out of device memory; its report (`trainer.oom_report`) is at `path`."""
+    """A rank ran out of device memory; its report (`trainer.diagnosis.oom_report`) is at `path`."""
 
     def __init__(self, path: Path, step: int | None) -> None:
         super().__init__(f"out of memory {'before the first step' if step is None else f'at step {step}'}; "

@@ -26,7 +26,7 @@ class Progress:
     eta_s: float | None = None
     phase: str | None = None
     time: float = 0.0
-    ready_s: float | None = None  # this step: start → forward done (trainer.step_timer), for the straggler detector
+    ready_s: float | None = None  # this step: start → forward done (trainer.diagnosis.step_timer), for stragglers
     step_s: float | None = None  # this step: start → end
 
     def encode(self) -> bytes:

@@ -16,9 +16,10 @@ import json
 import sys
 from pathlib import Path
 
-from trainer.config import FLAG_KEYS, Config, add_config_arguments, handle_inspection_flags, print_presets_table
+from trainer.config import Config
+from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
-from trainer.oom_report import OOM_EXIT_CODE
+from trainer.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
 
 FAILURE_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130
@@ -76,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run_report(cfg, args.nproc), flush=True)
             return 0
+        from trainer.diagnosis.nan_guard import NonFiniteError
         from trainer.loop import OutOfMemory, train
-        from trainer.nan_guard import NonFiniteError
 
         try:
             return train(cfg, run_dir)

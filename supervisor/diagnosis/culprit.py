@@ -2,7 +2,7 @@
 
 Evidence, strongest first:
 
-1. **The flight recorder** (`trainer.flight_recorder`): per process group, the last collective each rank enqueued.
+1. **The flight recorder** (`trainer.diagnosis.flight_recorder`): per process group, the last collective each rank enqueued.
    A rank whose ``last_enqueued_collective`` on some group is below the others' never joined the collective they are
    in: it is the culprit, unless it is itself blocked ahead of others on another group (collectives issued in
    different orders: nobody is singled out).
@@ -27,6 +27,7 @@ THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ ")
 FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 WAITING_FILES = ("torch/distributed/", "trainer/distributed.py")
 WAITING_FUNCS = ("_engine_run_backward",)
+PROJECT_PACKAGES = ("trainer", "supervisor")
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,11 @@ class Frame:
     func: str
 
     def short(self) -> str:
+        """``func (trainer/diagnosis/faults.py:160)`` for the project's files, the last two parts for others."""
         parts = Path(self.file).parts
-        return f"{self.func} ({'/'.join(parts[-2:])}:{self.line})"
+        ours = [i for i, part in enumerate(parts[:-1]) if part in PROJECT_PACKAGES]
+        shown = parts[ours[-1]:] if ours else parts[-2:]
+        return f"{self.func} ({'/'.join(shown)}:{self.line})"
 
 
 def parse_stacks(text: str) -> list[list[Frame]]:

@@ -1,6 +1,6 @@
 """An out-of-memory failure made plain: which GPU, which step, the figures, and the fixes in the order to try them.
 
-The rank that ran out of memory exits with `trainer.oom_report.OOM_EXIT_CODE` after writing its report file; the
+The rank that ran out of memory exits with `trainer.diagnosis.oom_report.OOM_EXIT_CODE` after writing its report file; the
 watcher calls `headline` with it and uses the result as the failure's one-line reason.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.oom_report import OomReport
+from trainer.diagnosis.oom_report import OomReport
 
 GIB = 1 << 30
 

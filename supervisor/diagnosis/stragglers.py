@@ -1,7 +1,7 @@
 """Straggler detection: a rank persistently slower than the others, from the per-step times each rank reports.
 
 In synchronous data parallelism a step lasts as long as its slowest rank, so step times are equal everywhere; what
-differs is when each rank gets ready for the step's gradient collectives (`trainer.step_timer`: ``ready_s``). The
+differs is when each rank gets ready for the step's gradient collectives (`trainer.diagnosis.step_timer`: ``ready_s``). The
 last rank to get ready waits for nobody; every other rank waits the difference. A rank's own busy time for the step
 is therefore ``step_s - (latest ready_s - its ready_s)``.
 

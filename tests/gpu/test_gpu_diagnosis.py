@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.oom_report import OOM_EXIT_CODE, OomReport
+from trainer.diagnosis.oom_report import OOM_EXIT_CODE, OomReport
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

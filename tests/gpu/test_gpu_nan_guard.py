@@ -31,9 +31,10 @@ def sync_free_steps(config_path: str) -> None:
 
     from trainer.config import Config
     from trainer.distributed import StopVote, init_distributed, teardown
-    from trainer.loop import StopRequest, Trainer, agree_run_dir
+    from trainer.loop import StopRequest, Trainer
     from trainer.metrics import EtaClock, Throughput
     from trainer.progress import ProgressReporter
+    from trainer.run_dir import agree_run_dir
 
     torch.cuda.set_sync_debug_mode("error")  # the check can fail: a deliberate read must raise
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rank_scripts.harness import PYTHON, ROOT, clean_env, cleanup, run  # noqa: F401  (cleanup: fixture)
+from rank_scripts.harness import PYTHON, clean_env, cleanup, run  # noqa: F401  (cleanup: fixture)
 
 torch = pytest.importorskip("torch")
 

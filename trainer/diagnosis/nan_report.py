@@ -1,7 +1,7 @@
 """What a non-finite step leaves behind: the report a rank prints, and the helpers its dump files are written with.
 
 The report's format (the rules, the "PROBLEMATIC TENSORS" section, up to 5 gradient values per parameter) is what
-users grep for; the dumps are described in trainer/nan_guard.py's docstring.
+users grep for; the dumps are described in trainer/diagnosis/nan_guard.py's docstring.
 """
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ import json
 import sys
 import time
 
-from trainer.cache import CacheEntry, CacheInfo, TokenCache, cache_root, list_caches, prepare, remove_cache
-from trainer.config import Config, add_config_arguments, handle_inspection_flags
+from trainer.config import Config
+from trainer.data.cache import CacheEntry, CacheInfo, TokenCache, cache_root, list_caches, prepare, remove_cache
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.resolve import add_config_arguments, handle_inspection_flags
 
 
 def build_parser() -> argparse.ArgumentParser:

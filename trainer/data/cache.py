@@ -44,13 +44,13 @@ import psutil
 from filelock import FileLock, Timeout
 
 from trainer import durable
-from trainer.build_progress import BuildProgress
 from trainer.config import PROJECT_ROOT, Config, DataConfig
-from trainer.corpus import Corpus, file_digest, open_corpus, split_documents, training_documents
+from trainer.data.build_progress import BuildProgress
+from trainer.data.corpus import Corpus, file_digest, open_corpus, split_documents, training_documents
+from trainer.data.token_stream import BATCH_CHARS, DTYPES, TokenStream, document_batches, encode_pipelined
+from trainer.data.tokenizer import (BPE, TokenizerSpec, bpe_recipe, check_vocab_size, eos_id_of, eos_token_of, export,
+                                    load_fast, locate_pretrained, tokenizer_digest, train_bpe)
 from trainer.errors import UserError
-from trainer.token_stream import BATCH_CHARS, DTYPES, TokenStream, document_batches, encode_pipelined
-from trainer.tokenizer import (BPE, TokenizerSpec, bpe_recipe, check_vocab_size, eos_id_of, eos_token_of, export,
-                               load_fast, locate_pretrained, tokenizer_digest, train_bpe)
 
 FORMAT_VERSION = 1  # bump when the layout or the preprocessing changes: every key changes with it
 TOKENS_FILE = "tokens.bin"

@@ -44,8 +44,8 @@ Dump files (debug mode with ``debug.nan_dump``, and always when the run stops)
     its GPU id: ``nan_debug_step_3_gpu1.pkl``. The report text also goes to
     ``<run dir>/nan_report_step_<step>[_gpu<id>].txt``.
 
-That the production path adds no host synchronisation is checked with ``trainer.host_sync.HostSyncCounter``.
-The report's text and the helpers the dumps are written with are in ``trainer/nan_report.py``.
+That the production path adds no host synchronisation is checked with ``trainer.diagnosis.host_sync.HostSyncCounter``.
+The report's text and the helpers the dumps are written with are in ``trainer/diagnosis/nan_report.py``.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Config
-from trainer.nan_report import (ForwardFault, NonFiniteStep, report_text, shown_path, to_host,
-                                 write_pickle_atomically)
+from trainer.diagnosis.nan_report import (ForwardFault, NonFiniteStep, report_text, shown_path, to_host,
+                                          write_pickle_atomically)
 
 FLAG_LOSS, FLAG_NORM, FLAG_LOCAL_GRAD = 0, 1, 2  # the per-rank flags check() gathers
 FLAGS_PER_RANK = 3
