@@ -143,6 +143,9 @@ def test_max_samples_accepts_suffixes(text: str, expected: int) -> None:
     (["--set", "training.strategy=zero3"], "training.strategy must be one of ddp, fsdp"),
     (["--set", "nodot"], "expected SECTION.KEY=VALUE"),
     (["--preset", "prod"], "unknown preset 'prod'; did you mean 'production'?"),
+    (["--set", "model.attention_backend=efficient"],
+     "model.attention_backend efficient has no grouped-query attention (num_kv_heads 2 < num_heads 4)"),
+    (["--set", "model.attention_backend=flash"], "model.attention_backend flash needs bf16 or fp16 compute"),
 ])
 def test_validation_messages(argv: list[str], message: str) -> None:
     with pytest.raises(UserError) as err:

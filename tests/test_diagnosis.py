@@ -4,12 +4,20 @@ the out-of-memory headline's figures and fixes."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from supervisor.diagnosis import oom
 from supervisor.diagnosis.culprit import RankEvidence, find_culprit, main_stack, read_recorder
 from supervisor.diagnosis.stragglers import WARM_UP_STEPS, WINDOW, StragglerDetector
-from trainer.diagnosis.oom_report import OomReport
+from trainer.diagnosis.oom_report import OomReport, is_out_of_memory
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def record(pg_status: dict[str, tuple[int, int]], backend: str = "nccl") -> dict:
@@ -52,8 +60,23 @@ def test_recorder_names_the_rank_that_never_joined() -> None:
     verdict = find_culprit(ranks)
     assert verdict.method == "flight recorder" and [c.rank for c in verdict.culprits] == [1]
     assert verdict.headline(10.0).startswith(
-        "GPU1 (rank 1) stalled at step 3 in _fire_if_due (trainer/diagnosis/faults.py:160); GPU0 (rank 0) waits for it in "
-        "nccl:all_reduce #14 on default_pg at _engine_run_backward (autograd/graph.py:829)")
+        "GPU1 (rank 1) stalled at step 3 in _fire_if_due (trainer/diagnosis/faults.py:160); GPU0 (rank 0) waits for "
+        "it in nccl:all_reduce #14 on default_pg at _engine_run_backward (autograd/graph.py:829)")
+
+
+def test_a_lone_rank_stalled_in_its_own_code_is_the_culprit() -> None:
+    verdict = find_culprit([evidence(0, STACK_HUNG, None)])
+    assert verdict.method == "stack" and [c.rank for c in verdict.culprits] == [0]
+    assert verdict.headline(5.0) == ("GPU0 (rank 0) stalled at step 3 in _fire_if_due (trainer/diagnosis/faults.py:160) "
+                                     "(no progress for 5.0 s; by stack)")
+
+
+def test_a_lone_rank_waiting_in_a_collective_waits_for_another_node() -> None:
+    verdict = find_culprit([evidence(0, STACK_WAITING, None)])
+    assert verdict.culprits == [] and verdict.headline(5.0) == (
+        "stalled (no progress for 5.0 s); the evidence singles out no rank (the flight records and stacks do not "
+        "decide)")
+    assert "no stacks or flight records arrived" in find_culprit([evidence(0, None, None)]).headline(5.0)
 
 
 def test_crossed_collectives_single_out_nobody() -> None:
@@ -116,3 +139,37 @@ def test_oom_fixes_leave_out_what_the_run_already_does(strategy: str, checkpoint
                                                         expected: list[str]) -> None:
     fixes = oom.fixes(oom_report(strategy, checkpointing))
     assert len(fixes) == len(expected) and all(part in fix for part, fix in zip(expected, fixes)), fixes
+
+
+SNAPSHOT = """
+import json, os, sys
+import torch, torch.distributed as dist
+from trainer.diagnosis.flight_recorder import snapshot
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+control = dist.new_group(backend="gloo")
+dist.all_reduce(torch.ones(1))
+dist.all_reduce(torch.ones(1), group=control)
+print(json.dumps(snapshot()))
+dist.destroy_process_group()
+"""
+
+
+def test_the_dump_names_each_group_by_its_recorder(tmp_path: Path) -> None:
+    """Each backend numbers its groups from 0 in its own recorder: the merged dump keeps them apart."""
+    done = subprocess.run([sys.executable, "-c", SNAPSHOT, str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env={**os.environ, "TORCH_FR_BUFFER_SIZE": "100"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    dump = json.loads(done.stdout.splitlines()[-1])
+    assert sorted(dump["pg_status"]) == ["gloo:0", "gloo:1"]
+    assert {e["pg_id"] for e in dump["entries"]} == {"gloo:0", "gloo:1"}
+    statuses = read_recorder(dump)
+    assert statuses["gloo:0"].collective == "gloo:all_reduce" and statuses["gloo:0"].enqueued >= 1
+
+
+def test_allocation_failures_outside_the_caching_allocator_count_as_out_of_memory() -> None:
+    import torch
+
+    assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not is_out_of_memory(RuntimeError("Connection closed by peer [127.0.0.1]:61328"))
+    assert not is_out_of_memory(ValueError("CUDA out of memory"))

@@ -140,7 +140,8 @@ def test_attention_backend_on_cpu_ranks(tmp_path: Path) -> None:
     """auto and math apply on a CPU rank (math pins SDPA's reference kernel: the same numbers); the CUDA kernels fall
     back to auto and say so."""
     def backend(name: str):  # noqa: ANN202
-        return attention_backend(tiny_config(tmp_path, tmp_path / "cache", model={"attention_backend": name}), CPU)
+        return attention_backend(tiny_config(tmp_path, tmp_path / "cache", model={"attention_backend": name},
+                                             training={"use_amp": True, "precision": "bf16"}), CPU)
 
     assert backend("auto")[0] == "auto" and backend("flash")[0] == "auto (flash needs CUDA)"
     name, context = backend("math")

@@ -356,6 +356,12 @@ def validate(cfg: Config) -> None:
          f"debug.max_nonfinite_steps must be positive, got {cfg.debug.max_nonfinite_steps}"),
         (cfg.debug.inject_fault_delay_s > 0,
          f"debug.inject_fault_delay_s must be positive, got {cfg.debug.inject_fault_delay_s}"),
+        (m.attention_backend != "efficient" or m.num_kv_heads == m.num_heads,
+         f"model.attention_backend efficient has no grouped-query attention (num_kv_heads {m.num_kv_heads} < "
+         f"num_heads {m.num_heads}); use auto, flash or cudnn"),
+        (m.attention_backend not in ("flash", "cudnn") or (t.use_amp and t.precision != "fp32"),
+         f"model.attention_backend {m.attention_backend} needs bf16 or fp16 compute; set training.use_amp=true with "
+         f"training.precision auto, bf16 or fp16, or use attention_backend auto"),
     ]
     for ok, message in rules:
         if not ok:

@@ -294,6 +294,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean validation loss over eval_steps batches per rank, averaged over ranks (every rank takes part)."""
         assert self.val_sampler is not None
+        self.progress.phase("evaluation")  # the start-up allowance: a first evaluation compiles the layers again
         self.module.eval()
         total = torch.zeros((), device=self.device)
         for i in range(self.cfg.training.eval_steps):
@@ -307,6 +308,7 @@ class Trainer:
 
     def save(self) -> Path:
         after_step = self.completed - 1  # the step this checkpoint follows (a fault may be set to fire inside it)
+        self.progress.phase("checkpoint")  # a large save may take minutes: the start-up allowance, not the step's
         path = checkpoint.save(checkpoint_layout.step_path(self.ckpt_root, self.completed), self.state, self.meta(),
                                self.ctx, before_publish=lambda: self.faults.during_checkpoint(after_step))
         if self.ctx.is_main:
@@ -366,6 +368,7 @@ class Trainer:
         if self.last_saved != self.completed:
             self.save()
         if cfg.checkpoint.save_final:
+            self.progress.phase("checkpoint")
             final = checkpoint.save_final(self.ckpt_root / checkpoint.FINAL_DIR, self.module, self.ctx,
                                           self.cache.tokenizer_path, self.cache.eos_id)
             if self.ctx.is_main:
@@ -449,17 +452,16 @@ def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter |
             folder = agree_run_dir(cfg, ctx, run_dir)
             trainer = Trainer(cfg, ctx, folder, progress, stop)
             return trainer.run()
-        except torch.OutOfMemoryError as e:
+        except UserError:
+            raise  # a bad input fails every rank alike: no rank is first
+        except Exception as e:
+            progress.failing()
+            if not oom_report.is_out_of_memory(e):
+                raise
             step = trainer.faults.step if trainer is not None else None
             report = oom_report.collect(e, cfg, device_label(ctx.device.type == "cuda"), ctx.rank, ctx.world_size,
                                         step)
-            progress.failing()
             raise OutOfMemory(report.save(folder), step) from None
-        except UserError:
-            raise  # a bad input fails every rank alike: no rank is first
-        except Exception:
-            progress.failing()
-            raise
         finally:
             teardown()
 

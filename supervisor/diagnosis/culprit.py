@@ -179,7 +179,11 @@ def by_recorder(ranks: list[RankEvidence]) -> Verdict | None:
 
 
 def by_stacks(ranks: list[RankEvidence]) -> Verdict | None:
+    """The ranks stalled in their own code while others wait in a collective. A group of one rank on this node
+    decides alone: stalled in its own code, it is the culprit; waiting in a collective, it waits for another node."""
     stacked = [r for r in ranks if r.stack]
+    if len(ranks) == 1 and stacked:
+        return Verdict(stacked, method="stack") if not waiting_in(stacked[0].stack or []) else None
     if len(stacked) < 2:
         return None
     waiting = {r.rank: waiting_in(r.stack) for r in stacked if r.stack and waiting_in(r.stack)}
@@ -195,7 +199,9 @@ def by_stacks(ranks: list[RankEvidence]) -> Verdict | None:
 
 def find_culprit(ranks: list[RankEvidence]) -> Verdict:
     """The verdict from the strongest evidence that decides, with every rank's evidence for the report."""
-    verdict = by_recorder(ranks) or by_stacks(ranks) or Verdict([], method="no stacks or flight records arrived")
+    arrived = any(r.stack or r.recorder for r in ranks)
+    verdict = by_recorder(ranks) or by_stacks(ranks) or Verdict(
+        [], method="the flight records and stacks do not decide" if arrived else "no stacks or flight records arrived")
     for r in ranks:
         stack = "no stack" if not r.stack else (
             f"waits in {waiting_in(r.stack).short()}" if waiting_in(r.stack) else f"in {own_frame(r.stack).short()}")

@@ -29,12 +29,17 @@ def dump_path(pipe: Path) -> Path:
     return pipe.with_suffix(".json")
 
 
+RECORDERS = {"gloo": "_dump_fr_trace_json", "nccl": "_dump_nccl_trace_json"}  # the CPU recorder; NCCL's own
+
+
 def snapshot() -> dict[str, Any]:
-    """Every flight recorder's entries and per-group status, merged (group ids do not collide across backends)."""
+    """Every flight recorder's entries and per-group status, merged. Each backend numbers its process groups from 0
+    in its own recorder (NCCL's default group and the gloo control group are both "0"), so a group's id becomes
+    ``<recorder>:<id>`` here, the same on every rank."""
     import torch._C._distributed_c10d as c10d
 
     merged: dict[str, Any] = {"entries": [], "pg_status": {}}
-    for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+    for recorder, name in RECORDERS.items():
         dump = getattr(c10d, name, None)
         if dump is None:
             continue
@@ -42,8 +47,9 @@ def snapshot() -> dict[str, Any]:
             record = json.loads(dump(True, False))
         except (RuntimeError, ValueError):
             continue  # that recorder is off or holds nothing
-        merged["entries"] += record.get("entries", [])
-        merged["pg_status"].update(record.get("pg_status", {}))
+        merged["entries"] += [{**entry, "pg_id": f"{recorder}:{entry.get('pg_id')}"}
+                              for entry in record.get("entries", [])]
+        merged["pg_status"].update({f"{recorder}:{pg}": status for pg, status in record.get("pg_status", {}).items()})
     return merged
 
 

@@ -1,12 +1,14 @@
 """The out-of-memory report: what a rank that ran out of memory tells the supervisor, in one file of the run folder.
 
-A ``torch.OutOfMemoryError`` ends the rank with `OOM_EXIT_CODE`, after it wrote ``oom-<label>.json`` beside its log:
+A ``torch.OutOfMemoryError`` (or an allocation failure outside the caching allocator, `is_out_of_memory`) ends the
+rank with `OOM_EXIT_CODE`, after it wrote ``oom-<label>.json`` beside its log:
 the step, the allocator's figures where the device has them (``torch.cuda.memory_allocated`` / ``_reserved`` /
 ``max_memory_allocated`` and the GPU's total), the dry run's per-GPU estimate (`trainer.estimate`) and the full
 traceback. The rank prints one line on stderr; the supervisor's headline is built from this file
 (`supervisor.diagnosis.oom`), so the console never shows the allocator's multi-page traceback.
 
-The record and its file name are torch-free (the supervisor reads them); only `collect` touches torch.
+The record and its file name are torch-free (the supervisor reads them); only `collect` and `is_out_of_memory`
+import torch, when called.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ class OomReport:
 
 def report_path(run_dir: Path, label: str) -> Path:
     return run_dir / f"oom-{label.lower()}.json"
+
+
+OOM_MARKERS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDA out of memory", "CUDA error: out of memory")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """`torch.OutOfMemoryError`, or an allocation failing outside the caching allocator (cuBLAS's workspace, a CUDA
+    call), which reaches Python as a plain RuntimeError naming it."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and any(marker in str(error) for marker in OOM_MARKERS))
 
 
 def collect(error: BaseException, cfg: Any, label: str, rank: int, world_size: int, step: int | None) -> OomReport:
