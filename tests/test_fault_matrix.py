@@ -46,8 +46,8 @@ INTERVAL = 2
 FAULT_STEP = {"first": 0, "mid": 3, "checkpoint": 3}  # "checkpoint": inside the save of step_000004
 SIGNAL_AFTER_STEP = 2  # mid-run, the supervisor's signal follows rank 0's log line of this step
 GRACE = 2.0
-# The watchdog's allowances are short only where catching the hang is the point (a hang in step 0 is caught by the
-# start-up allowance). Elsewhere a slow but healthy moment, such as a failing rank 0 writing its loss plot on a busy
+# The watchdog's allowances are short only where catching the hang is the point (a hang in step 0, or inside a
+# checkpoint, is caught by the start-up allowance). Elsewhere a slow but healthy moment, such as a failing rank 0 writing its loss plot on a busy
 # machine, must not pass for a stall; and a rank held inside a save must stay there until the supervisor's signal.
 HANG_TIMEOUT, HANG_FIRST_STARTUP_TIMEOUT = 3.0, 15.0
 SAFETY_TIMEOUT = 60.0
@@ -157,7 +157,7 @@ def flags(case: Case, tmp_path: Path, cache_dir: Path, resume: bool) -> list[str
                           "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": INTERVAL}, "debug": debug})
     hang = case.fault == "hang" and not resume
     hang_timeout = HANG_TIMEOUT if hang else SAFETY_TIMEOUT
-    startup_timeout = HANG_FIRST_STARTUP_TIMEOUT if hang and case.phase == "first" else SAFETY_TIMEOUT
+    startup_timeout = HANG_FIRST_STARTUP_TIMEOUT if hang and case.phase in ("first", "checkpoint") else SAFETY_TIMEOUT
     return ["--debug", "--no-footer", "--nproc", "2", "--log-dir", str(tmp_path / "logs"),
             "--hang-timeout", str(hang_timeout), "--startup-timeout", str(startup_timeout),
             "--grace-period", str(GRACE), *set_flags(layer), *(["--resume", "auto"] if resume else [])]

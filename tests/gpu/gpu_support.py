@@ -103,8 +103,9 @@ class Outcome:
 
 
 def gpu_layer(tmp_path: Path, cache_dir: Path, **overrides: dict[str, Any]) -> dict[str, Any]:
-    """The tests' tiny run (rank_support.TINY) on the GPU in bf16, checkpoints under `tmp_path`."""
-    layer = merged(TINY, {"system": {"device": "cuda"}, "data": {"cache_dir": str(cache_dir)},
+    """The tests' tiny run (rank_support.TINY) on the GPU in bf16, checkpoints under `tmp_path`. Eager unless a test
+    turns compilation on: compiling costs each run tens of seconds and is tested on its own."""
+    layer = merged(TINY, {"system": {"device": "cuda", "compile": False}, "data": {"cache_dir": str(cache_dir)},
                           "training": {"use_amp": True, "precision": "bf16", "learning_rate": 1e-2},
                           "checkpoint": {"dir": str(tmp_path / "ckpt")}})
     return merged(layer, overrides)
@@ -112,21 +113,22 @@ def gpu_layer(tmp_path: Path, cache_dir: Path, **overrides: dict[str, Any]) -> d
 
 def supervise(machine: Machine, tmp_path: Path, layer: dict[str, Any], *extra: str, tag: str = "",
               command: list[str] | None = None, on_output: Callable[[str, subprocess.Popen], None] | None = None,
-              ) -> Outcome:
-    """`python -m supervisor --gpus <id> ...` (or `command`) to its end, in `tmp_path`, output in run<tag>.txt.
+              preset: str = "debug", timeout: float = RUN_TIMEOUT) -> Outcome:
+    """`python -m supervisor --gpus <id> --preset <preset> ...` (or `command`) to its end, in `tmp_path`, output in
+    run<tag>.txt.
 
     `on_output(text, proc)` is called while the run goes, with the output so far (to signal it at a given line)."""
     log, log_dir = tmp_path / f"run{tag}.txt", tmp_path / f"logs{tag}"
     base = command or [sys.executable, "-m", "supervisor", "--gpus", str(machine.id)]
-    cmd = [*base, "--debug", "--no-footer", "--log-dir", str(log_dir), "--grace-period", "5", *set_flags(layer),
-           *extra]
+    cmd = [*base, "--preset", preset, "--no-footer", "--log-dir", str(log_dir), "--grace-period", "5",
+           *set_flags(layer), *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=machine.env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
     with watching(proc) as tree:
-        deadline = time.monotonic() + RUN_TIMEOUT
+        deadline = time.monotonic() + timeout
         while proc.poll() is None:
-            assert time.monotonic() < deadline, f"no end within {RUN_TIMEOUT} s:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no end within {timeout} s:\n{log.read_text()[-3000:]}"
             if on_output is not None:
                 on_output(log.read_text(errors="replace"), proc)
             time.sleep(0.05)

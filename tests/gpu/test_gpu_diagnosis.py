@@ -1,58 +1,92 @@
-"""GPU tier: a real out-of-memory error (a batch that cannot fit) and a hang diagnosed through NCCL's flight records.
+"""GPU tier: a real out-of-memory error (a batch that cannot fit), and a stall diagnosed on NCCL: the rank dumps its
+NCCL flight records and its stack, the headline names it, and every rank is gone within seconds.
 
-Runs only with ``bash run_tests.sh -m gpu`` on a machine with a CUDA GPU; skipped elsewhere.
+A culprit among several NCCL ranks needs one GPU per rank (NCCL refuses two ranks on one device); with a single GPU
+the tier checks the NCCL dump and the lone rank's verdict, and the two-rank case where the machine has two GPUs.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from gpu_support import Machine, Outcome, compute_processes, gpu_layer, released, supervise
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE, OomReport
 
-ROOT = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
+
+# Activations of 8 M tokens × hidden 4096 in bf16 are 64 GiB per tensor: the first layer's forward cannot fit on any
+# GPU of today. The weights (about 0.5 B parameters) and the token batch (70 MB) fit easily.
+TOO_BIG = {"model": {"hidden_size": 4096, "num_layers": 2, "num_heads": 32, "num_kv_heads": 8,
+                     "ffn_hidden_size": 16384},
+           "training": {"batch_size": 262_144, "max_steps": 2}}
+STALL_TO_GONE = 3.0
+TOTAL_MEMORY = "import json, torch; print(json.dumps(torch.cuda.get_device_properties(0).total_memory))"
 
 
-def clean_env() -> dict[str, str]:
-    """This environment without the test seams and launcher variables a rank would otherwise inherit."""
-    drop = ("SUPERVISOR_FAKE_GPUS", "SUPERVISOR_FAKE_GPU_STATE", "CUDA_VISIBLE_DEVICES", "RANK", "LOCAL_RANK",
-            "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, "PYTHONPATH": str(ROOT)}
+def test_a_batch_that_cannot_fit_is_reported_plainly(machine: Machine, tmp_path: Path,
+                                                      token_cache_dir: Path) -> None:
+    before = compute_processes(machine.id)
+    run = supervise(machine, tmp_path, gpu_layer(tmp_path, token_cache_dir, **TOO_BIG))
+    out = run.output
+    assert run.code == OOM_EXIT_CODE, out[-4000:]
+    assert re.search(rf"{machine.label} \(rank 0\) ran out of memory at step 0: [\d.]+ GiB allocated, [\d.]+ GiB "
+                     r"reserved, peak [\d.]+ GiB of [\d.]+ GiB; the dry run estimated [\d.]+ GiB per GPU\. Fixes, in "
+                     r"order: 1\) lower --batch-size", out), out[-4000:]
+    assert not re.search(rf"^{machine.label}:.*Traceback", out, re.M), "the traceback belongs in the report file"
+    report = OomReport.load(run.run_dir(), machine.label)
+    assert report is not None and report.step == 0 and "OutOfMemoryError" in report.traceback
+    total = subprocess.run([sys.executable, "-c", TOTAL_MEMORY], env=machine.env, capture_output=True, text=True,
+                           timeout=120)
+    assert total.returncode == 0, total.stderr[-2000:]
+    assert report.total == json.loads(total.stdout) and report.peak is not None and report.peak <= report.total
+    assert run.survivors == [] and released(machine.id, before) == set()
 
 
-def supervise(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "supervisor", "--debug", "--no-footer", "--nproc", "1",
-                           "--log-dir", str(tmp_path / "logs"), *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env=clean_env())
+def stalled_run(machine: Machine, tmp_path: Path, cache_dir: Path, gpus: list[int]) -> tuple[Outcome, float | None]:
+    """A run on `gpus` whose last rank hangs at step 3; returns the outcome and seconds from the stall's first console
+    line to the supervisor's exit."""
+    seen: list[float] = []
+
+    def mark(text: str, proc: subprocess.Popen) -> None:
+        if not seen and "stalled" in text:
+            seen.append(time.monotonic())
+
+    layer = gpu_layer(tmp_path, cache_dir, training={"max_steps": 12},
+                      debug={"inject_fault": "hang", "inject_fault_rank": len(gpus) - 1, "inject_fault_step": 3})
+    command = [sys.executable, "-m", "supervisor", "--gpus", ",".join(map(str, gpus))]
+    run = supervise(machine, tmp_path, layer, "--hang-timeout", "5", "--startup-timeout", "120", command=command,
+                    on_output=mark)
+    return run, (time.monotonic() - seen[0]) if seen else None
 
 
-def test_a_batch_that_cannot_fit_is_reported_plainly(tmp_path: Path) -> None:
-    run = supervise(tmp_path, "--set", "training.batch_size=65536", "--set", "data.context_length=1024",
-                    "--set", "model.max_position_embeddings=1024", "--set", "training.max_steps=2")
-    out = run.stdout + run.stderr
-    assert run.returncode == OOM_EXIT_CODE, out[-4000:]
-    assert re.search(r"GPU0 \(rank 0\) ran out of memory at step 0: [\d.]+ GiB allocated, [\d.]+ GiB reserved, peak "
-                     r"[\d.]+ GiB of [\d.]+ GiB; the dry run estimated [\d.]+ GiB per GPU", out), out[-4000:]
-    assert "Traceback" not in out
-    report = OomReport.load(next((tmp_path / "logs").iterdir()), "GPU0")
-    assert report is not None and report.total == torch.cuda.get_device_properties(0).total_memory
+def test_a_stall_on_nccl_is_dumped_and_named(machine: Machine, tmp_path: Path, token_cache_dir: Path) -> None:
+    run, stall_to_gone = stalled_run(machine, tmp_path, token_cache_dir, [machine.id])
+    out = run.output
+    assert run.code == 124, out[-4000:]
+    assert re.search(rf"{machine.label} \(rank 0\) stalled at step 3 in _fire_if_due \(trainer/diagnosis/faults\.py:"
+                     r"\d+\) \(no progress for [\d.]+ s; by stack\)", out), out[-4000:]
+    dump = json.loads((run.run_dir() / "flight_recorder" / f"{machine.label.lower()}.json").read_text())
+    nccl = [pg for pg in dump["pg_status"] if pg.startswith("nccl:")]
+    assert nccl, f"no NCCL group in the flight records: {sorted(dump['pg_status'])}"
+    assert any(e["profiling_name"].startswith("nccl:") for e in dump["entries"])
+    assert stall_to_gone is not None and stall_to_gone <= STALL_TO_GONE, stall_to_gone
+    assert run.survivors == []
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs for an NCCL group")
-def test_nccl_hang_names_the_stalled_rank(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "supervisor", "--debug", "--no-footer", "--nproc", "2",
-                          "--log-dir", str(tmp_path / "logs"), "--hang-timeout", "10",
-                          "--set", "debug.inject_fault=hang", "--set", "debug.inject_fault_rank=1",
-                          "--set", "debug.inject_fault_step=3", "--set", "training.max_steps=8"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=clean_env())
-    out = run.stdout + run.stderr
-    assert run.returncode == 124, out[-4000:]
-    assert re.search(r"GPU\d \(rank 1\) stalled at step 3 in .*; GPU\d \(rank 0\) waits for it in nccl:.*by flight "
+def test_nccl_hang_names_the_stalled_rank(machine: Machine, tmp_path: Path, token_cache_dir: Path) -> None:
+    if len(machine.inventory.usable) < 2:
+        pytest.skip("needs two CUDA GPUs: NCCL runs one rank per GPU")
+    two = [g.index for g in machine.inventory.usable[:2]]
+    run, stall_to_gone = stalled_run(machine, tmp_path, token_cache_dir, two)
+    out = run.output
+    assert run.code == 124, out[-4000:]
+    assert re.search(r"GPU\d+ \(rank 1\) stalled at step 3 in .*; GPU\d+ \(rank 0\) waits for it in nccl:.*by flight "
                      r"recorder\)", out), out[-4000:]
+    assert stall_to_gone is not None and stall_to_gone <= STALL_TO_GONE, stall_to_gone

@@ -29,7 +29,7 @@ class Fault:
         if self.name == "SIGTERM":
             return r"run interrupted after .*: interrupted by SIGTERM"
         if self.name == "hang":
-            return rf"{machine.label} \(rank 0\) stalled: no progress"
+            return rf"{machine.label} \(rank 0\) stalled at step 2 in _fire_if_due \(trainer/diagnosis/faults\.py:\d+\)"
         return rf"{machine.label} \(rank 0\) failed: SIGKILL \(137\)"
 
 

@@ -1,5 +1,6 @@
 """The NaN guard on a real GPU: production mode adds no host synchronisation to a training step (the CUDA driver's
-own check, `torch.cuda.set_sync_debug_mode("error")`, around real `Trainer` iterations), and debug mode names the
+own check, `torch.cuda.set_sync_debug_mode("error")`, around real `Trainer` iterations, eager and with compiled
+layers as shipped), and debug mode names the
 first non-finite module on the GPU, through the supervisor.
 
 The same file is the in-process worker: ``python tests/gpu/test_gpu_nan_guard.py <config.json>`` builds the
@@ -49,6 +50,7 @@ def sync_free_steps(config_path: str) -> None:
     try:
         trainer = Trainer(cfg, ctx, agree_run_dir(cfg, ctx, None), ProgressReporter(), StopRequest())
         assert trainer.device.type == "cuda" and trainer.precision.name == "bf16"
+        assert trainer.compiled == (cfg.system.compile is True)
         now = 0.0
         eta, throughput, vote = EtaClock(0, STEPS, now), Throughput(trainer.tokens_per_step, 0, now), StopVote(ctx)
         checked = []
@@ -67,11 +69,13 @@ def sync_free_steps(config_path: str) -> None:
         teardown()
 
 
-def test_production_guard_adds_no_host_sync(machine, tmp_path: Path, token_cache_dir: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_production_guard_adds_no_host_sync(compiled: bool, machine, tmp_path: Path, token_cache_dir: Path) -> None:
     from gpu_support import gpu_layer
     from trainer.config import Config
 
-    layer = gpu_layer(tmp_path, token_cache_dir, training={"max_steps": STEPS, "precision": "bf16"},
+    layer = gpu_layer(tmp_path, token_cache_dir, system={"device": "cuda", "compile": compiled},
+                      training={"max_steps": STEPS, "precision": "bf16"},
                       logging={"log_interval": LOG_INTERVAL, "run_dir": str(tmp_path / "run")})
     cfg = Config.from_dict(layer)
     cfg.preset = "debug"

@@ -61,7 +61,7 @@ def test_precision(precision: str, machine: Machine, tmp_path: Path, token_cache
     records = history(run.run_dir())["steps"]
     assert records and all(r["peak_mem_gib"] > 0 for r in records), "the GPU's peak memory is recorded"
     if expected == "bf16" and peak_flops(machine.gpu.name) is not None:
-        assert re.search(r"tokens/s \| MFU \d+\.\d%$", run.output, re.M), run.output[-3000:]
+        assert re.search(r"tokens/s \| MFU \d+\.\d% \| mem [\d.]+ GiB \(\d+ %\)$", run.output, re.M), run.output[-3000:]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -72,9 +72,10 @@ def test_resume_continues_the_loss_trajectory(strategy: str, machine: Machine, t
     full_ckpt, cut_ckpt = tmp_path / "full", tmp_path / "cut"
     run, full = trained(machine, tmp_path, token_cache_dir, "-full",
                         checkpoint={"dir": str(full_ckpt), "interval": INTERVAL}, **shape)
-    line = banner(run, machine, "precision")
-    assert line.startswith(f"precision: bf16 | strategy: {strategy} | grad accumulation: 1")
-    assert ("gradient checkpointing" in line) == (strategy == "fsdp")
+    expected = f"precision: bf16 | strategy: {strategy} | grad accumulation: 1"
+    assert banner(run, machine, "precision").startswith(expected)
+    checkpointing = "full" if strategy == "fsdp" else "none"
+    assert f"| activation checkpointing {checkpointing} |" in banner(run, machine, "compute")
     assert abs(full[STEPS - 1] - full[0]) > 10 * TOLERANCE, "the trajectory must move for the comparison to mean much"
 
     layer = gpu_layer(tmp_path, token_cache_dir, checkpoint={"dir": str(cut_ckpt), "interval": INTERVAL},
@@ -96,7 +97,7 @@ def test_resume_continues_the_loss_trajectory(strategy: str, machine: Machine, t
 def test_compiled_model_trains(machine: Machine, tmp_path: Path, token_cache_dir: Path) -> None:
     run, losses = trained(machine, tmp_path, token_cache_dir, system={"device": "cuda", "compile": True},
                           training={"max_steps": 6})
-    assert banner(run, machine, "precision").endswith("| torch.compile")
+    assert banner(run, machine, "compute").startswith("compute: torch.compile each decoder layer")
     assert all(math.isfinite(v) for v in losses.values()) and losses[5] < losses[0], losses
 
 
