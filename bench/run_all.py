@@ -4,6 +4,9 @@
     python bench/run_all.py cache      # only bench_cache.py (the page keeps the other sections as they were)
     python bench/run_all.py gpu --out DIR   # bench_gpu.py (GPU machines; not part of the default list); options
                                             # after the names go to the scripts, and --out DIR also gets the page
+    python bench/run_all.py gpu --collect DIR   # the bench_gpu section from the pieces that separate bench_gpu.py
+                                                # commands wrote, gathered into DIR (runs nothing; its docstring
+                                                # gives the commands for machines that allow 10 minutes a command)
 
 Each `bench_<name>.py` prints its own figures and ratios, measured side by side against its anchor in the same run;
 this script records the machine, the command and the output verbatim. Not part of CI: about 10-15 minutes on 2 cores.

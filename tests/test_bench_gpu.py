@@ -1,32 +1,179 @@
 """bench/bench_gpu.py in its smoke mode (tiny shapes, a few steps, CPU): every code path of the GPU benchmark runs in
-CI, the rank through the real supervisor, the textbook loop, the cache-scaling builds, and the markdown it writes."""
+CI, the rank through the real supervisor (configured and a preset as shipped), the textbook loop, the cache-scaling
+builds, the pieces it writes and the page made of them; the anchor script's rows through a stand-in script, since the
+real one needs CUDA; and what the GPU runs will be, resolved without running them."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rank_scripts.harness import ROOT, clean_env
 from rank_support import token_cache_dir  # noqa: F401 (fixture)
 
+sys.path.insert(0, str(ROOT / "bench"))
+import bench_gpu  # noqa: E402
+
 NUMBER = r"[\d,]+"
+SCRIPT = str(ROOT / "bench" / "bench_gpu.py")
+
+
+def bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, env=clean_env(), capture_output=True, text=True,
+                          timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def options(tmp_path: Path, **changes: object) -> bench_gpu.Options:
+    base = bench_gpu.Options(smoke=False, work=tmp_path, cache_dir=tmp_path / "cache", out=None,
+                             sections=bench_gpu.SECTIONS, shapes=tuple(bench_gpu.SHAPES), runs=bench_gpu.RUN_KINDS,
+                             anchor=None, corpus_tokens=0)
+    return dataclasses.replace(base, **changes)
+
+
+def fake_anchor(path: Path, line: str, exit_code: int = 0) -> Path:
+    """A stand-in for gpu_textbook_loop.py: records its arguments beside itself, prints `line`, exits `exit_code`."""
+    path.write_text(f"import json, sys\n"
+                    f"open({str(path.with_suffix('.argv'))!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                    f"print('warming up')\nprint({line!r})\nsys.exit({exit_code})\n")
+    return path
+
+
+def smoke_line(compiled: bool, tokens_per_s: str = "12,345") -> str:
+    """The anchor's line for the smoke shape (0.0M parameters, as the script rounds them)."""
+    return f"anchor{' compile' if compiled else ''}: params 0.0M | {tokens_per_s} tokens/s | MFU 3.5% | peak mem 1.2 GiB"
 
 
 def test_smoke_mode_writes_the_tables(tmp_path: Path, token_cache_dir: Path) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--smoke", "--out", str(tmp_path),
-                           "--cache-dir", str(token_cache_dir)], cwd=tmp_path, env=clean_env(),
-                          capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = bench("--smoke", "--out", str(tmp_path), "--cache-dir", str(token_cache_dir), cwd=tmp_path)
+    pieces = [tmp_path / "bench_gpu_training_smoke.md", tmp_path / "bench_gpu_cache.md"]
     text = (tmp_path / "bench_gpu.md").read_text()
-    assert text.strip() == done.stdout.strip()
-    assert "| shape | run | tokens/s | MFU | peak memory | rank / plain loop |" in text
-    rank = re.search(rf"^\| smoke \| rank eager \| ({NUMBER}) \| n/a \| n/a \| (\d+\.\d\d)× \|$", text, re.M)
-    plain = re.search(rf"^\| smoke \| plain loop eager \| ({NUMBER}) \| n/a \| n/a \| +\|$", text, re.M)
+    assert text.strip() == done.stdout.strip() == "\n\n".join(p.read_text().strip() for p in pieces)
+    assert "| run | tokens/s | MFU | peak memory | rank / loop |" in text
+    rank = re.search(rf"^\| rank eager \| ({NUMBER}) \| n/a \| n/a \| (\d+\.\d\d)× \|$", text, re.M)
+    plain = re.search(rf"^\| plain loop eager \| ({NUMBER}) \| n/a \| n/a \| +\|$", text, re.M)
     assert rank and plain, text
     rank_rate, plain_rate = (float(m.group(1).replace(",", "")) for m in (rank, plain))
     assert rank_rate > 0 and plain_rate > 0
     assert abs(float(rank.group(2)) - rank_rate / plain_rate) < 0.01
+    # The `debug` preset as shipped trains, and is not compared: its shape is not the smoke shape.
+    shipped = re.search(rf"^\| rank, `debug` preset as shipped \| ({NUMBER}) \| n/a \| n/a \| not compared: the "
+                        rf"`debug` preset is not the smoke shape: (.*) \|$", text, re.M)
+    assert shipped and float(shipped.group(1).replace(",", "")) > 0, text
+    assert "model.num_layers 2 (shape: 1)" in shipped.group(2) and "training.batch_size" not in shipped.group(2)
     assert "| cores | tokens | tokens/s | of linear scaling |" in text
     assert re.search(rf"^\| 1 \| {NUMBER} \| \d+\.\d\d M \| 100% \|$", text, re.M), text
+
+
+def test_anchor_rows_and_a_choice_of_runs(tmp_path: Path, token_cache_dir: Path) -> None:
+    anchor = fake_anchor(tmp_path / "anchor.py", smoke_line(compiled=False))
+    out = tmp_path / "out"
+    bench("--smoke", "--sections", "training", "--runs", "eager", "--anchor", str(anchor), "--out", str(out),
+          "--cache-dir", str(token_cache_dir), cwd=tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == ["bench_gpu.md", "bench_gpu_training_smoke_eager.md"]
+    text = (out / "bench_gpu_training_smoke_eager.md").read_text()
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in text.splitlines()[4:] if line.startswith("|")]
+    assert [row[0] for row in rows] == ["rank eager", "textbook loop (anchors/gpu_textbook_loop.py) eager"], text
+    (rank_rate, _, _, ratio), (anchor_rate, mfu, peak, _) = (row[1:] for row in rows)
+    assert (anchor_rate, mfu, peak) == ("12,345", "3.5%", "1.2 GiB")
+    assert abs(float(ratio.rstrip("×")) - float(rank_rate.replace(",", "")) / 12_345) < 0.01
+    s = bench_gpu.SMOKE_SHAPE  # H L A K F V CTX B ACCUM STEPS, the timed steps after the script's own warm-up
+    expected = [s.hidden, s.layers, s.heads, s.kv_heads, s.ffn, s.vocab, s.context, s.batch, s.accum, s.steps - s.warmup]
+    assert [json.loads(line) for line in anchor.with_suffix(".argv").read_text().splitlines()] == [
+        [str(n) for n in expected]]
+
+
+def test_a_failing_anchor_is_a_failed_cell(tmp_path: Path) -> None:
+    def row(anchor: Path, compiled: bool = False) -> str:
+        result = bench_gpu.loop_throughput(bench_gpu.SMOKE_SHAPE, compiled, options(tmp_path, anchor=anchor))
+        assert result.tokens_per_s is None
+        return bench_gpu.describe(result)
+
+    assert re.fullmatch(r"failed \(exit 2: .*No such file or directory.*\)", row(tmp_path / "missing.py"))
+    crashed = fake_anchor(tmp_path / "crashed.py", "Traceback: CUDA error | out of memory", exit_code=1)
+    assert row(crashed) == r"failed (exit 1: Traceback: CUDA error \| out of memory)"  # a | would end the cell
+    silent = fake_anchor(tmp_path / "silent.py", "done")
+    assert row(silent) == "failed (no figures line: done)"
+    assert row(fake_anchor(tmp_path / "eager.py", smoke_line(compiled=False)), compiled=True).startswith(
+        "failed (it ran a different model: 0.0M parameters, not compiled")
+    bigger = fake_anchor(tmp_path / "bigger.py", smoke_line(compiled=False).replace("0.0M", "1100.0M"))
+    assert row(bigger).startswith("failed (it ran a different model: 1100.0M parameters")
+    # A rank row whose loop failed has no ratio, and the table is still written.
+    rank = bench_gpu.Result("rank eager", compiled=False, loop=False, tokens_per_s=1000.0)
+    loop = bench_gpu.loop_throughput(bench_gpu.SMOKE_SHAPE, False, options(tmp_path, anchor=silent))
+    table = bench_gpu.training_table("smoke", bench_gpu.SMOKE_SHAPE, [rank, loop], options(tmp_path, anchor=silent))
+    assert "| rank eager | 1,000 | n/a | n/a |  |" in table
+
+
+def test_anchor_line_parser() -> None:
+    parse = bench_gpu.parse_anchor_line
+    assert parse("anchor compile: params 1100.0M | 62,800 tokens/s | MFU 44.7% | peak mem 44.6 GiB\n") == \
+        bench_gpu.AnchorFigures(compiled=True, params_m=1100.0, tokens_per_s=62_800.0, mfu=0.447, peak_gib=44.6)
+    output = ("W1123 torch._dynamo: recompiling\nanchor: params 134.1M | 207,000 tokens/s | MFU 15.4% | peak mem "
+              "9.8 GiB\nanchor: params 134.1M | 213,500 tokens/s | MFU 15.9% | peak mem 9.9 GiB  \n")
+    assert parse(output) == bench_gpu.AnchorFigures(False, 134.1, 213_500.0, 0.159, 9.9)  # the last line counts
+    assert parse("anchor: params 134.1M | nan tokens/s | MFU 15.9% | peak mem 9.9 GiB") is None
+    assert parse("") is None
+
+
+def test_the_gpu_runs_as_they_resolve(tmp_path: Path) -> None:
+    """Without a GPU, what each row of the real benchmark will run: the eager rows do not compile (`auto` would on
+    CUDA), the presets as shipped get no flag but max_steps and the cache folder, compile as `auto` does on CUDA and
+    are the shapes they are compared with."""
+    opts = options(tmp_path)
+    jobs = {(run.shape, run.kind): bench_gpu.rank_job(run, bench_gpu.SHAPES[run.shape], opts)
+            for run in bench_gpu.RANK_RUNS}
+    assert {key: job.compiled for key, job in jobs.items()} == {
+        ("125M", "eager"): False, ("125M", "compiled"): True, ("125M", "shipped"): True,
+        ("1.1B", "eager"): False, ("1.1B", "compiled"): True, ("1.1B", "shipped"): True}
+    for shape, preset in (("125M", "small"), ("1.1B", "1b")):
+        shipped = jobs[shape, "shipped"]
+        assert shipped.run.name == f"rank, `{preset}` preset as shipped"
+        assert shipped.flags == ("--preset", preset, "--max-steps", str(bench_gpu.SHAPES[shape].steps),
+                                 "--set", f"data.cache_dir={opts.cache_dir}")
+        assert shipped.cfg.training.loss == "auto" and shipped.cfg.system.compile == "auto"
+        assert bench_gpu.SHAPES[shape].differences(shipped.cfg) == []
+        for kind in ("eager", "compiled"):
+            assert jobs[shape, kind].cfg.preset == preset
+            assert bench_gpu.SHAPES[shape].differences(jobs[shape, kind].cfg) == []
+    assert bench_gpu.SHAPES["125M"].differences(jobs["1.1B", "shipped"].cfg)[:2] == [
+        "model.num_layers 16 (shape: 12)", "model.hidden_size 2048 (shape: 768)"]
+
+
+def test_shapes_and_runs_name_the_pieces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def parsed(*argv: str) -> bench_gpu.Options:
+        opts = bench_gpu.parse([*argv, "--out", str(tmp_path)])
+        assert isinstance(opts, bench_gpu.Options)
+        opts.work.rmdir()  # the run's scratch folder, not needed here
+        return opts
+
+    default = parsed()
+    assert (default.shapes, default.runs) == (("125M", "1.1B"), ("eager", "compiled", "shipped"))
+    chosen = parsed("--shapes", " 1.1B", "--runs", "shipped,compiled")
+    assert (chosen.shapes, chosen.runs) == (("1.1B",), ("compiled", "shipped"))
+    assert bench_gpu.Piece("training", "1.1B", chosen.runs).file_name == "bench_gpu_training_1.1B_compiled-shipped.md"
+    assert bench_gpu.Piece("training", "125M", default.runs).file_name == "bench_gpu_training_125M.md"
+    assert parsed("--smoke").shapes == ("smoke",)
+    for argv in (["--shapes", "7B"], ["--smoke", "--shapes", "125M"], ["--runs", "fast"]):
+        with pytest.raises(SystemExit):
+            bench_gpu.parse(argv)
+        assert "unknown" in capsys.readouterr().err
+
+
+def test_pieces_from_separate_commands_make_one_page(tmp_path: Path) -> None:
+    names = ["bench_gpu_logpump.md", "bench_gpu_training_1.1B_compiled-shipped.md", "bench_gpu_cache.md",
+             "bench_gpu_training_1.1B_eager.md", "bench_gpu_training_125M.md"]
+    for name in names:
+        (tmp_path / name).write_text(f"table of {name}\n")
+    (tmp_path / "notes.md").write_text("not a piece\n")
+    done = bench("--collect", str(tmp_path), cwd=tmp_path)
+    order = ["training_125M", "training_1.1B_eager", "training_1.1B_compiled-shipped", "cache", "logpump"]
+    page = "\n\n".join(f"table of bench_gpu_{name}.md" for name in order) + "\n"
+    assert done.stdout == page == (tmp_path / "bench_gpu.md").read_text()
