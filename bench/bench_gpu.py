@@ -253,8 +253,10 @@ def set_flags(layer: dict[str, dict[str, object]]) -> list[str]:
 
 def config_flags(run: RankRun, shape: Shape, opts: Options) -> list[str]:
     """The config flags of a rank row (the supervisor's flags aside: they decide where the logs go, not the run)."""
-    if run.kind == "shipped":
-        return ["--preset", run.preset, "--max-steps", str(shape.steps), "--set", f"data.cache_dir={opts.cache_dir}"]
+    if run.kind == "shipped":  # smoke: on the tests' tiny corpus, so the CPU run reuses their token cache
+        smoke = set_flags({"data": {**SMOKE_DATA, "vocab_size": shape.vocab}}) if opts.smoke else []
+        return ["--preset", run.preset, "--max-steps", str(shape.steps), "--set", f"data.cache_dir={opts.cache_dir}",
+                *smoke]
     layer = shape.layer()
     layer["data"].update({"cache_dir": str(opts.cache_dir), **(SMOKE_DATA if opts.smoke else {})})
     layer["training"].update({"max_steps": shape.steps, "warmup_steps": min(10, shape.steps - 1),
