@@ -137,7 +137,7 @@ class Watch:
         self.endings: dict[int, str] = {}
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
-        self.first_failing: int | None = None  # the rank whose failure the others' errors follow from
+        self.fallout_quiet = False  # a failure was seen: the other ranks' stderr goes to their logs only
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
 
@@ -308,9 +308,9 @@ class Watch:
         """Keep the other ranks' stderr off the console from now on (it goes on into their log files): their
         collectives are cut short by `failing`'s failure (or another node's), and their tracebacks would bury its
         lines. The first failure decides; `None` quiets every rank here."""
-        if self.first_failing is not None:
+        if self.fallout_quiet:
             return
-        self.first_failing = -1 if failing is None else failing
+        self.fallout_quiet = True
         for rank, stream in self.tails.items():
             if rank != failing:
                 stream.mute()
