@@ -38,8 +38,9 @@ import psutil  # noqa: E402
 
 from trainer.config import Config  # noqa: E402
 from trainer.data.cache import (OFFSETS_FILE, TOKENS_FILE, VAL_OFFSETS_FILE, VAL_TOKENS_FILE, TokenCache,  # noqa: E402
-                                digest, prepare, publish, staging, write_manifest)
+                                digest, prepare, write_manifest)
 from trainer.data.corpus import StdlibCorpus  # noqa: E402
+from trainer.data.staging import publish, staging  # noqa: E402
 from trainer.data.token_stream import TokenStream  # noqa: E402
 from trainer.data.tokenizer import export, load_fast  # noqa: E402
 

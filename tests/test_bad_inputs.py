@@ -21,7 +21,8 @@ from process_tree import watching
 from rank_scripts.harness import ROOT, clean_env
 from supervisor import gpus
 from trainer.checkpoint_layout import STEP_PREFIX, TMP_PREFIX
-from trainer.data.cache import BUILD_PREFIX, list_caches
+from trainer.data.cache import list_caches
+from trainer.data.staging import BUILD_PREFIX
 
 COMMANDS = {
     "run_training.sh": ["bash", str(ROOT / "run_training.sh")],

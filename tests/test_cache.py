@@ -20,11 +20,11 @@ import numpy as np
 import psutil
 import pytest
 
-from trainer.data import cache as cache_module
-from trainer.data.cache import (BUILD_PREFIX, TOKENIZERS_DIR, TRASH_PREFIX, CacheInfo, TokenCache, cache_root,
-                                list_caches, prepare, process_tag)
 from trainer.config import PROJECT_ROOT, Config
+from trainer.data import cache as cache_module
+from trainer.data.cache import TOKENIZERS_DIR, CacheInfo, TokenCache, cache_root, list_caches, prepare
 from trainer.data.corpus import open_corpus, split_documents
+from trainer.data.staging import BUILD_PREFIX, TRASH_PREFIX, process_tag
 from trainer.data.token_stream import TokenStream
 from trainer.errors import UserError
 

@@ -19,34 +19,31 @@ Build protocol, safe against races and against a builder killed at any instant:
      may have finished meanwhile, and then this one reuses its work;
   3. build into `.build-<key>-<pid>-<start time>/`, fsync every file, write manifest.json last, rename into place.
 A killed builder leaves only its `.build-…` folder; the next run sees its process is gone (psutil, start time against
-pid reuse) and deletes it. The hit path imports neither torch, transformers, datasets nor rich.
+pid reuse) and deletes it (`trainer.data.staging`). The hit path imports neither torch, transformers, datasets nor rich.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import platform
 import re
 import shutil
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import closing, contextmanager
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
-from filelock import FileLock, Timeout
 
 from trainer import durable
 from trainer.config import PROJECT_ROOT, Config, DataConfig
 from trainer.data.build_progress import BuildProgress
 from trainer.data.corpus import Corpus, file_digest, open_corpus, split_documents, training_documents
+from trainer.data.staging import (TRASH_PREFIX, build_lock, ensure_writable, process_tag, publish,
+                                  remove_dead_leftovers, staging)
 from trainer.data.token_stream import BATCH_CHARS, DTYPES, TokenStream, document_batches, encode_pipelined
 from trainer.data.tokenizer import (BPE, TokenizerSpec, bpe_recipe, check_vocab_size, eos_id_of, eos_token_of, export,
                                     load_fast, locate_pretrained, tokenizer_digest, train_bpe)
@@ -61,9 +58,6 @@ MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_META_FILE = "meta.json"
 TOKENIZERS_DIR = "tokenizers"  # trained BPEs, one folder per recipe key, beside the token caches
-LOCKS_DIR = ".locks"
-BUILD_PREFIX = ".build-"
-TRASH_PREFIX = ".trash-"
 KEY_PATTERN = re.compile(r"[0-9a-f]{32}")
 
 
@@ -201,90 +195,6 @@ def cache_root(data: DataConfig) -> Path:
 def key_material(data: DataConfig, source: dict[str, Any], tokenizer: TokenizerSpec) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "source": source, "tokenizer": tokenizer.identity,
             "context_length": data.context_length, "max_samples": data.max_samples, "val_fraction": data.val_fraction}
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Locks, temporary folders, publication, leftovers of dead builders
-
-
-def process_tag() -> str:
-    """pid and start time (ms): a folder's owner is alive only if both still match (pids get reused)."""
-    return f"{os.getpid()}-{round(psutil.Process().create_time() * 1000)}"
-
-
-def owner_alive(folder_name: str) -> bool:
-    match = re.search(r"-(\d+)-(\d+)$", folder_name)
-    if match is None:
-        return False
-    pid, started_ms = int(match.group(1)), int(match.group(2))
-    try:
-        return abs(round(psutil.Process(pid).create_time() * 1000) - started_ms) < 2000
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
-    except psutil.AccessDenied:
-        return True  # exists, someone else's: leave it
-
-
-def remove_dead_leftovers(parent: Path) -> list[Path]:
-    """Delete the temporary and trash folders of builders that no longer run (killed, crashed, power lost)."""
-    removed = []
-    if parent.is_dir():
-        for entry in parent.iterdir():
-            if entry.name.startswith((BUILD_PREFIX, TRASH_PREFIX)) and not owner_alive(entry.name):
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry)
-    return removed
-
-
-def ensure_writable(root: Path) -> None:
-    try:
-        (root / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
-            pass
-    except OSError as e:
-        raise UserError(f"the cache folder {root} is not writable ({e.strerror or e}); set data.cache_dir to a "
-                        f"writable folder, e.g. --set data.cache_dir=/tmp/token-cache") from None
-
-
-@contextmanager
-def build_lock(root: Path, name: str, progress: BuildProgress) -> Iterator[None]:
-    """Exclusive across processes (and hosts sharing the folder, where the file system honours flock)."""
-    lock = FileLock(root / LOCKS_DIR / f"{name}.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        progress.message(f"waiting for another process that is building {name}")
-        lock.acquire()
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-@contextmanager
-def staging(parent: Path, name: str, what: str) -> Iterator[Path]:
-    """A private temporary folder beside the final one (same file system, so the rename is atomic); always removed
-    unless published. Disk-full and permission errors become one clear UserError."""
-    folder = parent / f"{BUILD_PREFIX}{name}-{process_tag()}"
-    try:
-        folder.mkdir(parents=True)
-        yield folder
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise UserError(f"no space left on the device while writing the {what} in {parent}; free some space or "
-                            f"set data.cache_dir to a folder on a larger disk") from None
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise UserError(f"cannot write the {what} in {parent} ({e.strerror}); set data.cache_dir to a writable "
-                            f"folder") from None
-        raise
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def publish(folder: Path, final: Path) -> None:
-    """Make a finished folder visible atomically; an older one in the way goes to a trash folder tagged like a build's,
-    so a crash in between leaves nothing `remove_dead_leftovers` would not clean."""
-    durable.publish(folder, final, aside=final.parent / f"{TRASH_PREFIX}{final.name}-{process_tag()}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
