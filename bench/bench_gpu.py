@@ -12,8 +12,8 @@ gets, and the supervisor's log pump where cores are free.
                folder are given; compile, loss, evaluation and checkpoints are the preset's and the GPU defaults
    The textbook loop (transformers `LlamaForCausalLM` with SDPA, bf16 autocast, fused AdamW, clipping, gradient
    accumulation, random tokens; a fresh process per run) is, with `--anchor PATH`, the reference script
-   `gpu_textbook_loop.py` (its printed line parsed; a failure is a "failed" cell), else the same loop written here
-   (`plain loop`). A rank row's ratio is over the loop that compiles as it does (a shipped row compiles: `auto` on
+   `gpu_textbook_loop.py` (its printed line parsed; a failure is a "failed" cell), else the same loop in
+   `bench/textbook_loop.py` (`plain loop`). A rank row's ratio is over the loop that compiles as it does (a shipped row compiles: `auto` on
    CUDA), and a loop runs only for the rank rows chosen. A shipped row is compared only where the preset's model,
    context, batch and accumulation are the shape's, as `small` and `1b` are (tests/test_bench_gpu.py checks it);
    elsewhere its cell names the fields that differ. MFU = tokens/s × FLOPs per token (`trainer.sizes.flops_per_token`:
@@ -54,13 +54,11 @@ import itertools
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
@@ -74,6 +72,7 @@ from trainer.config import Config  # noqa: E402
 from trainer.metrics import HISTORY_JSON, peak_flops  # noqa: E402
 from trainer.resolve import add_config_arguments, resolve  # noqa: E402
 from trainer.sizes import flops_per_token, model_vocab_size, parameter_count  # noqa: E402
+from textbook_loop import parse_anchor_line  # noqa: E402  (beside this file)
 
 GIB = 2**30
 SECTIONS = ("training", "cache", "logpump")
@@ -318,84 +317,16 @@ def rank_throughput(job: RankJob, shape: Shape, opts: Options) -> Result:
 # 1. Training: the textbook loop
 
 
-def plain_loop(shape: Shape, compiled: bool, smoke: bool) -> dict[str, object]:
-    """The textbook single-device loop on random tokens (run in a child process: its own memory and compile cache)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    device = torch.device("cpu" if smoke else "cuda")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
-                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                         num_key_value_heads=shape.kv_heads, max_position_embeddings=shape.context,
-                         tie_word_embeddings=False, use_cache=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    forward = torch.compile(model) if compiled else model
-    tokens = torch.randint(0, shape.vocab, (shape.steps, shape.accum, shape.batch, shape.context), device=device)
-
-    def step(i: int) -> None:
-        for micro in tokens[i]:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = forward(input_ids=micro, labels=micro).loss  # transformers shifts the labels itself
-            (loss / shape.accum).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for i in range(shape.warmup):
-        step(i)
-    synchronize()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    started = time.perf_counter()
-    for i in range(shape.warmup, shape.steps):
-        step(i)
-    synchronize()
-    seconds = time.perf_counter() - started
-    timed = shape.steps - shape.warmup
-    return {"tokens_per_s": timed * shape.accum * shape.batch * shape.context / seconds,
-            "peak_bytes": torch.cuda.max_memory_reserved() if device.type == "cuda" else None,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
-
-
 def plain_throughput(result: Result, shape: Shape, opts: Options) -> None:
-    """The loop written here, in a child process."""
-    cmd = [sys.executable, __file__, "--child-plain", json.dumps(shape.__dict__), str(int(result.compiled))]
+    """bench/textbook_loop.py's loop, in a child process."""
+    cmd = [sys.executable, str(Path(__file__).with_name("textbook_loop.py")), json.dumps(shape.__dict__),
+           str(int(result.compiled))]
     done = subprocess.run(cmd + (["--smoke"] if opts.smoke else []), cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         result.error = failure(done)
         return
     found = json.loads(done.stdout.strip().splitlines()[-1])
     result.tokens_per_s, result.peak_bytes, result.device = found["tokens_per_s"], found["peak_bytes"], found["device"]
-
-
-# What gpu_textbook_loop.py prints last: `anchor[ compile]: params 1100.0M | 62,800 tokens/s | MFU 44.7% | peak mem
-# 44.6 GiB`.
-ANCHOR_LINE = re.compile(r"^anchor(?P<compile> compile)?:\s*params\s+(?P<params>[\d.]+)M\s*\|"
-                         r"\s*(?P<rate>[\d,.]+)\s+tokens/s\s*\|\s*MFU\s+(?P<mfu>[\d.]+)%\s*\|"
-                         r"\s*peak mem\s+(?P<peak>[\d.]+)\s*GiB\s*$", re.M)
-
-
-@dataclass(frozen=True)
-class AnchorFigures:
-    compiled: bool
-    params_m: float
-    tokens_per_s: float
-    mfu: float  # a fraction
-    peak_gib: float
-
-
-def parse_anchor_line(output: str) -> AnchorFigures | None:
-    """The last figures line in the anchor script's output; None when there is none (it failed before printing)."""
-    found = list(ANCHOR_LINE.finditer(output))
-    if not found:
-        return None
-    m = found[-1]
-    return AnchorFigures(compiled=m["compile"] is not None, params_m=float(m["params"]),
-                         tokens_per_s=float(m["rate"].replace(",", "")), mfu=float(m["mfu"]) / 100,
-                         peak_gib=float(m["peak"]))
 
 
 def anchor_throughput(result: Result, shape: Shape, opts: Options) -> None:
@@ -592,7 +523,7 @@ def parse(argv: list[str]) -> Options | Path:
     parser.add_argument("--runs", default=",".join(RUN_KINDS),
                         help=f"training: the rank's rows, comma-separated, of {', '.join(RUN_KINDS)} (default all)")
     parser.add_argument("--anchor", type=Path, metavar="PATH",
-                        help="the textbook loop script (gpu_textbook_loop.py) instead of the loop written here")
+                        help="the textbook loop script (gpu_textbook_loop.py) instead of bench/textbook_loop.py")
     parser.add_argument("--cache-dir", type=Path, default=ROOT / "cache" / "datasets",
                         help="token caches of the training runs (reused between runs)")
     parser.add_argument("--corpus-tokens", type=float, default=100e6, help="size of the cache-scaling corpus")
@@ -614,9 +545,6 @@ def parse(argv: list[str]) -> Options | Path:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--child-plain"]:
-        print(json.dumps(plain_loop(Shape(**json.loads(sys.argv[2])), sys.argv[3] == "1", "--smoke" in sys.argv)))
-        return
     if sys.argv[1:2] == ["--child-cache"]:
         print(json.dumps(child_cache(sys.argv[2], int(sys.argv[3]))))
         return

@@ -19,6 +19,7 @@ from rank_support import token_cache_dir  # noqa: F401 (fixture)
 
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_gpu  # noqa: E402
+import textbook_loop  # noqa: E402
 
 NUMBER = r"[\d,]+"
 SCRIPT = str(ROOT / "bench" / "bench_gpu.py")
@@ -113,12 +114,12 @@ def test_a_failing_anchor_is_a_failed_cell(tmp_path: Path) -> None:
 
 
 def test_anchor_line_parser() -> None:
-    parse = bench_gpu.parse_anchor_line
+    parse = textbook_loop.parse_anchor_line
     assert parse("anchor compile: params 1100.0M | 62,800 tokens/s | MFU 44.7% | peak mem 44.6 GiB\n") == \
-        bench_gpu.AnchorFigures(compiled=True, params_m=1100.0, tokens_per_s=62_800.0, mfu=0.447, peak_gib=44.6)
+        textbook_loop.AnchorFigures(compiled=True, params_m=1100.0, tokens_per_s=62_800.0, mfu=0.447, peak_gib=44.6)
     output = ("W1123 torch._dynamo: recompiling\nanchor: params 134.1M | 207,000 tokens/s | MFU 15.4% | peak mem "
               "9.8 GiB\nanchor: params 134.1M | 213,500 tokens/s | MFU 15.9% | peak mem 9.9 GiB  \n")
-    assert parse(output) == bench_gpu.AnchorFigures(False, 134.1, 213_500.0, 0.159, 9.9)  # the last line counts
+    assert parse(output) == textbook_loop.AnchorFigures(False, 134.1, 213_500.0, 0.159, 9.9)  # the last line counts
     assert parse("anchor: params 134.1M | nan tokens/s | MFU 15.9% | peak mem 9.9 GiB") is None
     assert parse("") is None
 
