@@ -14,9 +14,9 @@ gets, and the supervisor's log pump where cores are free.
    accumulation, random tokens; a fresh process per run) is, with `--anchor PATH`, the reference script
    `gpu_textbook_loop.py` (its printed line parsed; a failure is a "failed" cell), else the same loop in
    `bench/textbook_loop.py` (`plain loop`). A rank row's ratio is over the loop that compiles as it does (a shipped
-   row compiles: `auto` on CUDA), and a loop runs only for the rank rows chosen. A shipped row is compared only where the preset's model,
-   context, batch and accumulation are the shape's, as `small` and `1b` are (tests/test_bench_gpu.py checks it);
-   elsewhere its cell names the fields that differ. MFU = tokens/s × FLOPs per token (`trainer.sizes.flops_per_token`:
+   row compiles: `auto` on CUDA), and a loop runs only for the rank rows chosen. A shipped row is compared only
+   where the preset's model, context, batch and accumulation are the shape's, as `small` and `1b` are
+   (tests/test_bench_gpu.py checks it); elsewhere its cell names the fields that differ. MFU = tokens/s × FLOPs per token (`trainer.sizes.flops_per_token`:
    6·N_non-embedding + 12·L·H·T) / the GPU's bf16 peak (`trainer.metrics.peak_flops`); the anchor script's rows show
    the MFU it prints (the same formula at 989 TFLOP/s) and its peak `max_memory_allocated`.
 2. Cache build scaling: the cache of a corpus of at least `--corpus-tokens` tokens (the standard library repeated,
