@@ -138,6 +138,7 @@ class Watch:
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
         self.fallout_quiet = False  # a failure was seen: the other ranks' stderr goes to their logs only
+        self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
 
@@ -289,10 +290,16 @@ class Watch:
             if signum not in STOP_SIGNALS:
                 continue  # SIGCHLD: check_exits runs after every wake-up
             name = signal.Signals(signum).name
+            first, self.signalled = not self.signalled, True
             if self.stop is None:
                 self.console.say(f"{name}: stopping every rank (SIGTERM, then SIGKILL after "
                                  f"{self.plan.grace_period:g} s; {name} again to kill at once)", style="bold yellow")
                 self.begin_stop(Stop("interrupt", 128 + signum, f"interrupted by {name}"))
+            elif first and not self.stop.killed:
+                # the stop under way has another cause (a failure, another node: with Slurm's USR1 every node gets
+                # the signal and one may hear of the other first); this signal is the first, not "again"
+                self.console.say(f"{name}: already stopping ({self.stop.detail}); {name} again to kill at once",
+                                 style="bold yellow")
             elif not self.stop.killed:
                 self.console.say(f"{name} again: killing every rank now", style="bold yellow")
                 self.kill_all()

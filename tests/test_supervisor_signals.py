@@ -63,6 +63,25 @@ def test_second_ctrl_c_kills_at_once(tmp_path, cleanup):
     assert survivors(pids, timeout=0.5) == []
 
 
+def test_a_first_signal_during_another_stop_keeps_the_grace_period(tmp_path, cleanup):
+    """A stop already under way for another cause (here rank 1 failed; with Slurm, another node's stop that arrived
+    before this node's own USR1): the signal is the first, not "again", so rank 0 still checkpoints."""
+    r = start(tmp_path, "--nproc", "2", "--grace-period", "30",
+              entry_args=("--fail", "exit", "--fail-rank", "1", "--fail-step", "3", "--on-term", "slow",
+                          "--term-time", "1.5"))
+    pids = r.wait_for_ranks(2)
+    deadline = time.monotonic() + 20
+    while "stopping the other ranks" not in r.err_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(r.proc.pid, signal.SIGUSR1)
+    r.wait(timeout=30)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "SIGUSR1: already stopping (CPU1 (rank 1) failed: exit 3); SIGUSR1 again to kill at once" in r.stderr
+    assert "again: killing" not in r.stderr
+    assert "CPU0:rank 0 checkpoint written" in r.stdout
+    assert survivors(pids, timeout=0.5) == []
+
+
 def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, cleanup):
     r = start(tmp_path, "--nproc", "2", "--grace-period", "0.5", entry_args=("--on-term", "ignore", "--children", "1"))
     pids = r.wait_for_ranks(2)
