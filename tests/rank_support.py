@@ -36,7 +36,7 @@ TINY: dict[str, dict[str, Any]] = {
     "training": {"max_steps": 6, "batch_size": 4, "grad_accum_nums": 1, "learning_rate": 1e-3, "warmup_steps": 1,
                  "use_amp": False, "precision": "fp32", "strategy": "ddp", "eval_interval": 0, "eval_steps": 2},
     "checkpoint": {"interval": 0, "keep": 2, "save_final": False},
-    "logging": {"level": "INFO", "log_interval": 1, "tensorboard": False},
+    "logging": {"level": "INFO", "log_interval": 1, "tensorboard": False, "plot": False},
     "debug": {"nan_localize": False, "nan_dump": False},
 }
 

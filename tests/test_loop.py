@@ -96,7 +96,7 @@ def test_compiled_layers_train_like_eager_ones(tmp_path: Path, token_cache_dir: 
 
 
 def test_a_failing_run_still_writes_its_history(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:
-    cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 5},
+    cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 5}, logging={"plot": True},
                       debug={"inject_fault": "raise", "inject_fault_step": 2})
     with pytest.raises(RuntimeError, match="injected fault at step 2"):
         loop.train(cfg)

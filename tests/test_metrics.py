@@ -74,5 +74,12 @@ def test_history_json_png_and_tensorboard(tmp_path: Path) -> None:
     assert list((tmp_path / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
 
 
+def test_history_without_the_plot(tmp_path: Path) -> None:
+    history = History(tmp_path, {"preset": "debug"}, plot=False)
+    history.add(StepRecord(step=0, loss=5.0, lr=0.0, grad_norm=1.0, tokens_per_s=None))
+    history.save("completed")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [HISTORY_JSON]
+
+
 def test_memory_field_of_the_summary_line() -> None:
     assert memory_part(int(41.6 * 1024**3), 80 * 1024**3) == "mem 41.6 GiB (52 %)"

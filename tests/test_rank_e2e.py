@@ -41,7 +41,7 @@ def test_single_process_run_by_hand(tmp_path: Path, token_cache_dir: Path) -> No
     """`python pretrain_main.py --debug --set ...`: run folder logs/<run-id>/, checkpoints in .checkpoints/, a final
     model that transformers loads and generates with; then a resume with another model shape is refused."""
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 4, "eval_interval": 2},
-                          "checkpoint": {"interval": 2, "save_final": True},
+                          "checkpoint": {"interval": 2, "save_final": True}, "logging": {"plot": True},
                           "debug": {"nan_localize": True, "nan_dump": True}})
     result = run_main(["--debug", *set_flags(layer)], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -2,7 +2,9 @@
 
 Each line of a ```bash block runs, in order, in a fresh copy of the project (with this interpreter as `PYTHON` and as
 `python` on the PATH, so nothing is installed). Lines whose comment says they need hardware or a network CI lacks are skipped:
-`# needs a GPU`, `# needs a network`, `# needs two machines`; `bash run_tests.sh` is what CI itself runs.
+`# needs a GPU`, `# needs a network`, `# needs two machines`; `bash run_tests.sh` is what CI itself runs. A pipeline
+whose left side the README also shows by itself (`bash run_training.sh --debug 2>&1 | grep CPU1:`) runs its right side on
+that command's output: the same run, not trained again.
 """
 
 from __future__ import annotations
@@ -49,16 +51,30 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, str]:
+    """The output (stdout and stderr merged) of each command that has run: `A 2>&1 | B`, where `A` is a command the
+    README shows by itself and has run already, feeds that output to `B` instead of training again."""
+    return {}
+
+
 def test_readme_shows_commands() -> None:
     assert "bash run_training.sh --debug" in readme_commands()
 
 
 @pytest.mark.parametrize("command", readme_commands())
-def test_readme_command_runs(command: str, project: Path) -> None:
+def test_readme_command_runs(command: str, project: Path, outputs: dict[str, str]) -> None:
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])  # `python` = this interpreter
     env = {**os.environ, "PYTHON": sys.executable, "PATH": path}
     env.pop("VIRTUAL_ENV", None)
     if "SUPERVISOR_FAKE_GPUS=" in command:  # the pretended GPUs, not the "no GPU" the default tier runs with
         env.pop("CUDA_VISIBLE_DEVICES", None)
-    out = subprocess.run(["bash", "-c", command], cwd=project, env=env, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, f"`{command}` exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    producer, pipe, consumer = command.partition(" 2>&1 | ")
+    if pipe and producer in outputs:
+        shell, stdin = consumer, outputs[producer]
+    else:
+        shell, stdin = f"{{ {command}; }} 2>&1", None
+    out = subprocess.run(["bash", "-c", shell], cwd=project, env=env, input=stdin, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, f"`{shell}` exited {out.returncode}:\n{out.stdout[-6000:]}"
+    outputs[command] = out.stdout

@@ -103,6 +103,7 @@ class LoggingConfig:
     level: str = "INFO"  # DEBUG | INFO | WARNING
     log_interval: int = 10
     tensorboard: bool = False
+    plot: bool = True  # training_history.png beside the JSON (matplotlib: about a second at the end of a run)
     run_dir: str | None = None  # set by the supervisor; a run by hand uses logs/<run-id>/
     wandb: bool = False  # Weights & Biases from rank 0: the TensorBoard scalars and the resolved config
     wandb_project: str = "gpu-pretrain"

@@ -330,7 +330,7 @@ class Trainer:
                                                   "world_size": self.ctx.world_size, "cache_key": self.cache.key,
                                                   "parameters": self.parameters,
                                                   "tokens_per_step": self.tokens_per_step},
-                                   tensorboard=self.cfg.logging.tensorboard,
+                                   tensorboard=self.cfg.logging.tensorboard, plot=self.cfg.logging.plot,
                                    wandb_run=start_wandb(self.cfg, self.run_dir) if self.cfg.logging.wandb else None)
         status = "failed"
         try:

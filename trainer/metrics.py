@@ -133,13 +133,14 @@ class StepRecord:
 
 
 class History:
-    """Rank 0's record of the run: `training_history.json`, `training_history.png`, optional TensorBoard scalars and
-    the same scalars to an optional W&B run (`trainer.wandb_run.start_wandb`)."""
+    """Rank 0's record of the run: `training_history.json`, an optional `training_history.png`, optional TensorBoard
+    scalars and the same scalars to an optional W&B run (`trainer.wandb_run.start_wandb`)."""
 
-    def __init__(self, run_dir: Path, run_info: dict[str, Any], tensorboard: bool = False,
+    def __init__(self, run_dir: Path, run_info: dict[str, Any], tensorboard: bool = False, plot: bool = True,
                  wandb_run: Any = None) -> None:
         self.run_dir = run_dir
         self.run_info = run_info
+        self.plots = plot
         self.records: list[StepRecord] = []
         self.wandb_run = wandb_run
         self.status = "running"
@@ -160,14 +161,15 @@ class History:
             self.wandb_run.log(scalars, step=record.step)
 
     def save(self, status: str) -> None:
-        """Write the JSON and the plot (atomically; called at the end and when the run fails)."""
+        """Write the JSON and the plot if asked for (atomically; called at the end and when the run fails)."""
         self.status = status
         self.run_dir.mkdir(parents=True, exist_ok=True)
         data = {"run": {**self.run_info, "status": status}, "steps": [asdict(r) for r in self.records]}
         tmp = self.run_dir / (HISTORY_JSON + ".tmp")
         tmp.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n")
         tmp.replace(self.run_dir / HISTORY_JSON)
-        self.plot(self.run_dir / HISTORY_PNG)
+        if self.plots:
+            self.plot(self.run_dir / HISTORY_PNG)
         if self.writer is not None:
             self.writer.flush()
 
