@@ -10,6 +10,10 @@ import pytest
 
 import gpu_visibility
 
+# The shared fixtures, for every test module: the tiny token cache and one-thread torch (rank_support), and the
+# reaping of supervisors a failing test left behind (rank_scripts/harness.py).
+pytest_plugins = ["rank_support", "rank_scripts.harness"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     gpu_visibility.hide_gpus()  # before any test can initialise CUDA in this process

@@ -131,7 +131,7 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def cleanup(*procs: subprocess.Popen) -> Iterator[None]:
+def kill_on_exit(*procs: subprocess.Popen) -> Iterator[None]:
     try:
         yield
     finally:
@@ -145,7 +145,7 @@ def run_main(args: list[str], cwd: Path, timeout: float = 120, env: dict[str, st
     """`python pretrain_main.py ARGS` to completion, as a run started by hand."""
     proc = subprocess.Popen([PYTHON, MAIN, *args], cwd=cwd, env=env or base_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    with cleanup(proc):
+    with kill_on_exit(proc):
         out, err = proc.communicate(timeout=timeout)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from rank_scripts.harness import ROOT, clean_env
-from rank_support import token_cache_dir  # noqa: F401 (fixture)
 
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_gpu  # noqa: E402

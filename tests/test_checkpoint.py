@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rank_support import PYTHON, ROOT, base_env, cleanup, one_thread, tiny_config  # noqa: F401 (fixture)
+from rank_support import PYTHON, ROOT, base_env, kill_on_exit, tiny_config
 from trainer import checkpoint, checkpoint_layout, durable
 from trainer.checkpoint import CheckpointMeta, TrainState
 from trainer.config import Config
@@ -154,7 +154,7 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path
     code = f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); import test_checkpoint as t; " \
            f"t.save_then_stall({str(tmp_path)!r})"
     child = subprocess.Popen([PYTHON, "-c", code], env=base_env(), stderr=subprocess.PIPE, text=True)
-    with cleanup(child):
+    with kill_on_exit(child):
         deadline = time.monotonic() + 90
         while not (tmp_path / "saving").exists():
             assert child.poll() is None, child.stderr.read() if child.stderr else ""

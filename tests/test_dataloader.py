@@ -17,19 +17,17 @@ import psutil
 import pytest
 import torch
 
-from rank_support import (  # noqa: F401 (fixtures)
+from rank_support import (
     MAIN,
     PYTHON,
     TINY,
     base_env,
-    cleanup,
     history,
     history_losses,
+    kill_on_exit,
     merged,
-    one_thread,
     set_flags,
     tiny_config,
-    token_cache_dir,
 )
 from trainer import loop
 from trainer.data.batches import BatchSampler, StepLoader
@@ -160,7 +158,7 @@ def test_rank_with_a_worker_trains_like_inline_survives_a_group_sigterm_and_leav
     ahead = start_rank(tmp_path, token_cache_dir, "ahead", 1, token)
     inline = start_rank(tmp_path, token_cache_dir, "inline", 0, uuid.uuid4().hex)
     names: dict[int, str] = {}  # what the run with a worker started: pid -> name
-    with cleanup(ahead, inline):
+    with kill_on_exit(ahead, inline):
         read_until_step(ahead, 5, names)
         os.killpg(ahead.pid, signal.SIGTERM)  # as `kill -TERM -<pgid>` or a batch scheduler would
         out, err = ahead.communicate(timeout=120)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from process_tree import watching
 from rank_scripts.harness import clean_env
-from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
+from rank_support import TINY, merged, set_flags
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE, OomReport
 
 RUN_TIMEOUT = 150.0

@@ -36,7 +36,7 @@ import torch
 
 from process_tree import watching
 from rank_scripts.harness import clean_env
-from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
+from rank_support import TINY, merged, set_flags
 from trainer import checkpoint, checkpoint_layout
 
 RANK_FAULTS = {"raise": 1, "exit": 3, "sigkill": 128 + signal.SIGKILL, "segv": 128 + signal.SIGSEGV, "hang": 124}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rank_support import history, history_losses, one_thread, tiny_config, token_cache_dir  # noqa: F401 (fixtures)
+from rank_support import history, history_losses, tiny_config
 from trainer import checkpoint, checkpoint_layout, loop, optim
 from trainer.config import Config
 from trainer.diagnosis.host_sync import HostSyncCounter

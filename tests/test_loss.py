@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from rank_support import free_port, tiny_config, token_cache_dir  # noqa: F401 (fixture)
+from rank_support import free_port, tiny_config
 from trainer import checkpoint
 from trainer.config import Config
 from trainer.data.cache import prepare

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rank_support import TINY, base_env, cleanup, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
+from rank_support import TINY, base_env, kill_on_exit, merged, set_flags
 
 NAN_MODULE = "model.layers.1.mlp"
 
@@ -24,7 +24,7 @@ def supervise(tmp_path: Path, cache_dir: Path, debug: dict[str, object], *extra:
            str(tmp_path / "logs"), "--hang-timeout", "60", *set_flags(layer), *extra]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    with cleanup(proc):
+    with kill_on_exit(proc):
         out, _ = proc.communicate(timeout=150)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 

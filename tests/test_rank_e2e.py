@@ -14,23 +14,22 @@ from typing import Any
 
 import pytest
 
-from rank_support import (  # noqa: F401 (fixture)
+from rank_support import (
     MAIN,
     PYTHON,
     ROOT,
     TINY,
     base_env,
-    cleanup,
     free_port,
     history,
     history_losses,
+    kill_on_exit,
     log_lines,
     merged,
     rank_env,
     run_main,
     set_flags,
     tiny_config,
-    token_cache_dir,
 )
 from trainer.config import Config
 
@@ -133,7 +132,7 @@ def test_sigterm_on_one_rank_stops_both_with_a_checkpoint_and_resume_is_exact(tm
     ckpt = tmp_path / "ckpt"
     pipes = [ProgressPipe(), ProgressPipe()]
     stopped = launch(write_run_config(tmp_path / "stopped", token_cache_dir, ckpt), pipes)
-    with cleanup(*stopped):
+    with kill_on_exit(*stopped):
         for pipe in pipes:
             os.close(pipe.write_fd)
         pipes[1].wait_for_step(3, stopped[1])
@@ -156,7 +155,7 @@ def test_sigterm_on_one_rank_stops_both_with_a_checkpoint_and_resume_is_exact(tm
 
     resumed = launch(write_run_config(tmp_path / "resumed", token_cache_dir, ckpt, resume="auto"))
     straight = launch(write_run_config(tmp_path / "straight", token_cache_dir, tmp_path / "ckpt-straight"))
-    with cleanup(*resumed, *straight):
+    with kill_on_exit(*resumed, *straight):
         results = finish(resumed) + finish(straight)
     assert [code for code, _, _ in results] == [0, 0, 0, 0], results[0][2][-3000:]
     assert f"resumed from {ckpt / saved} at step {stop_step}" in results[0][1]
@@ -176,7 +175,7 @@ def test_plain_torchrun_with_two_ranks_sharded(tmp_path: Path) -> None:
     proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "torchrun"), "--nproc-per-node", "2", MAIN, "--debug",
                              *set_flags(layer)], cwd=tmp_path, env=base_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    with cleanup(proc):
+    with kill_on_exit(proc):
         out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
     seen = sorted((m["gpu"], int(m["step"])) for m in log_lines(out))

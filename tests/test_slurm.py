@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from rank_scripts.harness import ROOT, Run, cleanup, clean_env, start  # noqa: F401  (cleanup: fixture)
-from rank_support import TINY, merged, set_flags, token_cache_dir  # noqa: F401  (token_cache_dir: fixture)
+from rank_scripts.harness import ROOT, clean_env, Run, start
+from rank_support import TINY, merged, set_flags
 from supervisor import slurm
 from trainer import checkpoint_layout
 from trainer.errors import UserError
@@ -131,7 +131,7 @@ def slurm_nodes(tmp_path: Path, *args: str, entry: Path | None, entry_args: tupl
     return nodes
 
 
-def test_two_slurm_nodes_find_each_other(tmp_path: Path, cleanup) -> None:
+def test_two_slurm_nodes_find_each_other(tmp_path: Path) -> None:
     nodes = slurm_nodes(tmp_path, "--nproc", "2", entry=ROOT / "tests" / "rank_scripts" / "worker.py",
                         entry_args=("--steps", "5"))
     for node in nodes:
@@ -152,8 +152,7 @@ def wait_for(path: Path, pattern: str, timeout: float = 180) -> None:
         time.sleep(0.1)
 
 
-def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: Path, token_cache_dir: Path,
-                                                                     cleanup) -> None:
+def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: Path, token_cache_dir: Path) -> None:
     """SIGUSR1 (`#SBATCH --signal=USR1@...`) to both node supervisors: every rank finishes its step, the group
     checkpoints, both exit 138; the same command again (`--resume auto`, as the requeued job runs) continues there."""
     ckpt = tmp_path / "ckpt"

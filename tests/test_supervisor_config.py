@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rank_scripts.harness import WORKER, cleanup, run  # noqa: F401  (cleanup: fixture)
+from rank_scripts.harness import WORKER, run
 from supervisor.cli import check_fits_on_cpu
 from supervisor.plan import Plan, RankSpec
 from trainer.config import Config, apply_layer
@@ -24,14 +24,14 @@ from trainer.resolve import preset_layer
      "error: --max-restarts works on a single node only"),
     (("--nproc", "0"), "error: --nproc must be at least 1, got 0"),
 ])
-def test_user_errors_are_one_line_and_exit_2(tmp_path, cleanup, args, message):
+def test_user_errors_are_one_line_and_exit_2(tmp_path, args, message):
     r = run(tmp_path, *args, entry=WORKER if "--entry" not in args else None)
     assert r.returncode == 2
     assert r.stderr.startswith(message) and r.stderr.count("\n") == 1, r.stderr
     assert not r.log_dir.exists()
 
 
-def test_config_is_resolved_once_and_written_to_the_run_folder(tmp_path, cleanup):
+def test_config_is_resolved_once_and_written_to_the_run_folder(tmp_path):
     r = run(tmp_path, "--debug", "--max-steps", "7", "--set", "training.batch_size=3", "--nproc", "2",
             entry_args=("--steps", "1"))
     assert r.returncode == 0, r.stderr
@@ -44,7 +44,7 @@ def test_config_is_resolved_once_and_written_to_the_run_folder(tmp_path, cleanup
     assert "run " + run_dir.name in (run_dir / "supervisor.log").read_text()
 
 
-def test_inspection_flags_start_nothing(tmp_path, cleanup):
+def test_inspection_flags_start_nothing(tmp_path):
     r = run(tmp_path, "--debug", "--print-config")
     assert r.returncode == 0
     assert json.loads(r.stdout)["preset"] == "debug"
@@ -77,7 +77,7 @@ def test_gpu_presets_refuse_a_cpu_unless_forced():
         check_fits_on_cpu(preset("debug", system={"device": "cuda"}))
 
 
-def test_production_on_a_cpu_machine_is_refused_before_anything_starts(tmp_path, cleanup):
+def test_production_on_a_cpu_machine_is_refused_before_anything_starts(tmp_path):
     if not (Path(__file__).parents[1] / "pretrain_main.py").exists():
         pytest.skip("pretrain_main.py is not there")
     r = run(tmp_path, entry=None)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rank_scripts.harness import ROOT, cleanup, run, survivors  # noqa: F401  (cleanup: fixture)
+from rank_scripts.harness import ROOT, run, survivors
 
 pytestmark = pytest.mark.skipif(not (ROOT / "pretrain_main.py").exists(), reason="pretrain_main.py is not there")
 
@@ -23,7 +23,7 @@ def tiny(tmp_path: Path, cache_dir: Path, *extra: str) -> tuple[str, ...]:
             "--set", "training.eval_interval=0", "--set", "checkpoint.interval=0", *extra)
 
 
-def test_trainer_run(tmp_path, cache_dir, cleanup):
+def test_trainer_run(tmp_path, cache_dir):
     r = run(tmp_path, *tiny(tmp_path, cache_dir), entry=None, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "supervisor: dataset " in r.stderr
@@ -34,7 +34,7 @@ def test_trainer_run(tmp_path, cache_dir, cleanup):
     assert any(line.startswith("CPU1:") for line in (r.stdout + r.stderr).splitlines())
 
 
-def test_trainer_fault_stops_the_group(tmp_path, cache_dir, cleanup):
+def test_trainer_fault_stops_the_group(tmp_path, cache_dir):
     r = run(tmp_path, *tiny(tmp_path, cache_dir, "--set", "debug.inject_fault=exit", "--set",
                             "debug.inject_fault_step=2", "--set", "debug.inject_fault_rank=1",
                             "--set", "debug.inject_fault_code=3", "--grace-period", "5"), entry=None, timeout=240)
@@ -44,7 +44,7 @@ def test_trainer_fault_stops_the_group(tmp_path, cache_dir, cleanup):
     assert len(pids) == 2 and survivors(pids, timeout=0.5) == []
 
 
-def test_a_trial_run_shorter_than_the_preset_warmup_trains(tmp_path, cache_dir, cleanup):
+def test_a_trial_run_shorter_than_the_preset_warmup_trains(tmp_path, cache_dir):
     """`--debug --max-steps 2`: the preset's 2 warm-up steps do not fit; they shrink, and both banners say so."""
     r = run(tmp_path, *tiny(tmp_path, cache_dir, "--max-steps", "2"), entry=None, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from rank_scripts.harness import cleanup, clean_env, run, survivors  # noqa: F401  (cleanup: fixture)
+from rank_scripts.harness import clean_env, run, survivors
 
 FAKE = clean_env(SUPERVISOR_FAKE_GPUS="0,1,2,3")
 COMMON = ("--gpus", "0,1,2", "--grace-period", "5")
@@ -14,7 +14,7 @@ CHILDREN = ("--children", "1", "--escaped-child")
 
 
 @pytest.mark.parametrize("fault, code", [("raise", 1), ("exit", 3), ("sigkill", 137), ("segv", 139)])
-def test_first_failure_stops_every_rank(tmp_path, cleanup, fault, code):
+def test_first_failure_stops_every_rank(tmp_path, fault, code):
     r = run(tmp_path, *COMMON, entry_args=("--fail", fault, "--fail-rank", "1", *CHILDREN), env=FAKE)
     assert r.returncode == code, r.stderr[-3000:]
     pids = r.pids()
@@ -23,7 +23,7 @@ def test_first_failure_stops_every_rank(tmp_path, cleanup, fault, code):
     assert f"GPU1 (rank 1, pid {pids[3]}) failed with" in r.stderr
 
 
-def test_report_names_every_rank_and_the_failing_stderr(tmp_path, cleanup):
+def test_report_names_every_rank_and_the_failing_stderr(tmp_path):
     r = run(tmp_path, *COMMON, entry_args=("--fail", "raise", "--fail-rank", "2", "--fail-step", "4"), env=FAKE)
     assert r.returncode == 1
     report = r.stderr[r.stderr.index("supervisor: run failed"):]
@@ -41,20 +41,20 @@ def test_report_names_every_rank_and_the_failing_stderr(tmp_path, cleanup):
     assert "GPU2 (rank 2) failed: exit 1" in log and "RuntimeError: injected fault" in log
 
 
-def test_success_report_has_steps_and_final_loss(tmp_path, cleanup):
+def test_success_report_has_steps_and_final_loss(tmp_path):
     r = run(tmp_path, "--nproc", "2", entry_args=("--steps", "4"))
     assert r.returncode == 0, r.stderr
     assert re.search(r"supervisor: run finished in [\d.]+ s: step 4/4, final loss 2\.5000; logs in ", r.stderr)
 
 
-def test_ranks_exiting_zero_early_are_normal(tmp_path, cleanup):
+def test_ranks_exiting_zero_early_are_normal(tmp_path):
     """Rank 1 finishes first; the run goes on until every rank is done, then succeeds."""
     r = run(tmp_path, "--nproc", "2", entry_args=("--steps", "3", "--fail", "exit", "--code", "0"))
     assert r.returncode == 0, r.stderr
     assert "rank 0 finished 3 steps" in r.stdout
 
 
-def test_hang_is_noticed_dumped_and_stopped(tmp_path, cleanup):
+def test_hang_is_noticed_dumped_and_stopped(tmp_path):
     hang_timeout = 1.0
     r = run(tmp_path, *COMMON, "--hang-timeout", str(hang_timeout), "--startup-timeout", "10",
             entry_args=("--fail", "hang", "--fail-rank", "1", "--fail-step", "3", *CHILDREN), env=FAKE)
@@ -70,14 +70,14 @@ def test_hang_is_noticed_dumped_and_stopped(tmp_path, cleanup):
     assert survivors(r.pids(), timeout=1.0) == []
 
 
-def test_silence_before_the_first_step_gets_the_startup_allowance(tmp_path, cleanup):
+def test_silence_before_the_first_step_gets_the_startup_allowance(tmp_path):
     """A slow start (no step for longer than --hang-timeout) is not a hang; only --startup-timeout applies."""
     r = run(tmp_path, "--nproc", "1", "--hang-timeout", "0.3", "--startup-timeout", "30",
             entry_args=("--steps", "3", "--startup-time", "1.0"))
     assert r.returncode == 0, r.stderr
 
 
-def test_failing_rank_wins_over_the_ranks_it_brings_down(tmp_path, cleanup):
+def test_failing_rank_wins_over_the_ranks_it_brings_down(tmp_path):
     """Real gloo: rank 1 exits 3 in the middle of all-reduces; rank 0 then errors out of its collective.
     The run still exits 3, and rank 0 is not blamed."""
     r = run(tmp_path, "--nproc", "2", entry_args=("--gloo", "--fail", "exit", "--fail-step", "5"), timeout=120)

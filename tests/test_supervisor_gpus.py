@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rank_scripts.harness import cleanup, clean_env, run  # noqa: F401  (cleanup: fixture)
+from rank_scripts.harness import clean_env, run
 from supervisor import gpus
 from trainer.errors import UserError
 
@@ -97,7 +97,7 @@ def dumps(r) -> list[dict]:
     return [json.loads((folder / f"rank{i}.json").read_text()) for i in range(len(list(folder.glob("*.json"))))]
 
 
-def test_rank_environment_on_chosen_gpus(tmp_path, cleanup):
+def test_rank_environment_on_chosen_gpus(tmp_path):
     (tmp_path / "env").mkdir()
     r = run(tmp_path, "--gpus", "3,1", entry_args=("--steps", "1", "--dump-env", str(tmp_path / "env")),
             env=clean_env(SUPERVISOR_FAKE_GPUS="0,1,2,3"))
@@ -124,7 +124,7 @@ def test_rank_environment_on_chosen_gpus(tmp_path, cleanup):
     assert r.stdout.startswith("GPU3:") or r.stdout.startswith("GPU1:")
 
 
-def test_cpu_ranks_have_no_gpu(tmp_path, cleanup):
+def test_cpu_ranks_have_no_gpu(tmp_path):
     (tmp_path / "env").mkdir()
     r = run(tmp_path, "--nproc", "3", entry_args=("--steps", "1", "--dump-env", str(tmp_path / "env")))
     assert r.returncode == 0, r.stderr
@@ -134,7 +134,7 @@ def test_cpu_ranks_have_no_gpu(tmp_path, cleanup):
     assert sorted(p.name for p in r.run_dir().glob("*.log")) == ["cpu0.log", "cpu1.log", "cpu2.log", "supervisor.log"]
 
 
-def test_auto_choice_is_printed(tmp_path, cleanup):
+def test_auto_choice_is_printed(tmp_path):
     r = run(tmp_path, "--gpus", "auto", "--nproc", "2", entry_args=("--steps", "1"),
             env=clean_env(SUPERVISOR_FAKE_GPUS="0:1000:90,1:80000:50,2:80000:5"))
     assert r.returncode == 0, r.stderr
@@ -142,7 +142,7 @@ def test_auto_choice_is_printed(tmp_path, cleanup):
     assert "2 ranks (GPU2, GPU1)" in r.stderr
 
 
-def test_missing_gpu_is_a_user_error(tmp_path, cleanup):
+def test_missing_gpu_is_a_user_error(tmp_path):
     r = run(tmp_path, "--gpus", "9", env=clean_env(SUPERVISOR_FAKE_GPUS="0,1,2,3,4,5,6,7"))
     assert r.returncode == 2
     assert r.stderr == "error: GPU 9 does not exist; this machine has GPUs 0-7\n"

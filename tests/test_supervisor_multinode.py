@@ -8,7 +8,7 @@ import signal
 import socket
 import time
 
-from rank_scripts.harness import Run, cleanup, start, survivors  # noqa: F401  (cleanup: fixture)
+from rank_scripts.harness import Run, start, survivors
 
 
 def free_port_pair() -> int:
@@ -37,7 +37,7 @@ def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0) 
     return node0, node1
 
 
-def test_failure_on_node1_stops_node0(tmp_path, cleanup):
+def test_failure_on_node1_stops_node0(tmp_path):
     node0, node1 = two_nodes(tmp_path, node1_args=("--fail", "exit", "--fail-rank", "3", "--code", "7",
                                                    "--fail-step", "20", "--children", "1"))
     node1.wait()
@@ -49,7 +49,7 @@ def test_failure_on_node1_stops_node0(tmp_path, cleanup):
     assert survivors(node0.pids() + node1.pids(), timeout=0.5) == []
 
 
-def test_failure_on_node0_stops_node1(tmp_path, cleanup):
+def test_failure_on_node0_stops_node1(tmp_path):
     node0, node1 = two_nodes(tmp_path, node0_args=("--fail", "sigkill", "--fail-rank", "0", "--fail-step", "20"))
     node0.wait()
     node1.wait(timeout=20)
@@ -57,7 +57,7 @@ def test_failure_on_node0_stops_node1(tmp_path, cleanup):
     assert "node 0: CPU0 failed with SIGKILL (137)" in node1.stderr
 
 
-def test_a_node_that_connects_after_the_failure_still_hears_of_it(tmp_path, cleanup):
+def test_a_node_that_connects_after_the_failure_still_hears_of_it(tmp_path):
     """Node 0 fails before node 1 has even started: node 0 waits (within its grace period) to hand over the abort."""
     node0, node1 = two_nodes(tmp_path, node0_args=("--fail", "exit", "--fail-rank", "0", "--fail-step", "1",
                                                    "--code", "5"), node1_delay=1.0)
@@ -67,7 +67,7 @@ def test_a_node_that_connects_after_the_failure_still_hears_of_it(tmp_path, clea
     assert "node 0: CPU0 failed with exit 5" in node1.stderr
 
 
-def test_a_vanished_node_supervisor_stops_the_others(tmp_path, cleanup):
+def test_a_vanished_node_supervisor_stops_the_others(tmp_path):
     node0, node1 = two_nodes(tmp_path)
     pids1 = node1.wait_for_ranks(2)
     node0.wait_for_ranks(2)
@@ -79,7 +79,7 @@ def test_a_vanished_node_supervisor_stops_the_others(tmp_path, cleanup):
     assert survivors(node0.pids() + pids1, timeout=3.0) == []
 
 
-def test_both_nodes_finish(tmp_path, cleanup):
+def test_both_nodes_finish(tmp_path):
     node0, node1 = two_nodes(tmp_path, node0_args=("--steps", "5"), node1_args=("--steps", "5"))
     node0.wait()
     node1.wait()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rank_scripts.harness import SPAM, WORKER, alive, cleanup, clean_env, run, start, survivors  # noqa: F401
+from rank_scripts.harness import SPAM, WORKER, alive, clean_env, run, start, survivors
 from supervisor.console import Console
 from supervisor.pump import MAX_LINE, Pump, clean_cr
 
@@ -45,7 +45,7 @@ def check_stream(text: str, stream: str, expect_every: int) -> None:
             assert extras[rank] == ["partial-err"]
 
 
-def test_four_ranks_flooding_both_streams(tmp_path, cleanup):
+def test_four_ranks_flooding_both_streams(tmp_path):
     r = run(tmp_path, "--gpus", ",".join(map(str, GPUS)), entry=SPAM, entry_args=(str(LINES), str(LONG)),
             env=clean_env(SUPERVISOR_FAKE_GPUS="0,1,2,3,4,5,6,7"))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -59,7 +59,7 @@ def test_four_ranks_flooding_both_streams(tmp_path, cleanup):
         assert not any(line.startswith("GPU") for line in log), "log files hold the rank's lines unprefixed"
 
 
-def test_reader_leaving_does_not_stop_the_run(tmp_path, cleanup):
+def test_reader_leaving_does_not_stop_the_run(tmp_path):
     """`| head -1`: console output stops, the run and the log files go on."""
     r = start(tmp_path, "--nproc", "2", entry=SPAM, entry_args=("5000",), stdout=subprocess.PIPE)
     assert r.proc.stdout is not None
@@ -73,7 +73,7 @@ def test_reader_leaving_does_not_stop_the_run(tmp_path, cleanup):
         assert log.count(f"r{rank} out ") == 5000
 
 
-def test_supervisor_messages_stay_off_the_rank_prefixes(tmp_path, cleanup):
+def test_supervisor_messages_stay_off_the_rank_prefixes(tmp_path):
     """`2>&1 | grep GPU2:` keeps exactly the rank's lines."""
     r = run(tmp_path, "--gpus", "2", entry=WORKER, entry_args=("--steps", "2"),
             env=clean_env(SUPERVISOR_FAKE_GPUS="0,1,2"))
@@ -126,7 +126,7 @@ def test_a_bar_that_never_ends_its_line_is_bounded(tmp_path):
     assert largest_carry <= max(len(u) for u in updates), "only the segment on screen is kept"
 
 
-def test_terminal_gets_coloured_prefixes_and_a_live_footer(tmp_path, cleanup):
+def test_terminal_gets_coloured_prefixes_and_a_live_footer(tmp_path):
     """Stdout and stderr on one terminal: rank lines scroll above a footer with each rank's step and loss."""
     master, slave = os.openpty()
     r = start(tmp_path, "--nproc", "2", entry=WORKER, entry_args=("--steps", "20", "--step-time", "0.03"),
@@ -157,7 +157,7 @@ def read_all(pipe) -> bytes:
     return data
 
 
-def test_a_paused_reader_is_not_a_hang(tmp_path, cleanup):
+def test_a_paused_reader_is_not_a_hang(tmp_path):
     """Nobody reads our stdout for a while (a paused pager): the ranks block on their output, which is not a stall."""
     r = start(tmp_path, "--nproc", "2", "--hang-timeout", "0.5", "--startup-timeout", "20", entry=WORKER,
               entry_args=("--steps", "60", "--chatter", "50000", "--fail-rank", "9"), stdout=subprocess.PIPE)
@@ -169,7 +169,7 @@ def test_a_paused_reader_is_not_a_hang(tmp_path, cleanup):
     assert out.count(b"CPU0:rank 0 step ") == 60 and out.count(b"CPU1:rank 1 step ") == 60
 
 
-def test_a_paused_reader_does_not_delay_the_kill_all(tmp_path, cleanup):
+def test_a_paused_reader_does_not_delay_the_kill_all(tmp_path):
     """Rank 1 fails while the console is blocked by rank 0's output; rank 0 ignores SIGTERM: it is killed at the end
     of the grace period all the same, the supervisor's messages wait for the reader instead."""
     r = start(tmp_path, "--nproc", "2", "--grace-period", "0.5", entry=WORKER, stdout=subprocess.PIPE,

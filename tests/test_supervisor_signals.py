@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from rank_scripts.harness import cleanup, start, survivors  # noqa: F401  (cleanup: fixture)
+from rank_scripts.harness import start, survivors
 
 CHILDREN = ("--children", "2", "--escaped-child")
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129),
                                        (signal.SIGUSR1, 138)])  # SIGUSR1: Slurm's warning before the time limit
-def test_stop_signal_stops_every_rank_and_its_children(tmp_path, cleanup, sig, code):
+def test_stop_signal_stops_every_rank_and_its_children(tmp_path, sig, code):
     r = start(tmp_path, "--nproc", "2", "--grace-period", "5", entry_args=CHILDREN)
     pids = r.wait_for_ranks(2)
     os.kill(r.proc.pid, sig)
@@ -26,7 +26,7 @@ def test_stop_signal_stops_every_rank_and_its_children(tmp_path, cleanup, sig, c
     assert f"interrupted by {signal.Signals(sig).name}" in r.stderr
 
 
-def test_sigkill_of_the_supervisor_leaves_no_survivor(tmp_path, cleanup):
+def test_sigkill_of_the_supervisor_leaves_no_survivor(tmp_path):
     """PDEATHSIG takes the ranks; the sentinel takes their children, even one in a session of its own."""
     r = start(tmp_path, "--nproc", "2", entry_args=CHILDREN)
     pids = r.wait_for_ranks(2)
@@ -38,7 +38,7 @@ def test_sigkill_of_the_supervisor_leaves_no_survivor(tmp_path, cleanup):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGUSR1])
-def test_ranks_get_their_grace_period_to_checkpoint(tmp_path, cleanup, sig):
+def test_ranks_get_their_grace_period_to_checkpoint(tmp_path, sig):
     r = start(tmp_path, "--nproc", "2", "--grace-period", "10", entry_args=("--on-term", "slow", "--term-time", "0.5"))
     pids = r.wait_for_ranks(2)
     os.kill(r.proc.pid, sig)
@@ -50,7 +50,7 @@ def test_ranks_get_their_grace_period_to_checkpoint(tmp_path, cleanup, sig):
     assert survivors(pids, timeout=0.5) == []
 
 
-def test_second_ctrl_c_kills_at_once(tmp_path, cleanup):
+def test_second_ctrl_c_kills_at_once(tmp_path):
     r = start(tmp_path, "--nproc", "2", "--grace-period", "60", entry_args=("--on-term", "slow", "--term-time", "60"))
     pids = r.wait_for_ranks(2)
     os.kill(r.proc.pid, signal.SIGINT)
@@ -63,7 +63,7 @@ def test_second_ctrl_c_kills_at_once(tmp_path, cleanup):
     assert survivors(pids, timeout=0.5) == []
 
 
-def test_a_first_signal_during_another_stop_keeps_the_grace_period(tmp_path, cleanup):
+def test_a_first_signal_during_another_stop_keeps_the_grace_period(tmp_path):
     """A stop already under way for another cause (here rank 1 failed; with Slurm, another node's stop that arrived
     before this node's own USR1): the signal is the first, not "again", so rank 0 still checkpoints."""
     r = start(tmp_path, "--nproc", "2", "--grace-period", "30",
@@ -82,7 +82,7 @@ def test_a_first_signal_during_another_stop_keeps_the_grace_period(tmp_path, cle
     assert survivors(pids, timeout=0.5) == []
 
 
-def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, cleanup):
+def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
     r = start(tmp_path, "--nproc", "2", "--grace-period", "0.5", entry_args=("--on-term", "ignore", "--children", "1"))
     pids = r.wait_for_ranks(2)
     stopped = time.monotonic()

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from rank_support import TINY, base_env, cleanup, history, merged, set_flags, token_cache_dir  # noqa: F401 (fixture)
+from rank_support import TINY, base_env, history, kill_on_exit, merged, set_flags
 
 wandb = pytest.importorskip("wandb", reason="wandb is an optional extra: pip install -e '.[wandb]'")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
@@ -57,7 +57,7 @@ def test_offline_run_logs_the_history_scalars_and_the_config(tmp_path: Path, tok
     cmd = [sys.executable, "-m", "supervisor", "--debug", "--nproc", "2", "--no-footer", "--log-dir",
            str(tmp_path / "logs"), *set_flags(layer)]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with cleanup(proc):
+    with kill_on_exit(proc):
         out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-4000:]
     assert "supervisor: W&B: project 'trial', run first, offline (WANDB_MODE unset" in out

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from gpu_support import Machine, probe
-from rank_support import token_cache_dir  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,9 +149,10 @@ def kill_everything(run: Run) -> None:
             pass
 
 
-@pytest.fixture
-def cleanup():
-    """Use in every test that starts a supervisor: whatever a failing test left behind is killed."""
+@pytest.fixture(autouse=True)
+def reap_supervisors() -> Iterator[None]:
+    """Every test (tests/conftest.py loads this module as a plugin): whatever supervisor it started through `start`
+    and `run`, and their ranks, are killed at its end, should a failing test have left them behind."""
     yield
     while _started:
         kill_everything(_started.pop())
