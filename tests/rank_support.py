@@ -13,7 +13,7 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+SPAWNED_WORLD = 2  # the ranks spawn_ranks starts
+
+
+def spawn_ranks(worker: Callable[[int, Path, Path, Path], None], folder: Path, cache_dir: Path) -> None:
+    """`worker(rank, folder, cache_dir, tokenizer)` in each of two processes (torch.multiprocessing) that make a gloo
+    group once they call `init_distributed`: the rank's environment variables are set, torch has one thread. A failed
+    assertion in either fails the caller with that rank's traceback."""
+    import torch.multiprocessing as mp
+
+    from trainer.data.cache import prepare
+
+    cache = prepare(tiny_config(folder, cache_dir), show_progress=False)
+    mp.spawn(spawned_rank, args=(worker, free_port(), str(folder), str(cache_dir), str(cache.path / "tokenizer.json")),
+             nprocs=SPAWNED_WORLD, join=True)
+
+
+def spawned_rank(rank: int, worker: Callable[[int, Path, Path, Path], None], port: int, folder: str, cache_dir: str,
+                 tokenizer: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(SPAWNED_WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    worker(rank, Path(folder), Path(cache_dir), Path(tokenizer))
+
+
+def save_full_params(model: Any, rank: int, path: Path) -> None:
+    """A sharded model's parameters, gathered (a collective: every rank calls it) and saved by rank 0."""
+    import torch
+
+    params = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
+    if rank == 0:
+        torch.save(params, path)
+
+
+def assert_final_model_holds(final: Path, params: Path) -> Any:
+    """The `final/` folder loads with transformers and holds exactly the parameters `save_full_params` saved."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(final)  # the inner model's names, every weight
+    expected = torch.load(params, weights_only=True)
+    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), expected)
+    return model
 
 
 def base_env(**extra: str) -> dict[str, str]:

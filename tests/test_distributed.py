@@ -4,18 +4,15 @@ final model gathered from shards; plus the rank environment and device rules."""
 from __future__ import annotations
 
 import importlib
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from rank_support import free_port, tiny_config
+from rank_support import SPAWNED_WORLD, assert_final_model_holds, save_full_params, spawn_ranks, tiny_config
 from trainer import checkpoint
 from trainer.config import Config
-from trainer.data.cache import prepare
 from trainer.distributed import (
     RankEnvironment,
     agree_any,
@@ -31,7 +28,7 @@ from trainer.loss import full_loss
 from trainer.model import build_model, shape_signature
 from trainer.optim import build_optimizer, build_scheduler
 
-WORLD = 2
+WORLD = SPAWNED_WORLD
 
 
 def test_rank_environment_from_torchrun_variables() -> None:
@@ -97,13 +94,9 @@ def fresh(cfg: Config) -> torch.nn.Module:
     return build_model(cfg, 300, 0, torch.device("cpu"))
 
 
-def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) -> None:
+def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
     """One of two ranks; any failed assertion fails the spawn (and the test) with this rank's traceback."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    root = Path(folder)
-    cfg = tiny_config(root, Path(cache_dir), model={"num_layers": 2})
+    cfg = tiny_config(root, cache_dir, model={"num_layers": 2})
     ctx = init_distributed(cfg)
     try:
         assert (ctx.rank, ctx.world_size, ctx.backend) == (rank, WORLD, "gloo")
@@ -127,7 +120,7 @@ def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) ->
         assert torch.allclose(ddp_grads, expected, atol=1e-6)
 
         # FSDP2 (fully_shard per decoder layer, then the root) computes the same gradients and the same update.
-        sharded_cfg = tiny_config(root, Path(cache_dir), model={"num_layers": 2}, training={"strategy": "fsdp"})
+        sharded_cfg = tiny_config(root, cache_dir, model={"num_layers": 2}, training={"strategy": "fsdp"})
         fsdp = wrap_model(fresh(sharded_cfg), sharded_cfg, ctx, None)
         assert is_sharded(fsdp)
         assert {(p.device_mesh.device_type, tuple(p.device_mesh.shape)) for p in fsdp.parameters()} == {("cpu", (2,))}
@@ -157,21 +150,15 @@ def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) ->
         assert torch.equal(flat_params(restored_model), flat_params(fsdp))
 
         # The final model is gathered from the shards onto rank 0 and saved with save_pretrained.
-        checkpoint.save_final(root / "final", fsdp, ctx, Path(tokenizer), eos_id=0)
-        params = flat_params(fsdp)  # a collective: every rank gathers
-        if rank == 0:
-            torch.save(params, root / "fsdp_params.pt")
+        checkpoint.save_final(root / "final", fsdp, ctx, tokenizer, eos_id=0)
+        save_full_params(fsdp, rank, root / "fsdp_params.pt")
     finally:
         teardown()
 
 
 def test_ddp_and_fsdp_on_two_cpu_ranks(tmp_path: Path, token_cache_dir: Path) -> None:
-    cache = prepare(tiny_config(tmp_path, token_cache_dir), show_progress=False)
-    mp.spawn(worker, args=(free_port(), str(tmp_path), str(token_cache_dir), str(cache.path / "tokenizer.json")),
-             nprocs=WORLD, join=True)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    spawn_ranks(worker, tmp_path, token_cache_dir)
+    assert_final_model_holds(tmp_path / "final", tmp_path / "fsdp_params.pt")
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    expected = torch.load(tmp_path / "fsdp_params.pt", weights_only=True)
-    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), expected)
     assert AutoTokenizer.from_pretrained(tmp_path / "final").eos_token_id == 0

@@ -3,25 +3,21 @@ gradients, alone and under DDP and FSDP2 on 2 CPU ranks), and which path each se
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from rank_support import free_port, tiny_config
+from rank_support import assert_final_model_holds, save_full_params, spawn_ranks, tiny_config
 from trainer import checkpoint
 from trainer.config import Config
-from trainer.data.cache import prepare
 from trainer.distributed import init_distributed, is_sharded, teardown, unwrap, wrap_model
 from trainer.errors import UserError
 from trainer.loss import CausalLMLoss, choose_loss, chunked_cross_entropy, liger_installed
 from trainer.model import build_model, shape_signature
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-WORLD = 2
 
 
 def test_chunked_cross_entropy_equals_the_full_one() -> None:
@@ -87,18 +83,14 @@ def test_which_loss_each_setting_picks(tmp_path: Path, token_cache_dir: Path) ->
     assert choose_loss(tiny_config(tmp_path, token_cache_dir), biased, CUDA).kind == "full"
 
 
-def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) -> None:
+def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
     """One of two ranks: under DDP and FSDP2 the chunked loss gives the full loss's value and gradients; under FSDP2
     the inner model keeps its parameter names, checkpoints as sharded, and saves a complete final model."""
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    root = Path(folder)
     batch = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(rank))
-    ctx = init_distributed(tiny_config(root, Path(cache_dir)))
+    ctx = init_distributed(tiny_config(root, cache_dir))
     try:
         for strategy in ("ddp", "fsdp"):
-            cfg = tiny_config(root, Path(cache_dir), model={"num_layers": 2}, training={"strategy": strategy})
+            cfg = tiny_config(root, cache_dir, model={"num_layers": 2}, training={"strategy": strategy})
             results = {}
             for kind in ("full", "chunked"):
                 model = fresh(cfg)
@@ -108,20 +100,12 @@ def worker(rank: int, port: int, folder: str, cache_dir: str, tokenizer: str) ->
             assert abs(results["full"][0] - results["chunked"][0]) < 1e-5, strategy
             assert torch.allclose(results["full"][1], results["chunked"][1], rtol=1e-4, atol=1e-6), strategy
         assert is_sharded(model) and shape_signature(model) == shape_signature(fresh(cfg))
-        checkpoint.save_final(root / "final", model, ctx, Path(tokenizer), eos_id=0)
-        params = torch.cat([p.full_tensor().detach().flatten() for p in model.parameters()])
-        if rank == 0:
-            torch.save(params, root / "fsdp_params.pt")
+        checkpoint.save_final(root / "final", model, ctx, tokenizer, eos_id=0)
+        save_full_params(model, rank, root / "fsdp_params.pt")
     finally:
         teardown()
 
 
 def test_chunked_loss_under_ddp_and_fsdp_on_two_cpu_ranks(tmp_path: Path, token_cache_dir: Path) -> None:
-    cache = prepare(tiny_config(tmp_path, token_cache_dir), show_progress=False)
-    mp.spawn(worker, args=(free_port(), str(tmp_path), str(token_cache_dir), str(cache.path / "tokenizer.json")),
-             nprocs=WORLD, join=True)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")  # the inner model's names, every weight
-    expected = torch.load(tmp_path / "fsdp_params.pt", weights_only=True)
-    assert torch.equal(torch.cat([p.detach().flatten() for p in model.parameters()]), expected)
+    spawn_ranks(worker, tmp_path, token_cache_dir)
+    assert_final_model_holds(tmp_path / "final", tmp_path / "fsdp_params.pt")
