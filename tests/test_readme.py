@@ -2,13 +2,15 @@
 
 Each line of a ```bash block runs, in order, in a fresh copy of the project (with this interpreter as `PYTHON` and as
 `python` on the PATH, so nothing is installed). Lines whose comment says they need hardware or a network CI lacks are skipped:
-`# needs a GPU`, `# needs a network`, `# needs two machines`; `bash run_tests.sh` is what CI itself runs. A pipeline
+`# needs a GPU`, `# needs a network`, `# needs two machines`; `bash run_tests.sh` is what CI itself runs. A line that
+says `# needs the <name> extra` is skipped, with the reason, where that optional extra is not installed. A pipeline
 whose left side the README also shows by itself (`bash run_training.sh --debug 2>&1 | grep CPU1:`) runs its right side on
 that command's output: the same run, not trained again.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -21,6 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SKIP_MARKERS = ("# needs a GPU", "# needs a network", "# needs two machines")
 NOT_HERE = ("bash run_tests.sh",)
+EXTRA = re.compile(r"# needs the (\w+) extra")  # the extra's name is the module it installs
 
 
 def readme_commands() -> list[str]:
@@ -69,11 +72,14 @@ def test_readme_command_runs(command: str, project: Path, outputs: dict[str, str
     env.pop("VIRTUAL_ENV", None)
     if "SUPERVISOR_FAKE_GPUS=" in command:  # the pretended GPUs, not the "no GPU" the default tier runs with
         env.pop("CUDA_VISIBLE_DEVICES", None)
+    extra = EXTRA.search(command)
+    if extra and importlib.util.find_spec(extra.group(1)) is None:
+        pytest.skip(f"the {extra.group(1)} extra is not installed: pip install -e '.[{extra.group(1)}]'")
     producer, pipe, consumer = command.partition(" 2>&1 | ")
     if pipe and producer in outputs:
         shell, stdin = consumer, outputs[producer]
     else:
-        shell, stdin = f"{{ {command}; }} 2>&1", None
+        shell, stdin = f"{{ {command}\n}} 2>&1", None  # a line break: the command may end in a comment
     out = subprocess.run(["bash", "-c", shell], cwd=project, env=env, input=stdin, capture_output=True, text=True,
                          timeout=240)
     assert out.returncode == 0, f"`{shell}` exited {out.returncode}:\n{out.stdout[-6000:]}"
