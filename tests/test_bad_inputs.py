@@ -98,7 +98,7 @@ CASES = {
         env={"SUPERVISOR_FAKE_GPUS": "0,1,2,3"}),
     "missing data path": BadInput(
         "pretrain_main.py", ("--debug", "--set", "data.source=data/corpus.jsonl", *SMALL_DATA),
-        "data.source data/corpus.jsonl does not exist", before_any_work=False),
+        "data.source data/corpus.jsonl does not exist"),
     "empty corpus": BadInput(
         "prepare_dataset.py", ("--debug", "--set", "data.source=corpus", *SMALL_DATA),
         "data.source corpus holds no documents", files={"corpus/empty.txt": ""}, before_any_work=False),

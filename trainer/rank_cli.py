@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -77,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run_report(cfg, args.nproc), flush=True)
             return 0
+        if run_dir is None:
+            # By hand or under torchrun: the data before the seconds that importing torch takes, so that a wrong
+            # data.source is one line at once (the cache is built here, once, under its lock; the trainer then finds
+            # it). Under the supervisor it is ready already.
+            from trainer.data.cache import prepare
+
+            prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False)
         from trainer.diagnosis.nan_guard import NonFiniteError
         from trainer.loop import OutOfMemory, train
 
