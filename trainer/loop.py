@@ -120,7 +120,7 @@ class Trainer:
     """Builds everything one rank needs, then runs the steps. `run()` returns the process exit code."""
 
     def __init__(self, cfg: Config, ctx: DistContext, run_dir: Path, progress: ProgressReporter,
-                 stop: StopRequest) -> None:
+                 stop: StopRequest, cache: Path | None = None) -> None:
         self.cfg, self.ctx, self.run_dir, self.progress, self.stop = cfg, ctx, run_dir, progress, stop
         self.log = get_logger(cfg.logging.level)
         self.device = ctx.device
@@ -131,8 +131,9 @@ class Trainer:
         self.history: History | None = None
 
         progress.phase("dataset")
-        info = prepare(cfg, show_progress=False if not ctx.is_main else None)
-        self.cache = TokenCache.open(info.path)
+        if cache is None:  # not prepared by the caller (trainer.rank_cli does, for runs by hand and under torchrun)
+            cache = prepare(cfg, show_progress=False if not ctx.is_main else None).path
+        self.cache = TokenCache.open(cache)
 
         progress.phase("model")
         self.precision = resolve_precision(cfg, self.device)
@@ -439,8 +440,10 @@ class Trainer:
                                     val_loss=val_loss, peak_mem_gib=memory[0] / GiB if memory else None))
 
 
-def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter | None = None) -> int:
-    """Run one rank from a resolved config: join the group, train, leave the group (on every exit path)."""
+def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter | None = None,
+          cache: Path | None = None) -> int:
+    """Run one rank from a resolved config: join the group, train, leave the group (on every exit path). `cache`: the
+    token cache's folder where the caller has prepared it already."""
     progress = progress or ProgressReporter()
     flight_recorder.start_from_environment()
     progress.phase("distributed")
@@ -450,7 +453,7 @@ def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter |
         try:
             check_world_size(cfg, ctx.world_size)  # the supervisor checked already; torchrun and runs by hand did not
             folder = agree_run_dir(cfg, ctx, run_dir)
-            trainer = Trainer(cfg, ctx, folder, progress, stop)
+            trainer = Trainer(cfg, ctx, folder, progress, stop, cache)
             return trainer.run()
         except UserError:
             raise  # a bad input fails every rank alike: no rank is first

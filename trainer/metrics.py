@@ -140,7 +140,7 @@ class History:
                  wandb_run: Any = None) -> None:
         self.run_dir = run_dir
         self.run_info = run_info
-        self.plots = plot
+        self.writes_plot = plot
         self.records: list[StepRecord] = []
         self.wandb_run = wandb_run
         self.status = "running"
@@ -168,7 +168,7 @@ class History:
         tmp = self.run_dir / (HISTORY_JSON + ".tmp")
         tmp.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n")
         tmp.replace(self.run_dir / HISTORY_JSON)
-        if self.plots:
+        if self.writes_plot:
             self.plot(self.run_dir / HISTORY_PNG)
         if self.writer is not None:
             self.writer.flush()

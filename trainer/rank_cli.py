@@ -78,18 +78,19 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run_report(cfg, args.nproc), flush=True)
             return 0
+        cache = None
         if run_dir is None:
             # By hand or under torchrun: the data before the seconds that importing torch takes, so that a wrong
-            # data.source is one line at once (the cache is built here, once, under its lock; the trainer then finds
-            # it). Under the supervisor it is ready already.
+            # data.source is one line at once (the cache is built here, once, under its lock, and handed to the
+            # trainer). Under the supervisor the trainer finds it ready.
             from trainer.data.cache import prepare
 
-            prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False)
+            cache = prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False).path
         from trainer.diagnosis.nan_guard import NonFiniteError
         from trainer.loop import OutOfMemory, train
 
         try:
-            return train(cfg, run_dir)
+            return train(cfg, run_dir, cache=cache)
         except NonFiniteError as e:  # the guard already printed its report and wrote its dumps
             print(f"ERROR | training stopped: {e}", flush=True)
             return FAILURE_EXIT_CODE
