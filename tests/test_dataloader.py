@@ -61,7 +61,8 @@ def test_workers_serve_exactly_the_inline_batches_ignore_stop_signals_and_end_on
         sampler: BatchSampler) -> None:
     """A loader resumed at step 7 with 2 workers: the same batches as reading in this process, step for step, even
     after the workers were sent SIGINT and SIGTERM (blocked from birth); a step out of order restarts the stream
-    there; close() ends every worker."""
+    there; closing, mid-stream both times, ends every worker with exit code 0 (a worker stopped while still sending
+    a batch could abort: StepLoader's docstring, "Closing mid-stream")."""
     assert len(pickle.dumps(sampler)) < 4096  # the memmap travels as its file name, not its 400 KB of tokens
     inline = StepLoader(sampler, end_step=40)
     loader = StepLoader(sampler, end_step=40, num_workers=2)
@@ -81,11 +82,14 @@ def test_workers_serve_exactly_the_inline_batches_ignore_stop_signals_and_end_on
         assert all(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
         for step in range(13, 19):
             assert torch.equal(loader.get(step), inline.get(step))
+        closed = list(loader.iterator._workers)  # the multiprocessing.Process objects, which keep the exit code
         assert torch.equal(loader.get(3), inline.get(3))  # out of order: a new stream from step 3
         assert torch.equal(loader.get(4), inline.get(4))
         workers += workers_of(os.getpid())
+        closed += loader.iterator._workers
     finally:
         loader.close()
+    assert [w.exitcode for w in closed] == [0, 0, 0, 0]
     gone, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive and not workers_of(os.getpid())
     assert inline.loader is None  # 0 workers: nothing was ever started
