@@ -52,42 +52,43 @@ def smoke_line(compiled: bool, tokens_per_s: str = "12,345") -> str:
 
 
 def test_smoke_mode_writes_the_tables(tmp_path: Path, token_cache_dir: Path) -> None:
-    done = bench("--smoke", "--out", str(tmp_path), "--cache-dir", str(token_cache_dir), cwd=tmp_path)
-    pieces = [tmp_path / "bench_gpu_training_smoke.md", tmp_path / "bench_gpu_cache.md"]
-    text = (tmp_path / "bench_gpu.md").read_text()
-    assert text.strip() == done.stdout.strip() == "\n\n".join(p.read_text().strip() for p in pieces)
-    assert "| run | tokens/s | MFU | peak memory | rank / loop |" in text
-    rank = re.search(rf"^\| rank eager \| ({NUMBER}) \| n/a \| n/a \| (\d+\.\d\d)× \|$", text, re.M)
-    plain = re.search(rf"^\| plain loop eager \| ({NUMBER}) \| n/a \| n/a \| +\|$", text, re.M)
-    assert rank and plain, text
-    rank_rate, plain_rate = (float(m.group(1).replace(",", "")) for m in (rank, plain))
-    assert rank_rate > 0 and plain_rate > 0
-    assert abs(float(rank.group(2)) - rank_rate / plain_rate) < 0.01
-    # The `debug` preset as shipped trains, and is not compared: its shape is not the smoke shape.
-    shipped = re.search(rf"^\| rank, `debug` preset as shipped \| ({NUMBER}) \| n/a \| n/a \| not compared: the "
-                        rf"`debug` preset is not the smoke shape: (.*) \|$", text, re.M)
-    assert shipped and float(shipped.group(1).replace(",", "")) > 0, text
-    assert "model.num_layers 2 (shape: 1)" in shipped.group(2) and "training.batch_size" not in shipped.group(2)
-    assert "| cores | tokens | tokens/s | of linear scaling |" in text
-    assert re.search(rf"^\| 1 \| {NUMBER} \| \d+\.\d\d M \| 100% \|$", text, re.M), text
-
-
-def test_anchor_rows_and_a_choice_of_runs(tmp_path: Path, token_cache_dir: Path) -> None:
+    """The whole command on CPU, with the anchor's stand-in and a choice of runs: the rank eager through the real
+    supervisor, compared with the anchor; the `debug` preset as shipped, trained but not compared; the cache builds;
+    each piece in its file and the page made of them."""
     anchor = fake_anchor(tmp_path / "anchor.py", smoke_line(compiled=False))
     out = tmp_path / "out"
-    bench("--smoke", "--sections", "training", "--runs", "eager", "--anchor", str(anchor), "--out", str(out),
-          "--cache-dir", str(token_cache_dir), cwd=tmp_path)
-    assert sorted(p.name for p in out.iterdir()) == ["bench_gpu.md", "bench_gpu_training_smoke_eager.md"]
-    text = (out / "bench_gpu_training_smoke_eager.md").read_text()
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in text.splitlines()[4:] if line.startswith("|")]
-    assert [row[0] for row in rows] == ["rank eager", "textbook loop (anchors/gpu_textbook_loop.py) eager"], text
-    (rank_rate, _, _, ratio), (anchor_rate, mfu, peak, _) = (row[1:] for row in rows)
+    done = bench("--smoke", "--runs", "eager,shipped", "--anchor", str(anchor), "--out", str(out),
+                 "--cache-dir", str(token_cache_dir), cwd=tmp_path)
+    pieces = [out / "bench_gpu_training_smoke_eager-shipped.md", out / "bench_gpu_cache.md"]
+    assert sorted(out.iterdir()) == sorted([out / "bench_gpu.md", *pieces])
+    text = (out / "bench_gpu.md").read_text()
+    assert text.strip() == done.stdout.strip() == "\n\n".join(p.read_text().strip() for p in pieces)
+    assert "| run | tokens/s | MFU | peak memory | rank / loop |" in text
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in pieces[0].read_text().splitlines()[4:]
+            if line.startswith("|")]
+    assert [row[0] for row in rows] == ["rank eager", "rank, `debug` preset as shipped",
+                                        "textbook loop (anchors/gpu_textbook_loop.py) eager"], text
+    (rank_rate, _, _, ratio), (shipped_rate, _, _, unlike), (anchor_rate, mfu, peak, _) = (row[1:] for row in rows)
     assert (anchor_rate, mfu, peak) == ("12,345", "3.5%", "1.2 GiB")
     assert abs(float(ratio.rstrip("×")) - float(rank_rate.replace(",", "")) / 12_345) < 0.01
+    assert float(shipped_rate.replace(",", "")) > 0
+    assert unlike.startswith("not compared: the `debug` preset is not the smoke shape: ")
+    assert "model.num_layers 2 (shape: 1)" in unlike and "training.batch_size" not in unlike
     s = bench_gpu.SMOKE_SHAPE  # H L A K F V CTX B ACCUM STEPS, the timed steps after the script's own warm-up
     expected = [s.hidden, s.layers, s.heads, s.kv_heads, s.ffn, s.vocab, s.context, s.batch, s.accum, s.steps - s.warmup]
     assert [json.loads(line) for line in anchor.with_suffix(".argv").read_text().splitlines()] == [
         [str(n) for n in expected]]
+    assert "| cores | tokens | tokens/s | of linear scaling |" in text
+    assert re.search(rf"^\| 1 \| {NUMBER} \| \d+\.\d\d M \| 100% \|$", text, re.M), text
+
+
+def test_the_plain_loop_without_an_anchor(tmp_path: Path) -> None:
+    """Without --anchor the rows are compared with bench/textbook_loop.py's loop, run in a child process."""
+    loop = bench_gpu.loop_throughput(bench_gpu.SMOKE_SHAPE, False, options(tmp_path, smoke=True))
+    assert (loop.name, loop.error, loop.device) == ("plain loop eager", "", "cpu"), loop
+    assert loop.tokens_per_s is not None and loop.tokens_per_s > 0
+    rank = bench_gpu.Result("rank eager", compiled=False, loop=False, tokens_per_s=2 * loop.tokens_per_s)
+    assert bench_gpu.ratio(rank, [rank, loop]) == "2.00×"
 
 
 def test_a_failing_anchor_is_a_failed_cell(tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ Each line of a ```bash block runs, in order, in a fresh copy of the project (wit
 `# needs a GPU`, `# needs a network`, `# needs two machines`; `bash run_tests.sh` is what CI itself runs. A line that
 says `# needs the <name> extra` is skipped, with the reason, where that optional extra is not installed. A pipeline
 whose left side the README also shows by itself (`bash run_training.sh --debug 2>&1 | grep CPU1:`) runs its right side on
-that command's output: the same run, not trained again.
+that command's output: the same run, not trained again. Where the README says what a command prints, SAYS holds those
+lines and they are checked in its output.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SKIP_MARKERS = ("# needs a GPU", "# needs a network", "# needs two machines")
 NOT_HERE = ("bash run_tests.sh",)
 EXTRA = re.compile(r"# needs the (\w+) extra")  # the extra's name is the module it installs
+WARMUP_NOTE = ("training.warmup_steps 2 (preset 'debug') does not fit a 2-step run: shortened to 0 (10 % of the run); "
+               "set training.warmup_steps to choose")
+SAYS = {
+    # "Short trial runs": the supervisor's console and rank 0's banner both give the shortened warm-up
+    "bash run_training.sh --debug --max-steps 2": [f"supervisor: {WARMUP_NOTE}", f"CPU0:INFO | {WARMUP_NOTE}",
+                                                   "CPU1:INFO | [GPU 1] Step [1/2]", "step 2/2, final loss"],
+}
 
 
 def readme_commands() -> list[str]:
@@ -63,6 +71,7 @@ def outputs() -> dict[str, str]:
 
 def test_readme_shows_commands() -> None:
     assert "bash run_training.sh --debug" in readme_commands()
+    assert SAYS.keys() <= set(readme_commands())
 
 
 @pytest.mark.parametrize("command", readme_commands())
@@ -83,4 +92,5 @@ def test_readme_command_runs(command: str, project: Path, outputs: dict[str, str
     out = subprocess.run(["bash", "-c", shell], cwd=project, env=env, input=stdin, capture_output=True, text=True,
                          timeout=240)
     assert out.returncode == 0, f"`{shell}` exited {out.returncode}:\n{out.stdout[-6000:]}"
+    assert [line for line in SAYS.get(command, []) if line not in out.stdout] == [], out.stdout[-6000:]
     outputs[command] = out.stdout

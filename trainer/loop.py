@@ -341,10 +341,12 @@ class Trainer:
             status = "interrupted"
             raise
         finally:
-            self.batches.close()  # data-loading workers (if any) end with the run, whatever ended it
-            if self.history is not None:
-                self.history.save(status)
-                self.history.close()
+            try:
+                self.batches.close()  # data-loading workers (if any) end with the run, whatever ended it
+            finally:  # a worker found dead while closing must not cost the run its history
+                if self.history is not None:
+                    self.history.save(status)
+                    self.history.close()
 
     def train(self) -> str:
         """The step loop; returns "completed" or "stopped"."""
