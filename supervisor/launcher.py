@@ -29,6 +29,7 @@ from supervisor.report import failure_report, success_report
 from supervisor.signals import SignalInbox
 from supervisor.watch import GroupResult, Watch
 from supervisor.worker import Worker, become_subreaper
+from trainer.checkpoint_layout import check_meta, find_resume
 from trainer.config import Config
 from trainer.errors import UserError
 
@@ -101,6 +102,8 @@ class Launcher:
         info = prepare(self.cfg)
         state = "built" if info.built else "ready"
         self.console.say(f"dataset {state}: {info.tokens:,} training tokens in {info.path}")
+        if (resume := find_resume(self.cfg)) is not None:  # other data or another model: refused before any rank
+            check_meta(resume, self.cfg, info.key, info.vocab_size)
 
     def config_path(self, restart: int) -> Path:
         if restart == 0:

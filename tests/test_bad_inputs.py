@@ -10,6 +10,7 @@ found while preparing the data may follow progress lines (``training BPE ...``) 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -119,6 +120,11 @@ CASES = {
     "resume folder without checkpoints": BadInput(
         "supervisor", ("--debug", "--resume", "old_run", *SMALL_DATA), "--resume old_run: no checkpoint there",
         files={"old_run/notes.txt": "not a checkpoint\n"}),
+    "resume a checkpoint of other data": BadInput(
+        "supervisor", ("--debug", "--resume", "auto", *SMALL_DATA),
+        f"ckpt/step_000002 was trained on dataset cache {'0' * 32}, but this run uses ",
+        files={"ckpt/step_000002/meta.json": json.dumps({"cache_key": "0" * 32, "config": {}})},
+        before_any_work=False),
     "unknown loss": BadInput(
         "supervisor", ("--debug", "--set", "training.loss=fused"),
         "training.loss must be one of auto, chunked, liger, full, got 'fused'"),
@@ -134,13 +140,14 @@ CASES = {
 }
 
 
-def no_half_written_output(folder: Path) -> None:
-    """No staging folder in the cache, no invalid token cache, no checkpoint of any kind."""
+def no_half_written_output(folder: Path, planted: dict[str, str]) -> None:
+    """No staging folder in the cache, no invalid token cache, no checkpoint of any kind but those the case planted."""
     cache = folder / "cache"
     assert not list(cache.rglob(f"{BUILD_PREFIX}*")), "a cache build was left half-way"
     assert all(entry.problem is None for entry in list_caches(cache)), "an invalid token cache was left"
     ckpt = folder / "ckpt"
-    assert not list(ckpt.glob(f"{STEP_PREFIX}*")) and not list(ckpt.glob(f"{TMP_PREFIX}*"))
+    made = set(ckpt.glob(f"{STEP_PREFIX}*")) - {(folder / name).parent for name in planted}
+    assert not made and not list(ckpt.glob(f"{TMP_PREFIX}*"))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -169,4 +176,4 @@ def test_bad_input(name: str, tmp_path: Path) -> None:
     if case.before_any_work:
         assert len(lines) == 1, err
         assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir()), "a run folder was made"
-    no_half_written_output(tmp_path)
+    no_half_written_output(tmp_path, case.files)

@@ -131,6 +131,35 @@ def test_refuses_another_dataset_model_shape_or_format(tmp_path: Path, ctx: Dist
         checkpoint.load(path, make_state(cfg), ctx, KEY)
 
 
+def test_meta_json_refuses_before_any_rank_builds_its_model(tmp_path: Path) -> None:
+    """checkpoint_layout.check_meta, what the supervisor and a rank by hand ask before torch: other data and another
+    shape are refused from meta.json alone; keys that do not change a shape, a vocabulary given as the tokenizer's
+    own size, and a .pt file (its meta is among its tensors) are not."""
+    cfg = make_cfg(tmp_path)
+    path = tmp_path / "step_000001"
+    path.mkdir()
+    (path / checkpoint_layout.META_FILE).write_text(json.dumps({"cache_key": KEY, "config": cfg.to_dict()}))
+    checkpoint_layout.check_meta(path, cfg, KEY, 300)
+    with pytest.raises(UserError, match=f"trained on dataset cache {KEY}, but this run uses other"):
+        checkpoint_layout.check_meta(path, cfg, "other", 300)
+    wider = make_cfg(tmp_path, hidden_size=64, num_layers=2)
+    with pytest.raises(UserError) as refused:
+        checkpoint_layout.check_meta(path, wider, KEY, 300)
+    assert str(refused.value) == (f"checkpoint {path} holds a different model shape: model.hidden_size is 32 there "
+                                  f"and 64 here, model.num_layers is 1 there and 2 here; resume with the same model "
+                                  f"settings, or start fresh without --resume")
+    same_shape = make_cfg(tmp_path, init_std=0.05, rope_theta=500000.0, gradient_checkpointing="full",
+                          vocab_size=300)
+    checkpoint_layout.check_meta(path, same_shape, KEY, 300)
+    with pytest.raises(UserError, match="a vocabulary of 300 there and 512 here"):
+        checkpoint_layout.check_meta(path, make_cfg(tmp_path, vocab_size=512), KEY, 300)
+    from_hub = make_cfg(tmp_path, name_or_path="someone/llama", hidden_size=64)
+    with pytest.raises(UserError, match="shape: model.name_or_path is None there and someone/llama here; resume"):
+        checkpoint_layout.check_meta(path, from_hub, KEY, 300)  # its shape is the hub's: hidden_size is not compared
+    (tmp_path / "nan_grad_step_3.pt").write_bytes(b"not read")
+    checkpoint_layout.check_meta(tmp_path / "nan_grad_step_3.pt", wider, "other", 300)
+
+
 def save_then_stall(folder: str) -> None:
     """Child process: save step 1 completely, then stall inside the save of step 2 (before its rename) and wait
     for the parent's SIGKILL."""

@@ -38,7 +38,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import durable
-from trainer.checkpoint_layout import META_FILE, OLD_PREFIX, STEP_PREFIX, TMP_PREFIX, list_checkpoints
+from trainer.checkpoint_layout import (
+    META_FILE,
+    OLD_PREFIX,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    list_checkpoints,
+    other_data,
+    other_shape,
+)
 from trainer.config import Config
 from trainer.distributed import DistContext, broadcast_object, gather_objects, is_sharded
 from trainer.errors import UserError
@@ -102,8 +110,7 @@ def read_meta(path: Path) -> CheckpointMeta:
 def check_compatible(path: Path, meta: CheckpointMeta, cache_key: str, state: TrainState) -> None:
     """Refuse a checkpoint from another dataset, another model shape or another sharding format, with one clear line."""
     if meta.cache_key != cache_key:
-        raise UserError(f"checkpoint {path} was trained on dataset cache {meta.cache_key}, but this run uses "
-                        f"{cache_key}; resume with the same data settings, or start fresh without --resume")
+        raise other_data(path, meta.cache_key, cache_key)
     here = shape_signature(state.model)
     if meta.model_shapes != here:
         missing = sorted(set(meta.model_shapes) - set(here))
@@ -114,8 +121,7 @@ def check_compatible(path: Path, meta: CheckpointMeta, cache_key: str, state: Tr
             detail = f"{n} is {meta.model_shapes[n]} there and {here[n]} here ({len(differ)} parameters differ)"
         else:
             detail = f"parameters only there: {missing[:3]}, only here: {extra[:3]}"
-        raise UserError(f"checkpoint {path} holds a different model shape: {detail}; "
-                        f"resume with the same model settings, or start fresh without --resume")
+        raise other_shape(path, detail)
     if meta.format != state.format:
         wanted = "fsdp" if meta.format == SHARDED else "ddp"
         raise UserError(f"checkpoint {path} was written in the {meta.format} format; resume it with "

@@ -1,5 +1,6 @@
-"""Where checkpoints live on disk and which one a run resumes from; importable without torch, so the supervisor can
-reject a bad `--resume` before it starts any rank.
+"""Where checkpoints live on disk, which one a run resumes from, and whether its meta.json fits the run; importable
+without torch, so the supervisor (and a rank started by hand, before it imports torch) can reject a bad `--resume`
+before any rank builds its model.
 
     <checkpoint.dir>/step_000500/   one complete checkpoint (it has its meta.json: folders appear complete, by rename)
     <checkpoint.dir>/.tmp-step_…    a save in progress, or one a killed process left (removed by the next save)
@@ -8,6 +9,7 @@ reject a bad `--resume` before it starts any rank.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from trainer.config import Config
@@ -17,6 +19,10 @@ STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 META_FILE = "meta.json"
+# The model keys that decide the parameters' shapes (vocab_size aside: None means the tokenizer's). A model started
+# from `name_or_path` takes its shape from there, whatever the other keys say.
+SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
+              "tie_word_embeddings")
 
 
 def step_path(root: Path, step: int) -> Path:
@@ -60,3 +66,33 @@ def find_resume(cfg: Config) -> Path | None:
         raise UserError(f"--resume {spec}: {what}; give a step_<n> checkpoint folder, a folder holding them, a .pt "
                         f"file, or auto")
     return latest
+
+
+def other_data(path: Path, theirs: str, ours: str) -> UserError:
+    return UserError(f"checkpoint {path} was trained on dataset cache {theirs}, but this run uses {ours}; resume "
+                     f"with the same data settings, or start fresh without --resume")
+
+
+def other_shape(path: Path, detail: str) -> UserError:
+    return UserError(f"checkpoint {path} holds a different model shape: {detail}; resume with the same model "
+                     f"settings, or start fresh without --resume")
+
+
+def check_meta(path: Path, cfg: Config, cache_key: str, tokenizer_vocab: int) -> None:
+    """Refuse a checkpoint folder whose meta.json says it was trained on other data or has another model shape: one
+    line before any rank starts, where the rank would refuse it only after building (and, on GPUs, sharding) the
+    model. trainer.checkpoint.check_compatible still compares the tensors themselves when the rank loads them; a
+    `.pt` file keeps its meta among its tensors and is checked there alone."""
+    if not (path / META_FILE).is_file():
+        return
+    meta = json.loads((path / META_FILE).read_text())
+    if meta["cache_key"] != cache_key:
+        raise other_data(path, meta["cache_key"], cache_key)
+    theirs, ours = meta["config"]["model"], cfg.model.__dict__
+    keys = ["name_or_path"] if theirs.get("name_or_path") or ours["name_or_path"] else ["name_or_path", *SHAPE_KEYS]
+    differ = [f"model.{k} is {theirs.get(k)} there and {ours[k]} here" for k in keys if theirs.get(k) != ours[k]]
+    vocab = theirs.get("vocab_size") or tokenizer_vocab, ours["vocab_size"] or tokenizer_vocab
+    if vocab[0] != vocab[1]:
+        differ.append(f"a vocabulary of {vocab[0]} there and {vocab[1]} here")
+    if differ:
+        raise other_shape(path, ", ".join(differ))

@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from trainer.checkpoint_layout import check_meta, find_resume
 from trainer.config import Config
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
@@ -80,12 +81,16 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cache = None
         if run_dir is None:
-            # By hand or under torchrun: the data before the seconds that importing torch takes, so that a wrong
-            # data.source is one line at once (the cache is built here, once, under its lock, and handed to the
-            # trainer). Under the supervisor the trainer finds it ready.
+            # By hand or under torchrun: the data and the checkpoint to resume before the seconds that importing
+            # torch takes, so that a wrong data.source or a checkpoint of another model is one line at once (the
+            # cache is built here, once, under its lock, and handed to the trainer). Under the supervisor the
+            # trainer finds it ready, and the supervisor checked the checkpoint.
             from trainer.data.cache import prepare
 
-            cache = prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False).path
+            info = prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False)
+            if (resume := find_resume(cfg)) is not None:
+                check_meta(resume, cfg, info.key, info.vocab_size)
+            cache = info.path
         from trainer.diagnosis.nan_guard import NonFiniteError
         from trainer.loop import OutOfMemory, train
 
