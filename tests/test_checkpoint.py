@@ -132,13 +132,14 @@ def test_refuses_another_dataset_model_shape_or_format(tmp_path: Path, ctx: Dist
 
 
 def test_meta_json_refuses_before_any_rank_builds_its_model(tmp_path: Path) -> None:
-    """checkpoint_layout.check_meta, what the supervisor and a rank by hand ask before torch: other data and another
-    shape are refused from meta.json alone; keys that do not change a shape, a vocabulary given as the tokenizer's
+    """checkpoint_layout.check_meta, what the supervisor and a rank by hand ask before torch: other data, another
+    shape and the other strategy's format are refused from meta.json alone; keys that do not change a shape, a vocabulary given as the tokenizer's
     own size, and a .pt file (its meta is among its tensors) are not."""
     cfg = make_cfg(tmp_path)
     path = tmp_path / "step_000001"
     path.mkdir()
-    (path / checkpoint_layout.META_FILE).write_text(json.dumps({"cache_key": KEY, "config": cfg.to_dict()}))
+    meta = {"cache_key": KEY, "format": checkpoint_layout.FULL, "config": cfg.to_dict()}
+    (path / checkpoint_layout.META_FILE).write_text(json.dumps(meta))
     checkpoint_layout.check_meta(path, cfg, KEY, 300)
     with pytest.raises(UserError, match=f"trained on dataset cache {KEY}, but this run uses other"):
         checkpoint_layout.check_meta(path, cfg, "other", 300)
@@ -156,6 +157,10 @@ def test_meta_json_refuses_before_any_rank_builds_its_model(tmp_path: Path) -> N
     from_hub = make_cfg(tmp_path, name_or_path="someone/llama", hidden_size=64)
     with pytest.raises(UserError, match="shape: model.name_or_path is None there and someone/llama here; resume"):
         checkpoint_layout.check_meta(path, from_hub, KEY, 300)  # its shape is the hub's: hidden_size is not compared
+    sharded = make_cfg(tmp_path)
+    sharded.training.strategy = "fsdp"
+    with pytest.raises(UserError, match="written in the full format; resume it with --set training.strategy=ddp"):
+        checkpoint_layout.check_meta(path, sharded, KEY, 300)
     (tmp_path / "nan_grad_step_3.pt").write_bytes(b"not read")
     checkpoint_layout.check_meta(tmp_path / "nan_grad_step_3.pt", wider, "other", 300)
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from rank_support import SPAWNED_WORLD, assert_final_model_holds, save_full_params, spawn_ranks, tiny_config
-from trainer import checkpoint
+from trainer import checkpoint, checkpoint_layout
 from trainer.config import Config
 from trainer.distributed import (
     RankEnvironment,
@@ -142,7 +142,7 @@ def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
         restored_model = wrap_model(fresh(sharded_cfg), sharded_cfg, ctx, None)
         restored_optim = build_optimizer(restored_model, sharded_cfg)
         restored = checkpoint.TrainState(restored_model, restored_optim, build_scheduler(restored_optim, sharded_cfg))
-        assert checkpoint.load(path, restored, ctx, "k").format == checkpoint.SHARDED
+        assert checkpoint.load(path, restored, ctx, "k").format == checkpoint_layout.SHARDED
         assert torch.equal(flat_params(restored_model), flat_params(fsdp))
         for s in (state, restored):  # same optimizer state → same next update
             full_loss(s.model, batch_for(rank, seed=1)).backward()

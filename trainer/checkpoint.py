@@ -39,12 +39,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer import durable
 from trainer.checkpoint_layout import (
+    FULL,
     META_FILE,
     OLD_PREFIX,
+    SHARDED,
     STEP_PREFIX,
     TMP_PREFIX,
     list_checkpoints,
     other_data,
+    other_format,
     other_shape,
 )
 from trainer.config import Config
@@ -55,7 +58,6 @@ from trainer.model import shape_signature
 STATE_FILE = "state.pt"
 DCP_DIR = "dcp"
 FINAL_DIR = "final"
-FULL, SHARDED = "full", "sharded"
 
 
 @dataclass
@@ -123,9 +125,7 @@ def check_compatible(path: Path, meta: CheckpointMeta, cache_key: str, state: Tr
             detail = f"parameters only there: {missing[:3]}, only here: {extra[:3]}"
         raise other_shape(path, detail)
     if meta.format != state.format:
-        wanted = "fsdp" if meta.format == SHARDED else "ddp"
-        raise UserError(f"checkpoint {path} was written in the {meta.format} format; resume it with "
-                        f"--set training.strategy={wanted}")
+        raise other_format(path, meta.format)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

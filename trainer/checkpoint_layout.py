@@ -19,6 +19,8 @@ STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 META_FILE = "meta.json"
+FULL, SHARDED = "full", "sharded"  # a checkpoint's format: one full state (DDP, one process) or FSDP2's shards
+STRATEGY_OF_FORMAT = {FULL: "ddp", SHARDED: "fsdp"}
 # The model keys that decide the parameters' shapes (vocab_size aside: None means the tokenizer's). A model started
 # from `name_or_path` takes its shape from there, whatever the other keys say.
 SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
@@ -78,11 +80,16 @@ def other_shape(path: Path, detail: str) -> UserError:
                      f"settings, or start fresh without --resume")
 
 
+def other_format(path: Path, written: str) -> UserError:
+    return UserError(f"checkpoint {path} was written in the {written} format; resume it with "
+                     f"--set training.strategy={STRATEGY_OF_FORMAT[written]}")
+
+
 def check_meta(path: Path, cfg: Config, cache_key: str, tokenizer_vocab: int) -> None:
-    """Refuse a checkpoint folder whose meta.json says it was trained on other data or has another model shape: one
-    line before any rank starts, where the rank would refuse it only after building (and, on GPUs, sharding) the
-    model. trainer.checkpoint.check_compatible still compares the tensors themselves when the rank loads them; a
-    `.pt` file keeps its meta among its tensors and is checked there alone."""
+    """Refuse a checkpoint folder whose meta.json says it was trained on other data, has another model shape or is
+    in the other strategy's format: one line before any rank starts, where the rank would refuse it only after
+    building (and, on GPUs, sharding) the model. trainer.checkpoint.check_compatible still compares the tensors
+    themselves when the rank loads them; a `.pt` file keeps its meta among its tensors and is checked there alone."""
     if not (path / META_FILE).is_file():
         return
     meta = json.loads((path / META_FILE).read_text())
@@ -90,9 +97,12 @@ def check_meta(path: Path, cfg: Config, cache_key: str, tokenizer_vocab: int) ->
         raise other_data(path, meta["cache_key"], cache_key)
     theirs, ours = meta["config"]["model"], cfg.model.__dict__
     keys = ["name_or_path"] if theirs.get("name_or_path") or ours["name_or_path"] else ["name_or_path", *SHAPE_KEYS]
-    differ = [f"model.{k} is {theirs.get(k)} there and {ours[k]} here" for k in keys if theirs.get(k) != ours[k]]
+    differ = [f"model.{k} is {theirs[k]} there and {ours[k]} here" for k in keys
+              if k in theirs and theirs[k] != ours[k]]  # a key the checkpoint does not record: the rank checks
     vocab = theirs.get("vocab_size") or tokenizer_vocab, ours["vocab_size"] or tokenizer_vocab
     if vocab[0] != vocab[1]:
         differ.append(f"a vocabulary of {vocab[0]} there and {vocab[1]} here")
     if differ:
         raise other_shape(path, ", ".join(differ))
+    if STRATEGY_OF_FORMAT[meta["format"]] != cfg.training.strategy:
+        raise other_format(path, meta["format"])
