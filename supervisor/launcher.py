@@ -94,7 +94,8 @@ class Launcher:
     # -- steps -----------------------------------------------------------------------------------------------------
 
     def prepare(self) -> None:
-        """Build (or find) the token cache once, before any rank starts, so ranks never race to build it."""
+        """Build (or find) the token cache once, before any rank starts, so ranks never race to build it; then, with
+        its key known, refuse a --resume checkpoint that does not fit this run (checkpoint_layout.check_meta)."""
         if not (self.plan.prepare and self.plan.trainer_entry):
             return
         from trainer.data.cache import prepare  # here, not at the top: its build path imports the tokenizer libraries
