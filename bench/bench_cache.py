@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -294,6 +295,54 @@ def reading_memory(work: Path, cfg: Config) -> None:
           "a private copy costs the whole file in every process")
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Scaling with cores: bench_gpu.py's cache section, for a machine with cores to spare
+
+
+SMOKE_SCALING_DOCUMENTS = 12  # the first stdlib files, about 100 kB: a build a second long
+
+
+def child_pinned(config: str, cores: str) -> dict:
+    """One build, pinned to the first `cores` CPUs (the encoder's threads were capped by RAYON_NUM_THREADS)."""
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:int(cores)])
+    return child_ours(config)
+
+
+def core_scaling(work: Path, cache_dir: Path, corpus_tokens: int, cores: list[int],
+                 smoke_data: dict[str, object] | None = None) -> str:
+    """Build the same large cache with each count of `cores`; tokens/s and the fraction of linear scaling from one
+    core, as a markdown table. `smoke_data`: the tiny settings of a smoke run (a BPE of 300 on a few files)."""
+    smoke = smoke_data is not None
+    seed_cfg = config_for(cache_dir, vocab_size=300 if smoke else 8192, context_length=32 if smoke else 1024,
+                          **(smoke_data or {}))
+    seed = prepare(seed_cfg, show_progress=False)  # its trained BPE tokenizes the large corpus
+    repeats = max(1, math.ceil(corpus_tokens / (seed.tokens + seed.val_tokens)))
+    source = work / "corpus.jsonl"
+    documents = list(StdlibCorpus().documents())[:SMOKE_SCALING_DOCUMENTS if smoke else None]
+    with open(source, "w") as f:
+        for _ in range(repeats):
+            for text in documents:
+                f.write(json.dumps({"text": text}) + "\n")
+    config = work / "large.json"
+    config_for(work / "scaling-cache", source=str(source), tokenizer=str(seed.path),
+               context_length=seed_cfg.data.context_length).save(config)
+    rows, base = [], None
+    for n in cores:
+        done = subprocess.run([sys.executable, __file__, "--child", "pinned", str(config), str(n)], cwd=ROOT,
+                              capture_output=True, text=True, env={**os.environ, "RAYON_NUM_THREADS": str(n)})
+        if done.returncode != 0:
+            rows.append(f"| {n} | failed: {done.stderr.strip().splitlines()[-1:]} | | |")
+            continue
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+        rate = found["tokens"] / found["seconds"]
+        base = base or rate / n
+        rows.append(f"| {n} | {found['tokens']:,} | {rate / 1e6:.2f} M | {rate / (base * n):.0%} |")
+        print(f"  cache build on {n} core(s): {rate / 1e6:.2f} M tokens/s", file=sys.stderr, flush=True)
+    return "\n".join([f"Cache build scaling: {source.stat().st_size / 1e6:,.0f} MB of JSONL (the standard library "
+                      f"× {repeats}), BPE {seed_cfg.data.vocab_size:,}",
+                      "", "| cores | tokens | tokens/s | of linear scaling |", "|---|---|---|---|", *rows])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -303,7 +352,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         mode, *rest = args.child
-        result = {"ours": child_ours, "raw": child_raw, "map": child_map, "reader": child_reader}[mode](*rest)
+        result = {"ours": child_ours, "raw": child_raw, "map": child_map, "reader": child_reader,
+                  "pinned": child_pinned}[mode](*rest)
         if result:
             print(json.dumps(result))
         return

@@ -19,9 +19,9 @@ gets, and the supervisor's log pump where cores are free.
    (tests/test_bench_gpu.py checks it); elsewhere its cell names the fields that differ. MFU = tokens/s × FLOPs per token (`trainer.sizes.flops_per_token`:
    6·N_non-embedding + 12·L·H·T) / the GPU's bf16 peak (`trainer.metrics.peak_flops`); the anchor script's rows show
    the MFU it prints (the same formula at 989 TFLOP/s) and its peak `max_memory_allocated`.
-2. Cache build scaling: the cache of a corpus of at least `--corpus-tokens` tokens (the standard library repeated,
-   as JSONL) built with 1, 2, 4, 8, 16 cores (CPU affinity and the Rust encoder's thread count), as tokens/s and as a
-   fraction of linear scaling from one core.
+2. Cache build scaling (`bench_cache.core_scaling`): the cache of a corpus of at least `--corpus-tokens` tokens (the
+   standard library repeated, as JSONL) built with 1, 2, 4, 8, 16 cores (CPU affinity and the Rust encoder's thread
+   count), as tokens/s and as a fraction of linear scaling from one core.
 3. The log pump: `bench_supervisor.py`'s 2 ranks × 3 M lines, supervisor against writing to /dev/null.
 
 Results: a markdown table per piece on stdout. With `--out DIR` each piece also goes to its own file,
@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import shutil
 import statistics
@@ -72,6 +71,7 @@ from trainer.config import Config  # noqa: E402
 from trainer.metrics import HISTORY_JSON, peak_flops  # noqa: E402
 from trainer.resolve import add_config_arguments, resolve  # noqa: E402
 from trainer.sizes import flops_per_token, model_vocab_size, parameter_count  # noqa: E402
+from bench_cache import core_scaling  # noqa: E402  (beside this file)
 from textbook_loop import parse_anchor_line  # noqa: E402  (beside this file)
 
 GIB = 2**30
@@ -135,7 +135,6 @@ SHAPES = {
 }
 SMOKE_SHAPE = Shape(1, 32, 4, 2, 64, 300, 32, 4, 2, steps=6, warmup=2)
 SMOKE_DATA = {"max_samples": 40, "val_fraction": 0.05}  # the test suite's tiny corpus (tests/rank_support.py)
-SMOKE_SCALING_DOCUMENTS = 12
 
 
 @dataclass(frozen=True)
@@ -414,60 +413,6 @@ def describe(r: Result) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# 2. Cache build scaling
-
-
-def cache_scaling(opts: Options) -> str:
-    """Build the same large cache with 1, 2, 4 … cores; tokens/s and the fraction of linear scaling from one core."""
-    from bench_cache import config_for
-
-    from trainer.data.cache import prepare
-    from trainer.data.corpus import StdlibCorpus
-
-    data = SMOKE_DATA if opts.smoke else {}
-    seed_cfg = config_for(opts.cache_dir, vocab_size=300 if opts.smoke else 8192,
-                          context_length=32 if opts.smoke else 1024, **data)
-    seed = prepare(seed_cfg, show_progress=False)  # its trained BPE tokenizes the large corpus
-    seed_tokens = seed.tokens + seed.val_tokens
-    repeats = max(1, math.ceil(opts.corpus_tokens / seed_tokens))
-    source = opts.work / "corpus.jsonl"
-    documents = list(StdlibCorpus().documents())
-    if opts.smoke:  # the first files, about 100 kB: a build a second long, not the seed's 0.9 MB
-        documents = documents[:SMOKE_SCALING_DOCUMENTS]
-    with open(source, "w") as f:
-        for _ in range(repeats):
-            for text in documents:
-                f.write(json.dumps({"text": text}) + "\n")
-    config = opts.work / "large.json"
-    config_for(opts.work / "scaling-cache", source=str(source), tokenizer=str(seed.path),
-               context_length=seed_cfg.data.context_length).save(config)
-    rows, base = [], None
-    for cores in opts.cores:
-        done = subprocess.run([sys.executable, __file__, "--child-cache", str(config), str(cores)], cwd=ROOT,
-                              capture_output=True, text=True, env={**os.environ, "RAYON_NUM_THREADS": str(cores)})
-        if done.returncode != 0:
-            rows.append(f"| {cores} | failed: {done.stderr.strip().splitlines()[-1:]} | | |")
-            continue
-        found = json.loads(done.stdout.strip().splitlines()[-1])
-        rate = found["tokens"] / found["seconds"]
-        base = base or rate / cores
-        rows.append(f"| {cores} | {found['tokens']:,} | {rate / 1e6:.2f} M | {rate / (base * cores):.0%} |")
-        print(f"  cache build on {cores} core(s): {rate / 1e6:.2f} M tokens/s", file=sys.stderr, flush=True)
-    return "\n".join([f"Cache build scaling: {source.stat().st_size / 1e6:,.0f} MB of JSONL (the standard library "
-                      f"× {repeats}), BPE {seed_cfg.data.vocab_size:,}",
-                      "", "| cores | tokens | tokens/s | of linear scaling |", "|---|---|---|---|", *rows])
-
-
-def child_cache(config: str, cores: int) -> dict[str, object]:
-    """One build, pinned to the first `cores` CPUs (the encoder's threads were capped by RAYON_NUM_THREADS)."""
-    from bench_cache import child_ours
-
-    available = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, available[:cores])
-    return child_ours(config)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # 3. The log pump
 
 
@@ -548,16 +493,14 @@ def parse(argv: list[str]) -> Options | Path:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--child-cache"]:
-        print(json.dumps(child_cache(sys.argv[2], int(sys.argv[3]))))
-        return
     opts = parse(sys.argv[1:])
     if isinstance(opts, Path):
         print(collect(opts), end="")
         return
     parts: dict[str, Callable[[Options], Iterable[tuple[Piece, str]]]] = {
         "training": training,
-        "cache": lambda o: [(Piece("cache"), cache_scaling(o))],
+        "cache": lambda o: [(Piece("cache"), core_scaling(o.work, o.cache_dir, o.corpus_tokens, o.cores,
+                                                          SMOKE_DATA if o.smoke else None))],
         "logpump": lambda o: [(Piece("logpump"), log_pump())],
     }
     for name in opts.sections:

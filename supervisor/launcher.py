@@ -29,7 +29,7 @@ from supervisor.report import failure_report, success_report
 from supervisor.signals import SignalInbox
 from supervisor.watch import GroupResult, Watch
 from supervisor.worker import Worker, become_subreaper
-from trainer.checkpoint_layout import check_meta, find_resume
+from trainer.checkpoint_layout import check_resume
 from trainer.config import Config
 from trainer.errors import UserError
 
@@ -95,7 +95,7 @@ class Launcher:
 
     def prepare(self) -> None:
         """Build (or find) the token cache once, before any rank starts, so ranks never race to build it; then, with
-        its key known, refuse a --resume checkpoint that does not fit this run (checkpoint_layout.check_meta)."""
+        its key known, refuse a --resume checkpoint that does not fit this run (checkpoint_layout.check_resume)."""
         if not (self.plan.prepare and self.plan.trainer_entry):
             return
         from trainer.data.cache import prepare  # here, not at the top: its build path imports the tokenizer libraries
@@ -103,8 +103,7 @@ class Launcher:
         info = prepare(self.cfg)
         state = "built" if info.built else "ready"
         self.console.say(f"dataset {state}: {info.tokens:,} training tokens in {info.path}")
-        if (resume := find_resume(self.cfg)) is not None:  # other data or another model: refused before any rank
-            check_meta(resume, self.cfg, info.key, info.vocab_size)
+        check_resume(self.cfg, info.key, info.vocab_size)  # other data or another model: refused before any rank
 
     def config_path(self, restart: int) -> Path:
         if restart == 0:

@@ -106,3 +106,9 @@ def check_meta(path: Path, cfg: Config, cache_key: str, tokenizer_vocab: int) ->
         raise other_shape(path, ", ".join(differ))
     if STRATEGY_OF_FORMAT[meta["format"]] != cfg.training.strategy:
         raise other_format(path, meta["format"])
+
+
+def check_resume(cfg: Config, cache_key: str, tokenizer_vocab: int) -> None:
+    """The checkpoint this run would resume from, if any, checked against it (`check_meta`)."""
+    if (path := find_resume(cfg)) is not None:
+        check_meta(path, cfg, cache_key, tokenizer_vocab)

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.checkpoint_layout import check_meta, find_resume
+from trainer.checkpoint_layout import check_resume
 from trainer.config import Config
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.data.cache import prepare
 
             info = prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False)
-            if (resume := find_resume(cfg)) is not None:
-                check_meta(resume, cfg, info.key, info.vocab_size)
+            check_resume(cfg, info.key, info.vocab_size)
             cache = info.path
         from trainer.diagnosis.nan_guard import NonFiniteError
         from trainer.loop import OutOfMemory, train
