@@ -22,7 +22,7 @@ from process_tree import watching
 from rank_scripts.harness import ROOT, clean_env
 from supervisor import gpus
 from trainer.checkpoint_layout import STEP_PREFIX, TMP_PREFIX
-from trainer.data.cache import list_caches
+from trainer.data.cache_folder import list_caches
 from trainer.data.staging import BUILD_PREFIX
 
 COMMANDS = {

@@ -1,7 +1,7 @@
 """bench/bench_gpu.py in its smoke mode (tiny shapes, a few steps, CPU): every code path of the GPU benchmark runs in
 CI, the rank through the real supervisor (configured and a preset as shipped), the textbook loop, the cache-scaling
 builds, the pieces it writes and the page made of them; the anchor script's rows through a stand-in script, since the
-real one needs CUDA; and what the GPU runs will be, resolved without running them."""
+real one needs CUDA; and what the GPU runs and ablations will be, resolved without running them."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from rank_scripts.harness import ROOT, clean_env
 
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_gpu  # noqa: E402
+import gpu_runs  # noqa: E402
 import textbook_loop  # noqa: E402
 
 NUMBER = r"[\d,]+"
@@ -31,9 +32,9 @@ def bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return done
 
 
-def options(tmp_path: Path, **changes: object) -> bench_gpu.Options:
-    base = bench_gpu.Options(smoke=False, work=tmp_path, cache_dir=tmp_path / "cache", out=None,
-                             sections=bench_gpu.SECTIONS, shapes=tuple(bench_gpu.SHAPES), runs=bench_gpu.RUN_KINDS,
+def options(tmp_path: Path, **changes: object) -> gpu_runs.Options:
+    base = gpu_runs.Options(smoke=False, work=tmp_path, cache_dir=tmp_path / "cache", out=None,
+                             sections=bench_gpu.SECTIONS, shapes=tuple(gpu_runs.SHAPES), runs=gpu_runs.RUN_KINDS,
                              anchor=None, corpus_tokens=0)
     return dataclasses.replace(base, **changes)
 
@@ -51,49 +52,65 @@ def smoke_line(compiled: bool, tokens_per_s: str = "12,345") -> str:
     return f"anchor{' compile' if compiled else ''}: params 0.0M | {tokens_per_s} tokens/s | MFU 3.5% | peak mem 1.2 GiB"
 
 
+def table_rows(piece: Path) -> list[list[str]]:
+    """The cells of a piece's table, below its header."""
+    return [[cell.strip() for cell in line.split("|")[1:-1]] for line in piece.read_text().splitlines()[4:]
+            if line.startswith("|")]
+
+
+def rate(cell: str) -> float:
+    return float(cell.replace(",", ""))
+
+
 def test_smoke_mode_writes_the_tables(tmp_path: Path, token_cache_dir: Path) -> None:
     """The whole command on CPU, with the anchor's stand-in and a choice of runs: the rank eager through the real
-    supervisor, compared with the anchor; the `debug` preset as shipped, trained but not compared; the cache builds;
-    each piece in its file and the page made of them."""
+    supervisor, compared with the anchor; the `debug` preset as shipped, trained but not compared; the ablation of
+    that preset; the cache builds; each piece in its file and the page made of them."""
     anchor = fake_anchor(tmp_path / "anchor.py", smoke_line(compiled=False))
     out = tmp_path / "out"
     done = bench("--smoke", "--runs", "eager,shipped", "--anchor", str(anchor), "--out", str(out),
                  "--cache-dir", str(token_cache_dir), cwd=tmp_path)
-    pieces = [out / "bench_gpu_training_smoke_eager-shipped.md", out / "bench_gpu_cache.md"]
+    pieces = [out / "bench_gpu_training_smoke_eager-shipped.md", out / "bench_gpu_ablation_smoke.md",
+              out / "bench_gpu_cache.md"]
     assert sorted(out.iterdir()) == sorted([out / "bench_gpu.md", *pieces])
     text = (out / "bench_gpu.md").read_text()
     assert text.strip() == done.stdout.strip() == "\n\n".join(p.read_text().strip() for p in pieces)
     assert "| run | tokens/s | MFU | peak memory | rank / loop |" in text
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in pieces[0].read_text().splitlines()[4:]
-            if line.startswith("|")]
+    rows = table_rows(pieces[0])
     assert [row[0] for row in rows] == ["rank eager", "rank, `debug` preset as shipped",
                                         "textbook loop (anchors/gpu_textbook_loop.py) eager"], text
     (rank_rate, _, _, ratio), (shipped_rate, _, _, unlike), (anchor_rate, mfu, peak, _) = (row[1:] for row in rows)
     assert (anchor_rate, mfu, peak) == ("12,345", "3.5%", "1.2 GiB")
-    assert abs(float(ratio.rstrip("×")) - float(rank_rate.replace(",", "")) / 12_345) < 0.01
-    assert float(shipped_rate.replace(",", "")) > 0
+    assert abs(float(ratio.rstrip("×")) - rate(rank_rate) / 12_345) < 0.01
+    assert rate(shipped_rate) > 0
     assert unlike.startswith("not compared: the `debug` preset is not the smoke shape: ")
     assert "model.num_layers 2 (shape: 1)" in unlike and "training.batch_size" not in unlike
-    s = bench_gpu.SMOKE_SHAPE  # H L A K F V CTX B ACCUM STEPS, the timed steps after the script's own warm-up
+    s = gpu_runs.SMOKE_SHAPE  # H L A K F V CTX B ACCUM STEPS, the timed steps after the script's own warm-up
     expected = [s.hidden, s.layers, s.heads, s.kv_heads, s.ffn, s.vocab, s.context, s.batch, s.accum, s.steps - s.warmup]
     assert [json.loads(line) for line in anchor.with_suffix(".argv").read_text().splitlines()] == [
         [str(n) for n in expected]]
+    # The ablation: the preset as shipped, then with the chunked loss; each row says what the rank ran.
+    (base, chunked) = table_rows(pieces[1])
+    assert (base[0], chunked[0]) == ("rank, `debug` preset as shipped",
+                                     "rank, `debug` preset as shipped with training.loss=chunked")
+    assert base[4] == "1.00×" and abs(float(chunked[4].rstrip("×")) - rate(chunked[1]) / rate(base[1])) < 0.01
+    assert "loss full" in base[5] and "loss chunked" in chunked[5] and "torch.compile off" in base[5], text
     assert "| cores | tokens | tokens/s | of linear scaling |" in text
     assert re.search(rf"^\| 1 \| {NUMBER} \| \d+\.\d\d M \| 100% \|$", text, re.M), text
 
 
 def test_the_plain_loop_without_an_anchor(tmp_path: Path) -> None:
     """Without --anchor the rows are compared with bench/textbook_loop.py's loop, run in a child process."""
-    loop = bench_gpu.loop_throughput(bench_gpu.SMOKE_SHAPE, False, options(tmp_path, smoke=True))
+    loop = gpu_runs.loop_throughput(gpu_runs.SMOKE_SHAPE, False, options(tmp_path, smoke=True))
     assert (loop.name, loop.error, loop.device) == ("plain loop eager", "", "cpu"), loop
     assert loop.tokens_per_s is not None and loop.tokens_per_s > 0
-    rank = bench_gpu.Result("rank eager", compiled=False, loop=False, tokens_per_s=2 * loop.tokens_per_s)
+    rank = gpu_runs.Result("rank eager", compiled=False, loop=False, tokens_per_s=2 * loop.tokens_per_s)
     assert bench_gpu.ratio(rank, [rank, loop]) == "2.00×"
 
 
 def test_a_failing_anchor_is_a_failed_cell(tmp_path: Path) -> None:
     def row(anchor: Path, compiled: bool = False) -> str:
-        result = bench_gpu.loop_throughput(bench_gpu.SMOKE_SHAPE, compiled, options(tmp_path, anchor=anchor))
+        result = gpu_runs.loop_throughput(gpu_runs.SMOKE_SHAPE, compiled, options(tmp_path, anchor=anchor))
         assert result.tokens_per_s is None
         return bench_gpu.describe(result)
 
@@ -108,9 +125,9 @@ def test_a_failing_anchor_is_a_failed_cell(tmp_path: Path) -> None:
     bigger = fake_anchor(tmp_path / "bigger.py", smoke_line(compiled=False).replace("0.0M", "1100.0M"))
     assert row(bigger).startswith("failed (it ran a different model: 1100.0M parameters")
     # A rank row whose loop failed has no ratio, and the table is still written.
-    rank = bench_gpu.Result("rank eager", compiled=False, loop=False, tokens_per_s=1000.0)
-    loop = bench_gpu.loop_throughput(bench_gpu.SMOKE_SHAPE, False, options(tmp_path, anchor=silent))
-    table = bench_gpu.training_table("smoke", bench_gpu.SMOKE_SHAPE, [rank, loop], options(tmp_path, anchor=silent))
+    rank = gpu_runs.Result("rank eager", compiled=False, loop=False, tokens_per_s=1000.0)
+    loop = gpu_runs.loop_throughput(gpu_runs.SMOKE_SHAPE, False, options(tmp_path, anchor=silent))
+    table = bench_gpu.training_table("smoke", gpu_runs.SMOKE_SHAPE, options(tmp_path, anchor=silent), [rank, loop])
     assert "| rank eager | 1,000 | n/a | n/a |  |" in table
 
 
@@ -130,29 +147,56 @@ def test_the_gpu_runs_as_they_resolve(tmp_path: Path) -> None:
     CUDA), the presets as shipped get no flag but max_steps and the cache folder, compile as `auto` does on CUDA and
     are the shapes they are compared with."""
     opts = options(tmp_path)
-    jobs = {(run.shape, run.kind): bench_gpu.rank_job(run, bench_gpu.SHAPES[run.shape], opts)
-            for run in bench_gpu.RANK_RUNS}
+    jobs = {(run.shape, run.kind): gpu_runs.rank_job(run, gpu_runs.SHAPES[run.shape], opts)
+            for run in gpu_runs.RANK_RUNS}
     assert {key: job.compiled for key, job in jobs.items()} == {
         ("125M", "eager"): False, ("125M", "compiled"): True, ("125M", "shipped"): True,
         ("1.1B", "eager"): False, ("1.1B", "compiled"): True, ("1.1B", "shipped"): True}
     for shape, preset in (("125M", "small"), ("1.1B", "1b")):
         shipped = jobs[shape, "shipped"]
         assert shipped.run.name == f"rank, `{preset}` preset as shipped"
-        assert shipped.flags == ("--preset", preset, "--max-steps", str(bench_gpu.SHAPES[shape].steps),
+        assert shipped.flags == ("--preset", preset, "--max-steps", str(gpu_runs.SHAPES[shape].steps),
                                  "--set", f"data.cache_dir={opts.cache_dir}")
         assert shipped.cfg.training.loss == "auto" and shipped.cfg.system.compile == "auto"
-        assert bench_gpu.SHAPES[shape].differences(shipped.cfg) == []
+        assert gpu_runs.SHAPES[shape].differences(shipped.cfg) == []
         for kind in ("eager", "compiled"):
             assert jobs[shape, kind].cfg.preset == preset
-            assert bench_gpu.SHAPES[shape].differences(jobs[shape, kind].cfg) == []
-    assert bench_gpu.SHAPES["125M"].differences(jobs["1.1B", "shipped"].cfg)[:2] == [
+            assert gpu_runs.SHAPES[shape].differences(jobs[shape, kind].cfg) == []
+    assert gpu_runs.SHAPES["125M"].differences(jobs["1.1B", "shipped"].cfg)[:2] == [
         "model.num_layers 16 (shape: 12)", "model.hidden_size 2048 (shape: 768)"]
 
 
+def key_and_value(flag: str) -> tuple[str, object]:
+    """`--set KEY=VALUE` as the supervisor reads it: VALUE as JSON where it parses, else the string."""
+    key, value = flag.split("=", 1)
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def test_each_ablation_changes_only_what_it_names(tmp_path: Path) -> None:
+    """The ablation rows of the real benchmark, resolved: each is the preset as shipped with its change and nothing
+    else (every change is valid for both presets), and `batch` keeps the tokens per step."""
+    opts = options(tmp_path)
+    for shape_name, preset in (("125M", "small"), ("1.1B", "1b")):
+        shape = gpu_runs.SHAPES[shape_name]
+        shipped = gpu_runs.rank_job(gpu_runs.RankRun("shipped", shape_name, preset), shape, opts).cfg.to_dict()
+        for name, sets in gpu_runs.ablations(shape).items():
+            job = gpu_runs.rank_job(gpu_runs.RankRun("shipped", shape_name, preset, sets), shape, opts)
+            assert job.run.name == f"rank, `{preset}` preset as shipped with {', '.join(sets)}"
+            changed = {f"{section}.{key}": value for section, values in job.cfg.to_dict().items()
+                       if isinstance(values, dict) for key, value in values.items() if shipped[section][key] != value}
+            assert changed == dict(map(key_and_value, sets)), name
+            assert job.compiled == (name != "eager"), name
+            t = job.cfg.training
+            assert t.batch_size * t.grad_accum_nums == shape.batch * shape.accum, name
+
+
 def test_shapes_and_runs_name_the_pieces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    def parsed(*argv: str) -> bench_gpu.Options:
+    def parsed(*argv: str) -> gpu_runs.Options:
         opts = bench_gpu.parse([*argv, "--out", str(tmp_path)])
-        assert isinstance(opts, bench_gpu.Options)
+        assert isinstance(opts, gpu_runs.Options)
         opts.work.rmdir()  # the run's scratch folder, not needed here
         return opts
 
@@ -161,9 +205,12 @@ def test_shapes_and_runs_name_the_pieces(tmp_path: Path, capsys: pytest.CaptureF
     chosen = parsed("--shapes", " 1.1B", "--runs", "shipped,compiled")
     assert (chosen.shapes, chosen.runs) == (("1.1B",), ("compiled", "shipped"))
     assert bench_gpu.Piece("training", "1.1B", chosen.runs).file_name == "bench_gpu_training_1.1B_compiled-shipped.md"
-    assert bench_gpu.Piece("training", "125M", default.runs).file_name == "bench_gpu_training_125M.md"
+    assert bench_gpu.Piece("training", "125M").file_name == "bench_gpu_training_125M.md"
     assert parsed("--smoke").shapes == ("smoke",)
-    for argv in (["--shapes", "7B"], ["--smoke", "--shapes", "125M"], ["--runs", "fast"]):
+    assert default.ablations == () and parsed("--ablations", "eager,cudnn,flash,full_loss,chunked_loss,selective,"
+                                                              "batch").ablations == ()  # every one
+    assert parsed("--ablations", "cudnn, eager").ablations == ("eager", "cudnn")
+    for argv in (["--shapes", "7B"], ["--smoke", "--shapes", "125M"], ["--runs", "fast"], ["--ablations", "fp8"]):
         with pytest.raises(SystemExit):
             bench_gpu.parse(argv)
         assert "unknown" in capsys.readouterr().err
@@ -171,11 +218,15 @@ def test_shapes_and_runs_name_the_pieces(tmp_path: Path, capsys: pytest.CaptureF
 
 def test_pieces_from_separate_commands_make_one_page(tmp_path: Path) -> None:
     names = ["bench_gpu_logpump.md", "bench_gpu_training_1.1B_compiled-shipped.md", "bench_gpu_cache.md",
-             "bench_gpu_training_1.1B_eager.md", "bench_gpu_training_125M.md"]
+             "bench_gpu_ablation_1.1B_flash-cudnn-selective-batch.md", "bench_gpu_training_1.1B_eager.md",
+             "bench_gpu_ablation_125M.md", "bench_gpu_training_125M.md",
+             "bench_gpu_ablation_1.1B_eager-full_loss-chunked_loss.md"]
     for name in names:
         (tmp_path / name).write_text(f"table of {name}\n")
     (tmp_path / "notes.md").write_text("not a piece\n")
     done = bench("--collect", str(tmp_path), cwd=tmp_path)
-    order = ["training_125M", "training_1.1B_eager", "training_1.1B_compiled-shipped", "cache", "logpump"]
+    order = ["training_125M", "training_1.1B_eager", "training_1.1B_compiled-shipped", "ablation_125M",
+             "ablation_1.1B_eager-full_loss-chunked_loss", "ablation_1.1B_flash-cudnn-selective-batch", "cache",
+             "logpump"]
     page = "\n\n".join(f"table of bench_gpu_{name}.md" for name in order) + "\n"
     assert done.stdout == page == (tmp_path / "bench_gpu.md").read_text()

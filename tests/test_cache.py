@@ -22,7 +22,8 @@ import pytest
 
 from trainer.config import PROJECT_ROOT, Config
 from trainer.data import cache as cache_module
-from trainer.data.cache import TOKENIZERS_DIR, CacheInfo, TokenCache, cache_root, list_caches, prepare
+from trainer.data.cache import TOKENIZERS_DIR, CacheInfo, TokenCache, cache_root, prepare
+from trainer.data.cache_folder import list_caches
 from trainer.data.corpus import open_corpus, split_documents
 from trainer.data.staging import BUILD_PREFIX, TRASH_PREFIX, process_tag
 from trainer.data.token_stream import TokenStream

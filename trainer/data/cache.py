@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import re
-import shutil
 import time
 from contextlib import closing
 from dataclasses import dataclass
@@ -42,8 +39,7 @@ from trainer import durable
 from trainer.config import PROJECT_ROOT, Config, DataConfig
 from trainer.data.build_progress import BuildProgress
 from trainer.data.corpus import Corpus, file_digest, open_corpus, split_documents, training_documents
-from trainer.data.staging import (TRASH_PREFIX, build_lock, ensure_writable, process_tag, publish,
-                                  remove_dead_leftovers, staging)
+from trainer.data.staging import build_lock, ensure_writable, publish, remove_dead_leftovers, staging
 from trainer.data.token_stream import BATCH_CHARS, DTYPES, TokenStream, document_batches, encode_pipelined
 from trainer.data.tokenizer import (BPE, TokenizerSpec, bpe_recipe, check_vocab_size, eos_id_of, eos_token_of, export,
                                     load_fast, locate_pretrained, tokenizer_digest, train_bpe)
@@ -58,7 +54,6 @@ MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_META_FILE = "meta.json"
 TOKENIZERS_DIR = "tokenizers"  # trained BPEs, one folder per recipe key, beside the token caches
-KEY_PATTERN = re.compile(r"[0-9a-f]{32}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -387,53 +382,3 @@ def cache_info(cache: TokenCache, built: bool, seconds: float | None = None) -> 
                      tokens=m["train"]["tokens"], val_tokens=m["val"]["tokens"], dtype=m["dtype"],
                      vocab_size=cache.vocab_size, built=built,
                      build_seconds=m["build"]["seconds"] if seconds is None else seconds)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Listing and removing
-
-
-@dataclass
-class CacheEntry:
-    key: str
-    path: Path
-    bytes: int
-    age_seconds: float
-    manifest: dict[str, Any] | None  # None when unreadable
-    problem: str | None  # why it does not validate, None when it does
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-
-def list_caches(root: Path) -> list[CacheEntry]:
-    """Every token cache under `root`, newest first, with its validation status (O(1) each)."""
-    entries = []
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if not (folder.is_dir() and KEY_PATTERN.fullmatch(folder.name)):
-            continue
-        try:
-            manifest: dict[str, Any] | None = read_manifest(folder)
-            problem = manifest_problem(folder, manifest)
-        except UserError as e:
-            manifest, problem = None, str(e)
-        created = (manifest or {}).get("build", {}).get("created") or folder.stat().st_mtime
-        entries.append(CacheEntry(key=folder.name, path=folder, bytes=folder_bytes(folder),
-                                  age_seconds=time.time() - created, manifest=manifest, problem=problem))
-    return sorted(entries, key=lambda e: e.age_seconds)
-
-
-def remove_cache(root: Path, key: str) -> Path:
-    """Remove the cache whose key is `key` (or a unique prefix of it), waiting for a build of it to finish first."""
-    matches = [e.path for e in list_caches(root) if e.key.startswith(key.lower())] if key else []
-    if len(matches) != 1:
-        found = "no cache" if not matches else f"{len(matches)} caches"
-        raise UserError(f"{found} in {root} match key '{key}'; see prepare_dataset.py --list")
-    final = matches[0]
-    ensure_writable(root)
-    with build_lock(root, final.name, BuildProgress("off")):
-        trash = root / f"{TRASH_PREFIX}{final.name}-{process_tag()}"
-        os.rename(final, trash)
-        shutil.rmtree(trash)
-    return final
