@@ -70,8 +70,9 @@ from functools import partial
 from pathlib import Path
 
 from bench_cache import core_scaling  # beside this file
-from gpu_runs import (GIB, RANK_RUNS, ROOT, RUN_KINDS, SHAPES, SMOKE_ABLATIONS, SMOKE_DATA, SMOKE_RUNS, SMOKE_SHAPE,
-                      Options, RankRun, Result, Shape, ablations, loop_throughput, rank_job, rank_throughput)
+from gpu_runs import (GIB, NO_FINAL_MODEL, RANK_RUNS, ROOT, RUN_KINDS, SHAPES, SMOKE_ABLATIONS, SMOKE_DATA,
+                      SMOKE_RUNS, SMOKE_SHAPE, Options, RankRun, Result, Shape, ablations, loop_throughput, rank_job,
+                      rank_throughput)
 
 SECTIONS = ("training", "ablation", "cache", "logpump")
 
@@ -181,14 +182,15 @@ def describe(r: Result) -> str:
 
 def ablation(opts: Options) -> Iterator[tuple[Piece, str]]:
     """A table per shape: its preset as shipped, then with one choice changed per row (`ablations`), each against the
-    first row. The preset is the one the training section ships for the shape (on a CPU, `debug`)."""
+    first row. The preset is the one the training section ships for the shape (on a CPU, `debug`); no row exports the
+    final model."""
     for shape_name, shape in shapes_chosen(opts):
         preset = next(run.preset for run in (SMOKE_RUNS if opts.smoke else RANK_RUNS)
                       if run.shape == shape_name and run.kind == "shipped")
         changes = ablations(shape)
         names = SMOKE_ABLATIONS if opts.smoke else opts.ablations or tuple(changes)
-        runs = [RankRun("shipped", shape_name, preset)] + [RankRun("shipped", shape_name, preset, changes[name])
-                                                           for name in names]
+        runs = [RankRun("shipped", shape_name, preset, change, NO_FINAL_MODEL)
+                for change in [(), *(changes[name] for name in names)]]
         measures = [partial(rank_throughput, rank_job(run, shape, opts), shape, opts) for run in runs]
         piece = Piece("ablation", shape_name, () if opts.smoke or not opts.ablations else names)
         yield piece, measure_rows(opts, piece, measures, partial(ablation_table, shape_name, preset))

@@ -94,12 +94,14 @@ SMOKE_DATA = {"max_samples": 40, "val_fraction": 0.05}  # the test suite's tiny 
 @dataclass(frozen=True)
 class RankRun:
     """One row of the real rank: `kind` is one of RUN_KINDS; `eager` and `compiled` set the shape on the preset, with
-    `sets` on top, `shipped` runs the preset alone."""
+    `sets` on top, `shipped` runs the preset alone (an ablation row: with the change in `sets`). `untimed` settings
+    change only what happens after the measured steps, so the row's name leaves them out."""
 
     kind: str
     shape: str
     preset: str
     sets: tuple[str, ...] = ()
+    untimed: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -140,6 +142,7 @@ def ablations(shape: Shape) -> dict[str, tuple[str, ...]]:
 # On CPU ranks `auto` means eager layers and the full loss, and liger, flash and cuDNN need CUDA: the chunked loss is
 # the change that shows there.
 SMOKE_ABLATIONS = ("chunked_loss",)
+NO_FINAL_MODEL = ("checkpoint.save_final=false",)  # ablation rows skip the `final/` export, written after the steps
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,7 @@ def config_flags(run: RankRun, shape: Shape, opts: Options) -> list[str]:
     if run.kind == "shipped":  # smoke: on the tests' tiny corpus, so the CPU run reuses their token cache
         smoke = set_flags({"data": {**SMOKE_DATA, "vocab_size": shape.vocab}}) if opts.smoke else []
         return ["--preset", run.preset, "--max-steps", str(shape.steps), "--set", f"data.cache_dir={opts.cache_dir}",
-                *smoke, *(arg for s in run.sets for arg in ("--set", s))]
+                *smoke, *(arg for s in run.sets + run.untimed for arg in ("--set", s))]
     layer = shape.layer()
     layer["data"].update({"cache_dir": str(opts.cache_dir), **(SMOKE_DATA if opts.smoke else {})})
     layer["training"].update({"max_steps": shape.steps, "warmup_steps": min(10, shape.steps - 1),
@@ -222,7 +225,8 @@ def config_flags(run: RankRun, shape: Shape, opts: Options) -> list[str]:
     layer["logging"] = {"log_interval": max(1, shape.warmup // 4)}
     if opts.smoke:
         layer["system"] = {"device": "cpu"}
-    return ["--preset", run.preset, *set_flags(layer), *(arg for s in run.sets for arg in ("--set", s))]
+    return ["--preset", run.preset, *set_flags(layer),
+            *(arg for s in run.sets + run.untimed for arg in ("--set", s))]
 
 
 def resolved(flags: list[str]) -> Config:
