@@ -1,5 +1,6 @@
 """Training on a real GPU through the supervisor: each precision, DDP (world size 1) and FSDP2 with gradient
-checkpointing resumed mid-run onto the same loss trajectory, torch.compile, and the final model generating on the GPU.
+checkpointing resumed mid-run onto the same loss trajectory, torch.compile, the losses that never hold the full logits
+against the full one, and the final model generating on the GPU.
 
 Resume tolerance: the resumed run's losses match the uninterrupted run's within TOLERANCE (absolute, bf16). The
 checkpoint restores weights, optimizer state, schedule, data position and RNG exactly, but GPU kernels are not
@@ -99,6 +100,28 @@ def test_compiled_model_trains(machine: Machine, tmp_path: Path, token_cache_dir
                           training={"max_steps": 6})
     assert banner(run, machine, "compute").startswith("compute: torch.compile each decoder layer")
     assert all(math.isfinite(v) for v in losses.values()) and losses[5] < losses[0], losses
+
+
+def importable(machine: Machine, module: str) -> bool:
+    return subprocess.run([sys.executable, "-c", f"import {module}"], env=machine.env, capture_output=True,
+                          timeout=120).returncode == 0
+
+
+@pytest.mark.parametrize("loss", ["chunked", "liger"])
+def test_a_loss_without_the_full_logits_matches_the_full_loss(loss: str, machine: Machine, tmp_path: Path,
+                                                              token_cache_dir: Path) -> None:
+    """Step 0 sees the same weights and the same batch, so the loss and the gradient norm of the chunked loss (and of
+    liger's fused kernel, where installed) are the full logits' up to bf16 rounding; the banner says which ran."""
+    if loss == "liger" and not importable(machine, "liger_kernel"):
+        pytest.skip("liger-kernel is not installed in this interpreter (pip install '.[liger]')")
+    first = {}
+    for kind in ("full", loss):
+        run, _ = trained(machine, tmp_path, token_cache_dir, f"-{kind}", training={"loss": kind, "max_steps": 2},
+                         checkpoint={"dir": str(tmp_path / f"ckpt-{kind}")})
+        assert f"| loss {kind} |" in banner(run, machine, "compute")
+        first[kind] = next(r for r in history(run.run_dir())["steps"] if r["step"] == 0)
+    assert abs(first[loss]["loss"] - first["full"]["loss"]) < TOLERANCE, first
+    assert first[loss]["grad_norm"] == pytest.approx(first["full"]["grad_norm"], rel=0.02), first
 
 
 GENERATE = """
