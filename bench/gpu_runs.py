@@ -104,6 +104,11 @@ class RankRun:
     untimed: tuple[str, ...] = ()
 
     @property
+    def own_flags(self) -> list[str]:
+        """The row's own settings as `--set` flags, on top of what its kind gives."""
+        return [arg for s in self.sets + self.untimed for arg in ("--set", s)]
+
+    @property
     def name(self) -> str:
         if self.kind == "shipped":
             return f"rank, `{self.preset}` preset as shipped" + (f" with {', '.join(self.sets)}" if self.sets else "")
@@ -216,7 +221,7 @@ def config_flags(run: RankRun, shape: Shape, opts: Options) -> list[str]:
     if run.kind == "shipped":  # smoke: on the tests' tiny corpus, so the CPU run reuses their token cache
         smoke = set_flags({"data": {**SMOKE_DATA, "vocab_size": shape.vocab}}) if opts.smoke else []
         return ["--preset", run.preset, "--max-steps", str(shape.steps), "--set", f"data.cache_dir={opts.cache_dir}",
-                *smoke, *(arg for s in run.sets + run.untimed for arg in ("--set", s))]
+                *smoke, *run.own_flags]
     layer = shape.layer()
     layer["data"].update({"cache_dir": str(opts.cache_dir), **(SMOKE_DATA if opts.smoke else {})})
     layer["training"].update({"max_steps": shape.steps, "warmup_steps": min(10, shape.steps - 1),
@@ -225,8 +230,7 @@ def config_flags(run: RankRun, shape: Shape, opts: Options) -> list[str]:
     layer["logging"] = {"log_interval": max(1, shape.warmup // 4)}
     if opts.smoke:
         layer["system"] = {"device": "cpu"}
-    return ["--preset", run.preset, *set_flags(layer),
-            *(arg for s in run.sets + run.untimed for arg in ("--set", s))]
+    return ["--preset", run.preset, *set_flags(layer), *run.own_flags]
 
 
 def resolved(flags: list[str]) -> Config:
