@@ -29,14 +29,13 @@ from supervisor.console import Console
 from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
 from trainer.checkpoint_layout import find_resume
+from trainer.choices import cpu_refusal
 from trainer.config import PROJECT_ROOT, Config, check_world_size
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 from trainer.resolve import add_config_arguments, handle_inspection_flags
-from trainer.sizes import human, parameter_count
 from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2
-CPU_MAX_PARAMETERS = 1_000_000_000  # beyond this a CPU run is not training, it is waiting
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,16 +129,10 @@ def entry_path(args: argparse.Namespace) -> Path:
 
 def check_fits_on_cpu(cfg: Config) -> None:
     """Refuse presets that cannot train on a CPU, unless the user forced the device."""
-    if cfg.system.device == "cpu":
-        return
     if cfg.system.device == "cuda":
         raise UserError("system.device=cuda but no GPU was found (NVML and nvidia-smi found none)")
-    params = parameter_count(cfg)
-    t = cfg.training
-    if params > CPU_MAX_PARAMETERS or (t.strategy == "fsdp" and t.precision == "bf16"):
-        raise UserError(f"preset '{cfg.preset}' ({human(params)} parameters, {t.strategy}, {t.precision}) needs GPUs "
-                        f"and none was found; use --debug (or --preset small) on a CPU, or force it with "
-                        f"--set system.device=cpu")
+    if refusal := cpu_refusal(cfg):
+        raise UserError(refusal)
 
 
 def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,

@@ -1,12 +1,17 @@
-"""What the `auto` settings of the fast path resolve to on a device type, torch-free: the rank (trainer.model,
-trainer.loss) and the memory estimate (trainer.estimate, called by the supervisor) resolve them the same way."""
+"""What the `auto` settings resolve to on a device type, torch-free: the rank (trainer.model, trainer.loss) and the
+memory estimate (trainer.estimate, called by the supervisor) resolve the fast path's the same way, and the supervisor
+and a rank started by hand refuse the same configs when `system.device=auto` finds no GPU."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from trainer.sizes import human, parameter_count
+
 if TYPE_CHECKING:
     from trainer.config import Config
+
+CPU_MAX_PARAMETERS = 1_000_000_000  # beyond this a CPU run is not training, it is waiting
 
 # Logits per chunk of the chunked loss: 128M (512 MiB in fp32), 4,096 tokens of a 32k vocabulary. Small enough to be
 # a minor share of a GPU's memory, large enough that each chunk's matmul keeps the GPU busy.
@@ -34,3 +39,15 @@ def auto_loss(cfg: Config, cuda: bool, liger_installed: bool) -> str:
     if not cuda or traces_modules(cfg):
         return "full"
     return "liger" if liger_installed else "chunked"
+
+
+def cpu_refusal(cfg: Config) -> str | None:
+    """Why `cfg` should not run on CPU ranks when `system.device=auto` found no GPU (None: it may). A model beyond
+    CPU_MAX_PARAMETERS, or bf16 FSDP, is a GPU run: on CPUs it would not train, only fill the host's memory for
+    minutes first. `system.device=cpu` is the user saying so on purpose, and is never refused."""
+    params, t = parameter_count(cfg), cfg.training
+    if cfg.system.device == "cpu" or (params <= CPU_MAX_PARAMETERS and not (t.strategy == "fsdp" and
+                                                                           t.precision == "bf16")):
+        return None
+    return (f"preset '{cfg.preset}' ({human(params)} parameters, {t.strategy}, {t.precision}) needs GPUs and none was "
+            f"found; use --debug (or --preset small) on a CPU, or force it with --set system.device=cpu")

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from trainer.checkpoint_layout import check_resume
+from trainer.choices import cpu_refusal
 from trainer.config import Config
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
@@ -68,6 +69,18 @@ def load_config(args: argparse.Namespace) -> tuple[Config | None, Path | None]:
     return cfg, Path(args.run_config).resolve().parent
 
 
+def check_fits_on_cpu(cfg: Config) -> None:
+    """By hand or under torchrun, `system.device=auto` without a GPU means CPU ranks: a config meant for GPUs is
+    refused here as the supervisor refuses it, before its data is tokenized or its weights fill the host's memory.
+    Only such a config pays for importing torch to ask whether a GPU is visible."""
+    if cfg.system.device != "auto" or (refusal := cpu_refusal(cfg)) is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(refusal)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -87,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             # trainer finds it ready, and the supervisor checked the checkpoint.
             from trainer.data.cache import prepare
 
+            check_fits_on_cpu(cfg)
             info = prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False)
             check_resume(cfg, info.key, info.vocab_size)
             cache = info.path
