@@ -28,9 +28,10 @@ from supervisor.diagnosis import preflight
 from supervisor.console import Console
 from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
-from trainer.checkpoint_layout import find_resume
+from trainer.checkpoint_layout import ensure_checkpoint_dir, find_resume
 from trainer.choices import cpu_refusal
-from trainer.config import PROJECT_ROOT, Config, check_world_size
+from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
+from trainer.durable import ensure_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 from trainer.resolve import add_config_arguments, handle_inspection_flags
 from trainer.wandb_run import check_wandb
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                              f"go to it, the resolved config's path is in $SUPERVISOR_RUN_CONFIG")
     launch.add_argument("--no-prepare", action="store_true",
                         help="do not build the token cache before starting ranks (skipped anyway for another --entry)")
-    launch.add_argument("--log-dir", default="logs", metavar="DIR", help="root of the run folders (default: logs)")
+    launch.add_argument("--log-dir", default=str(RUNS_DIR), metavar="DIR",
+                        help=f"root of the run folders (default: {RUNS_DIR})")
     launch.add_argument("--grace-period", type=float, default=30.0, metavar="S",
                         help="SIGTERM → SIGKILL delay when stopping ranks (default 30)")
     launch.add_argument("--hang-timeout", type=float, default=300.0, metavar="S",
@@ -199,8 +201,10 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
         notes.append(wandb_note)
     entry = entry_path(args)
     trainer_entry = entry.name == TRAINER_ENTRY
+    ensure_writable(Path(args.log_dir), "the log folder", "choose a writable one with --log-dir DIR")
     if trainer_entry:
         find_resume(cfg)  # a --resume without a checkpoint: one error here, not a failure on every rank later
+        ensure_checkpoint_dir(cfg)
     gpu_ids = choose_devices(args, cfg, trainer_entry, notes)
     ranks = node_ranks(gpu_ids, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)
     check_world_size(cfg, args.nnodes * len(ranks))

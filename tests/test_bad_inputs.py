@@ -33,6 +33,7 @@ COMMANDS = {
 SMALL_DATA = ("--set", "data.vocab_size=300", "--set", "data.context_length=32",
               "--set", "model.max_position_embeddings=64")
 TIMEOUT = 120.0
+OCCUPIED = {"occupied": "a file where a folder is asked for: not writable, even by root"}
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,20 @@ CASES = {
     "GPU preset by hand on a CPU": BadInput(
         "pretrain_main.py", ("--preset", "1b"),
         "preset '1b' (1.1B parameters, ddp, auto) needs GPUs and none was found"),
+    "log folder not writable": BadInput(
+        "supervisor", ("--debug", "--log-dir", "occupied/logs"),
+        "the log folder occupied/logs is not writable (Not a directory); choose a writable one with --log-dir DIR",
+        files=OCCUPIED),
+    "checkpoint folder not writable": BadInput(
+        "run_training.sh", ("--debug", "--set", "checkpoint.dir=occupied/ckpt"),
+        "the checkpoint folder occupied/ckpt is not writable (Not a directory); set checkpoint.dir to a writable "
+        "folder", files=OCCUPIED),
+    "checkpoint folder not writable by hand": BadInput(
+        "pretrain_main.py", ("--debug", "--set", "checkpoint.dir=occupied/ckpt"),
+        "the checkpoint folder occupied/ckpt is not writable", files=OCCUPIED),
+    "run folder not writable by hand": BadInput(
+        "pretrain_main.py", ("--debug", "--set", "logging.run_dir=occupied/run"),
+        "the run folder occupied/run is not writable (Not a directory); set logging.run_dir", files=OCCUPIED),
 }
 
 
@@ -158,11 +173,12 @@ def test_bad_input(name: str, tmp_path: Path) -> None:
     for relative, text in case.files.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_text(text)
+    # Everything a run writes goes under tmp_path, unless the case names a folder (its flags come later: they win).
     paths = ("--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}")
     if case.command in ("run_training.sh", "supervisor"):
         paths += ("--log-dir", str(tmp_path / "logs"), "--no-footer")
     env = clean_env(**{"PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", **case.env})
-    proc = subprocess.Popen([*COMMANDS[case.command], *case.args, *paths], cwd=tmp_path, env=env,
+    proc = subprocess.Popen([*COMMANDS[case.command], *paths, *case.args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     with watching(proc) as tree:
         _, err = proc.communicate(timeout=TIMEOUT)

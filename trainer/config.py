@@ -21,6 +21,7 @@ from typing import Any
 from trainer.errors import UserError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RUNS_DIR = Path("logs")  # where run folders go, under the working directory: the supervisor's and by hand
 DEFAULT_PRESET = "production"
 
 

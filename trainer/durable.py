@@ -10,8 +10,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from trainer.errors import UserError
+
+
+def ensure_writable(folder: Path, what: str, fix: str) -> None:
+    """Create `folder` and write a scratch file in it: a folder the run cannot write (permissions, a read-only or
+    missing mount) is then one line naming `what` it is for and the `fix`, before any work that would write there."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UserError(f"{what} {folder} is not writable ({e.strerror or e}); {fix}") from None
 
 
 def fsync_dir(path: Path) -> None:

@@ -17,9 +17,10 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.checkpoint_layout import check_resume
+from trainer.checkpoint_layout import check_resume, ensure_checkpoint_dir
 from trainer.choices import cpu_refusal
-from trainer.config import Config
+from trainer.config import RUNS_DIR, Config
+from trainer.durable import ensure_writable
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 from trainer.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
@@ -94,13 +95,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cache = None
         if run_dir is None:
-            # By hand or under torchrun: the data and the checkpoint to resume before the seconds that importing
+            # By hand or under torchrun, what the supervisor checks before starting ranks: a config meant for GPUs,
+            # the folders the run writes, the data and the checkpoint to resume, before the seconds that importing
             # torch takes, so that a wrong data.source or a checkpoint of another model is one line at once (the
             # cache is built here, once, under its lock, and handed to the trainer). Under the supervisor the
-            # trainer finds it ready, and the supervisor checked the checkpoint.
+            # trainer finds it ready, and the supervisor checked the rest.
             from trainer.data.cache import prepare
 
             check_fits_on_cpu(cfg)
+            ensure_checkpoint_dir(cfg)
+            ensure_writable(Path(cfg.logging.run_dir) if cfg.logging.run_dir else RUNS_DIR, "the run folder",
+                            "set logging.run_dir to a writable folder")
             info = prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False)
             check_resume(cfg, info.key, info.vocab_size)
             cache = info.path

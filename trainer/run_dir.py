@@ -8,11 +8,9 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 
-from trainer.config import Config
+from trainer.config import RUNS_DIR, Config
 from trainer.distributed import DistContext, broadcast_object
 from trainer.errors import UserError
-
-RUNS_DIR = Path("logs")
 
 
 def new_run_dir(cfg: Config) -> Path:

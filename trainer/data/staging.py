@@ -12,7 +12,6 @@ import errno
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,13 +58,10 @@ def remove_dead_leftovers(parent: Path) -> list[Path]:
 
 
 def ensure_writable(root: Path) -> None:
-    try:
-        (root / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
-            pass
-    except OSError as e:
-        raise UserError(f"the cache folder {root} is not writable ({e.strerror or e}); set data.cache_dir to a "
-                        f"writable folder, e.g. --set data.cache_dir=/tmp/token-cache") from None
+    """The cache folder and its locks' folder, created where missing."""
+    durable.ensure_writable(root, "the cache folder",
+                            "set data.cache_dir to a writable folder, e.g. --set data.cache_dir=/tmp/token-cache")
+    (root / LOCKS_DIR).mkdir(exist_ok=True)
 
 
 @contextmanager
