@@ -28,7 +28,7 @@ from supervisor.diagnosis import preflight
 from supervisor.console import Console
 from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
-from trainer.checkpoint_layout import ensure_checkpoint_dir, find_resume
+from trainer.checkpoint_layout import earlier_run, ensure_checkpoint_dir, find_resume
 from trainer.choices import cpu_refusal
 from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
 from trainer.durable import ensure_writable
@@ -204,6 +204,7 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
     ensure_writable(Path(args.log_dir), "the log folder", "choose a writable one with --log-dir DIR")
     if trainer_entry:
         find_resume(cfg)  # a --resume without a checkpoint: one error here, not a failure on every rank later
+        earlier_run(cfg)  # a fresh start over an unfinished run: likewise
         ensure_checkpoint_dir(cfg)
     gpu_ids = choose_devices(args, cfg, trainer_entry, notes)
     ranks = node_ranks(gpu_ids, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)

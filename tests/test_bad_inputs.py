@@ -33,6 +33,7 @@ COMMANDS = {
 SMALL_DATA = ("--set", "data.vocab_size=300", "--set", "data.context_length=32",
               "--set", "model.max_position_embeddings=64")
 TIMEOUT = 120.0
+UNFINISHED = {"ckpt/step_000004/meta.json": json.dumps({"config": {"training": {"max_steps": 10}}})}
 OCCUPIED = {"occupied": "a file where a folder is asked for: not writable, even by root"}
 
 
@@ -140,6 +141,12 @@ CASES = {
     "GPU preset by hand on a CPU": BadInput(
         "pretrain_main.py", ("--preset", "1b"),
         "preset '1b' (1.1B parameters, ddp, auto) needs GPUs and none was found"),
+    "fresh start over an unfinished run": BadInput(
+        "run_training.sh", ("--debug",),
+        "ckpt holds an unfinished run (up to step_000004 of 10 steps); continue it with --resume auto", files=UNFINISHED),
+    "fresh start by hand over an unfinished run": BadInput(
+        "pretrain_main.py", ("--debug",), "ckpt holds an unfinished run (up to step_000004 of 10 steps)",
+        files=UNFINISHED),
     "log folder not writable": BadInput(
         "supervisor", ("--debug", "--log-dir", "occupied/logs"),
         "the log folder occupied/logs is not writable (Not a directory); choose a writable one with --log-dir DIR",

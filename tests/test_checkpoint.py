@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,32 @@ def test_retention_and_resume_lookup(tmp_path: Path, ctx: DistContext) -> None:
     cfg.checkpoint.resume = str(tmp_path / "empty")
     with pytest.raises(UserError, match="empty: no checkpoint there"):
         checkpoint_layout.find_resume(cfg)
+
+
+def test_a_fresh_start_supersedes_a_finished_run_and_refuses_an_unfinished_one(tmp_path: Path,
+                                                                               ctx: DistContext) -> None:
+    """checkpoint_layout.earlier_run: what a run without --resume makes of the checkpoints already in its folder."""
+    cfg = make_cfg(tmp_path)  # a 20-step run
+    root = Path(cfg.checkpoint.dir)
+    assert checkpoint_layout.earlier_run(cfg) == []
+    state = make_state(cfg)
+
+    def save(step: int) -> None:  # with the run's config in meta.json, as the trainer writes it
+        checkpoint.save(checkpoint_layout.step_path(root, step), state,
+                        replace(make_meta(state, step), config=cfg.to_dict()), ctx)
+
+    save(3)
+    with pytest.raises(UserError, match=r"holds an unfinished run \(up to step_000003 of 20 steps\); continue it with "
+                                        r"--resume auto, or start a new run elsewhere with --set checkpoint.dir=DIR"):
+        checkpoint_layout.earlier_run(cfg)
+    cfg.checkpoint.resume = "auto"  # continuing it is what the user asked: nothing to supersede
+    assert checkpoint_layout.earlier_run(cfg) == []
+    cfg.checkpoint.resume = None
+    save(20)
+    assert checkpoint_layout.earlier_run(cfg) == [root / "step_000003", root / "step_000020"]
+    (root / "step_000020" / checkpoint_layout.META_FILE).write_text("{")  # unreadable: the safe side
+    with pytest.raises(UserError, match=r"holds an unfinished run \(up to step_000020 steps\)"):
+        checkpoint_layout.earlier_run(cfg)
 
 
 def test_refuses_another_dataset_model_shape_or_format(tmp_path: Path, ctx: DistContext) -> None:

@@ -38,7 +38,8 @@ STEPS = 60  # the two-rank runs: long enough that a SIGTERM sent after step 3 la
 
 def test_single_process_run_by_hand(tmp_path: Path, token_cache_dir: Path) -> None:
     """`python pretrain_main.py --debug --set ...`: run folder logs/<run-id>/, checkpoints in .checkpoints/, a final
-    model that transformers loads and generates with; then a resume with another model shape is refused."""
+    model that transformers loads and generates with; then a resume with another model shape is refused, and a fresh
+    start supersedes the finished run."""
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 4, "eval_interval": 2},
                           "checkpoint": {"interval": 2, "save_final": True}, "logging": {"plot": True},
                           "debug": {"nan_localize": True, "nan_dump": True}})
@@ -70,6 +71,14 @@ def test_single_process_run_by_hand(tmp_path: Path, token_cache_dir: Path) -> No
     assert refused.returncode == 2
     (line,) = refused.stderr.strip().splitlines()
     assert line.startswith("error: checkpoint .checkpoints/step_000004 holds a different model shape")
+
+    # A fresh start in the same folder supersedes the finished run: its first checkpoint replaces them, so neither
+    # pruning nor a later --resume auto can take the earlier run's step_000004 for this run's.
+    again = run_main(["--debug", *set_flags(merged(layer, {"training": {"max_steps": 3}}))], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert ("INFO | .checkpoints holds a finished earlier run (up to step_000004): this run starts from step 0"
+            in again.stdout)
+    assert sorted(p.name for p in (tmp_path / ".checkpoints").iterdir()) == ["final", "step_000002", "step_000003"]
 
 
 class ProgressPipe:

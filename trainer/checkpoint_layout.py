@@ -78,6 +78,29 @@ def find_resume(cfg: Config) -> Path | None:
     return latest
 
 
+def earlier_run(cfg: Config) -> list[Path]:
+    """The checkpoints a run without --resume finds in checkpoint.dir: a finished earlier run's, which this run
+    supersedes (trainer.loop removes them once it has published a checkpoint of its own, so that neither pruning nor a
+    later --resume auto takes them for this run's). An unfinished earlier run is refused instead: starting it over
+    from step 0 is almost always a forgotten --resume auto, and its checkpoints would be lost."""
+    if cfg.checkpoint.resume is not None:
+        return []
+    found = list_checkpoints(Path(cfg.checkpoint.dir))
+    if not found:
+        return []
+    latest = found[-1]
+    try:
+        planned = json.loads((latest / META_FILE).read_text())["config"]["training"]["max_steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        planned = None  # unreadable: treated as unfinished, the safe side
+    if planned is None or (step_of(latest) or 0) < planned:
+        of = f" of {planned}" if planned is not None else ""
+        raise UserError(f"{cfg.checkpoint.dir} holds an unfinished run (up to {latest.name}{of} steps); continue it "
+                        f"with --resume auto, or start a new run elsewhere with --set checkpoint.dir=DIR (or delete "
+                        f"its checkpoints first)")
+    return found
+
+
 def other_data(path: Path, theirs: str, ours: str) -> UserError:
     return UserError(f"checkpoint {path} was trained on dataset cache {theirs}, but this run uses {ours}; resume "
                      f"with the same data settings, or start fresh without --resume")

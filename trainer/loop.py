@@ -128,6 +128,7 @@ class Trainer:
         self.accum = cfg.training.grad_accum_nums
         self.completed = 0  # optimizer steps done (the step index to run next)
         self.last_saved: int | None = None
+        self.superseded: list[Path] = []  # a finished earlier run's checkpoints, removed at this run's first save
         self.history: History | None = None
 
         progress.phase("dataset")
@@ -212,6 +213,11 @@ class Trainer:
         if path is None:
             if self.cfg.checkpoint.resume == "auto" and self.ctx.is_main:
                 self.log.info(f"no checkpoint in {self.ckpt_root}; starting from step 0")
+            if self.ctx.is_main and (superseded := checkpoint_layout.earlier_run(self.cfg)):
+                self.superseded = superseded
+                self.log.info(f"{self.ckpt_root} holds a finished earlier run (up to {superseded[-1].name}): this run "
+                              f"starts from step 0 and its first checkpoint replaces those (--resume auto continues "
+                              f"a run)")
             return
         meta = checkpoint.load(path, self.state, self.ctx, self.cache.key)
         self.completed = meta.step
@@ -313,6 +319,10 @@ class Trainer:
         path = checkpoint.save(checkpoint_layout.step_path(self.ckpt_root, self.completed), self.state, self.meta(),
                                self.ctx, before_publish=lambda: self.faults.during_checkpoint(after_step))
         if self.ctx.is_main:
+            for old in self.superseded:
+                if old.name != path.name:  # one of the same name was just replaced by this run's
+                    checkpoint.remove(old)
+            self.superseded = []
             checkpoint.prune(self.ckpt_root, self.cfg.checkpoint.keep)
             self.log.info(f"checkpoint saved: {path}")
         self.last_saved = self.completed

@@ -196,7 +196,8 @@ class History:
                 val = [(r.step, r.val_loss) for r in self.records if r.val_loss is not None]
                 if val:
                     ax.plot(*zip(*val), marker="o", label="validation")
-                ax.legend()
+                if points or val:  # a run that trained no step (its checkpoint was at the end) has nothing to label
+                    ax.legend()
             ax.set_title(title)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)

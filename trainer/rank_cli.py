@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.checkpoint_layout import check_resume, ensure_checkpoint_dir
+from trainer.checkpoint_layout import check_resume, earlier_run, ensure_checkpoint_dir
 from trainer.choices import cpu_refusal
 from trainer.config import RUNS_DIR, Config
 from trainer.durable import ensure_writable
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
             check_fits_on_cpu(cfg)
             ensure_checkpoint_dir(cfg)
+            earlier_run(cfg)
             ensure_writable(Path(cfg.logging.run_dir) if cfg.logging.run_dir else RUNS_DIR, "the run folder",
                             "set logging.run_dir to a writable folder")
             info = prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False)
