@@ -6,8 +6,9 @@ KeyboardInterrupt, no rank exists yet); only then do signals become loop events.
 
 Restarts (``--max-restarts N``): after a failure or a hang, and once every process of the group is gone, the group
 starts again with a config that says ``checkpoint.resume=auto`` (``config.restart<n>.json`` beside
-``config.json``), so the ranks continue from the latest checkpoint. A user error (exit 2) and an interrupt are never
-restarted. Per-rank logs continue in the same files, after a marker line.
+``config.json``), so the ranks continue from the run's latest checkpoint; until the run has saved one, the group
+starts again as it first did (an earlier run's checkpoints in the folder are not this run's to resume). A user error
+(exit 2) and an interrupt are never restarted. Per-rank logs continue in the same files, after a marker line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from supervisor.report import failure_report, success_report
 from supervisor.signals import SignalInbox
 from supervisor.watch import GroupResult, Watch
 from supervisor.worker import Worker, become_subreaper
-from trainer.checkpoint_layout import check_resume
+from trainer.checkpoint_layout import META_FILE, check_resume, list_checkpoints
 from trainer.config import Config
 from trainer.errors import UserError
 
@@ -65,19 +66,25 @@ class Launcher:
                 assert self.plan.master_port is not None
                 control = open_channel(self.plan.node_rank, self.plan.nnodes, self.plan.master_addr,
                                        self.plan.master_port, self.plan.startup_timeout)
-            restarts = 0
+            restarts, before = 0, self.checkpoints()
+            config = self.write_config(restarts, self.cfg.checkpoint.resume)
             while True:
                 pending = signals.peek_stop()
                 if pending is not None:  # arrived between two groups
                     self.console.say(f"{signal.Signals(pending).name}: not restarting; no rank is running")
                     return 128 + pending
-                result = self.run_group(restarts, signals, reaper, control)
+                result = self.run_group(config, restarts, signals, reaper, control)
                 if result.exit_code == 0 or not result.restartable or restarts >= self.plan.max_restarts:
                     break
                 restarts += 1
                 assert result.stop is not None
+                # another --entry keeps its checkpoints where the supervisor cannot see them: it is told to resume
+                saved = self.checkpoints() != before or not self.plan.trainer_entry
+                config = self.write_config(restarts, "auto" if saved else self.cfg.checkpoint.resume)
                 self.console.say(f"restart {restarts} of {self.plan.max_restarts} after {result.stop.detail}; "
-                                 f"the ranks resume from the latest checkpoint", style="bold yellow")
+                                 + ("the ranks resume from this run's latest checkpoint" if saved else
+                                    "no checkpoint of this run yet: the ranks start again as the first time"),
+                                 style="bold yellow")
             self.console.stop_footer()
             self.report(result, restarts, time.monotonic() - started)
             if control is not None and result.exit_code == 0:
@@ -105,22 +112,23 @@ class Launcher:
         self.console.say(f"dataset {state}: {info.tokens:,} training tokens in {info.path}")
         check_resume(self.cfg, info.key, info.vocab_size)  # other data or another model: refused before any rank
 
-    def config_path(self, restart: int) -> Path:
-        if restart == 0:
-            path = self.plan.run_dir / "config.json"
-            cfg = self.cfg
-        else:
-            path = self.plan.run_dir / f"config.restart{restart}.json"
-            cfg = copy.deepcopy(self.cfg)
-            cfg.checkpoint.resume = "auto"
-        if not path.exists():
-            cfg.save(path)
+    def checkpoints(self) -> dict[Path, int]:
+        """The published checkpoints in checkpoint.dir, each with its meta.json's modification time: what changed
+        since the run started is this run's."""
+        return {p: (p / META_FILE).stat().st_mtime_ns for p in list_checkpoints(Path(self.cfg.checkpoint.dir))}
+
+    def write_config(self, restart: int, resume: str | None) -> Path:
+        """The resolved config a group's ranks read: `config.json`, or a restart's `config.restart<n>.json` with the
+        checkpoint it is to resume."""
+        cfg = copy.deepcopy(self.cfg)
+        cfg.checkpoint.resume = resume
+        path = self.plan.run_dir / ("config.json" if restart == 0 else f"config.restart{restart}.json")
+        cfg.save(path)
         return path
 
-    def run_group(self, restart: int, signals: SignalInbox, reaper: Reaper,
+    def run_group(self, config_path: Path, restart: int, signals: SignalInbox, reaper: Reaper,
                   control: ControlChannel | None) -> GroupResult:
         plan = self.plan
-        config_path = self.config_path(restart)
         port = PortReservation.take() if plan.master_port is None else None
         master_port = port.port if port is not None else plan.master_port
         assert master_port is not None

@@ -1,10 +1,17 @@
-"""--max-restarts: the group starts again after a failure, resuming from the latest checkpoint; user errors do not."""
+"""--max-restarts: the group starts again after a failure, resuming from the run's latest checkpoint (before it has
+one, as it first started); user errors do not."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
-from rank_scripts.harness import run, survivors
+import pytest
+
+from rank_scripts.harness import clean_env, run, survivors
+from rank_support import TINY, merged, set_flags
 
 
 def test_restart_resumes_and_succeeds(tmp_path):
@@ -33,3 +40,27 @@ def test_user_error_is_not_restarted(tmp_path):
     assert r.returncode == 2
     assert "restart 1" not in r.stderr
     assert "restarts: 0 of 3 used" in r.stderr
+
+
+@pytest.mark.parametrize("fault_step, resumes", [(0, None), (3, "auto")], ids=["before-a-checkpoint", "after-one"])
+def test_a_trainer_restart_resumes_only_this_runs_checkpoints(tmp_path: Path, token_cache_dir: Path,
+                                                              fault_step: int, resumes: str | None) -> None:
+    """The folder holds a finished earlier run (planted). A restart after this run's first checkpoint resumes it; one
+    before any restarts as the run first started: the earlier run's step_000010 is not this run's to resume."""
+    planted = tmp_path / "ckpt" / "step_000010"
+    planted.mkdir(parents=True)
+    (planted / "meta.json").write_text(json.dumps({"config": {"training": {"max_steps": 10}}}))
+    layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 6},
+                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": 2},
+                          "debug": {"inject_fault": "exit", "inject_fault_step": fault_step,
+                                    "inject_fault_code": 3}})
+    proc = subprocess.run([sys.executable, "-m", "supervisor", "--debug", "--nproc", "1", "--no-footer",
+                           "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), *set_flags(layer)],
+                          cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 3, proc.stderr[-3000:]  # the fault fires again after the restart
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    assert json.loads((run_dir / "config.restart1.json").read_text())["checkpoint"]["resume"] == resumes
+    said = ("the ranks resume from this run's latest checkpoint" if resumes else
+            "no checkpoint of this run yet: the ranks start again as the first time")
+    assert f"restart 1 of 1 after CPU0 (rank 0) failed: exit 3; {said}" in proc.stdout + proc.stderr
+    assert planted.exists() == (resumes is None)  # superseded at this run's first save
