@@ -28,10 +28,10 @@ from supervisor.diagnosis import preflight
 from supervisor.console import Console
 from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
-from trainer.checkpoint_layout import earlier_run, ensure_checkpoint_dir, find_resume
+from trainer.checkpoint_layout import check_checkpoint_dir, earlier_run, find_resume
 from trainer.choices import cpu_refusal
 from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
-from trainer.durable import ensure_writable
+from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 from trainer.resolve import add_config_arguments, handle_inspection_flags
 from trainer.wandb_run import check_wandb
@@ -201,11 +201,11 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
         notes.append(wandb_note)
     entry = entry_path(args)
     trainer_entry = entry.name == TRAINER_ENTRY
-    ensure_writable(Path(args.log_dir), "the log folder", "choose a writable one with --log-dir DIR")
+    check_writable(Path(args.log_dir), "the log folder", "choose a writable one with --log-dir DIR")
     if trainer_entry:
         find_resume(cfg)  # a --resume without a checkpoint: one error here, not a failure on every rank later
         earlier_run(cfg)  # a fresh start over an unfinished run: likewise
-        ensure_checkpoint_dir(cfg)
+        check_checkpoint_dir(cfg)
     gpu_ids = choose_devices(args, cfg, trainer_entry, notes)
     ranks = node_ranks(gpu_ids, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)
     check_world_size(cfg, args.nnodes * len(ranks))

@@ -142,6 +142,20 @@ def test_a_fresh_start_supersedes_a_finished_run_and_refuses_an_unfinished_one(t
         checkpoint_layout.earlier_run(cfg)
 
 
+def test_a_folder_is_checked_writable_without_leaving_it_behind(tmp_path: Path) -> None:
+    """durable.check_writable: what the supervisor and a rank by hand ask of checkpoint.dir and the log folder before
+    any work; a run that cannot start must not leave the folders it checked."""
+    durable.check_writable(tmp_path / "a" / "b", "the checkpoint folder", "fix it")
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    durable.check_writable(tmp_path / "kept", "the checkpoint folder", "fix it")
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"] and list((tmp_path / "kept").iterdir()) == []
+    (tmp_path / "a-file").write_text("in the way")
+    with pytest.raises(UserError, match=r"^the log folder .*a-file/logs is not writable \(Not a directory\); fix it$"):
+        durable.check_writable(tmp_path / "a-file" / "logs", "the log folder", "fix it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "kept"]
+
+
 def test_refuses_another_dataset_model_shape_or_format(tmp_path: Path, ctx: DistContext) -> None:
     cfg = make_cfg(tmp_path)
     state = make_state(cfg)

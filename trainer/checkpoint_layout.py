@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from trainer.config import Config
-from trainer.durable import ensure_writable
+from trainer.durable import check_writable
 from trainer.errors import UserError
 
 STEP_PREFIX = "step_"
@@ -28,11 +28,11 @@ SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_
               "tie_word_embeddings")
 
 
-def ensure_checkpoint_dir(cfg: Config) -> None:
-    """checkpoint.dir, created and written to before any rank starts (or, by hand, before the data is tokenized), so
-    that a folder the run cannot write is not found at the first save, minutes in."""
-    ensure_writable(Path(cfg.checkpoint.dir), "the checkpoint folder",
-                    "set checkpoint.dir to a writable folder, e.g. --set checkpoint.dir=/tmp/checkpoints")
+def check_checkpoint_dir(cfg: Config) -> None:
+    """checkpoint.dir, checked writable before any rank starts (or, by hand, before the data is tokenized), so that a
+    folder the run cannot write is not found at the first save, minutes in."""
+    check_writable(Path(cfg.checkpoint.dir), "the checkpoint folder",
+                   "set checkpoint.dir to a writable folder, e.g. --set checkpoint.dir=/tmp/checkpoints")
 
 
 def step_path(root: Path, step: int) -> Path:

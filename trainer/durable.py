@@ -17,15 +17,23 @@ from typing import Any
 from trainer.errors import UserError
 
 
-def ensure_writable(folder: Path, what: str, fix: str) -> None:
-    """Create `folder` and write a scratch file in it: a folder the run cannot write (permissions, a read-only or
-    missing mount) is then one line naming `what` it is for and the `fix`, before any work that would write there."""
+def check_writable(folder: Path, what: str, fix: str) -> None:
+    """Create `folder` and write a scratch file in it, then remove what this created: a folder the run cannot write
+    (permissions, a read-only mount, a file in the way) is one line naming `what` it is for and the `fix`, before any
+    work that would write there, and a run that cannot start leaves no folder behind."""
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
         raise UserError(f"{what} {folder} is not writable ({e.strerror or e}); {fix}") from None
+    finally:
+        for path in created:
+            try:
+                path.rmdir()
+            except OSError:  # never made, or no longer empty: another process writes there now
+                break
 
 
 def fsync_dir(path: Path) -> None:

@@ -17,10 +17,10 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.checkpoint_layout import check_resume, earlier_run, ensure_checkpoint_dir
+from trainer.checkpoint_layout import check_checkpoint_dir, check_resume, earlier_run
 from trainer.choices import cpu_refusal
 from trainer.config import RUNS_DIR, Config
-from trainer.durable import ensure_writable
+from trainer.durable import check_writable
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 from trainer.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
@@ -103,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.data.cache import prepare
 
             check_fits_on_cpu(cfg)
-            ensure_checkpoint_dir(cfg)
+            check_checkpoint_dir(cfg)
             earlier_run(cfg)
-            ensure_writable(Path(cfg.logging.run_dir) if cfg.logging.run_dir else RUNS_DIR, "the run folder",
+            check_writable(Path(cfg.logging.run_dir) if cfg.logging.run_dir else RUNS_DIR, "the run folder",
                             "set logging.run_dir to a writable folder")
             info = prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False)
             check_resume(cfg, info.key, info.vocab_size)

@@ -59,9 +59,9 @@ def remove_dead_leftovers(parent: Path) -> list[Path]:
 
 def ensure_writable(root: Path) -> None:
     """The cache folder and its locks' folder, created where missing."""
-    durable.ensure_writable(root, "the cache folder",
-                            "set data.cache_dir to a writable folder, e.g. --set data.cache_dir=/tmp/token-cache")
-    (root / LOCKS_DIR).mkdir(exist_ok=True)
+    durable.check_writable(root, "the cache folder",
+                           "set data.cache_dir to a writable folder, e.g. --set data.cache_dir=/tmp/token-cache")
+    (root / LOCKS_DIR).mkdir(parents=True, exist_ok=True)
 
 
 @contextmanager
