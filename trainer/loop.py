@@ -216,8 +216,8 @@ class Trainer:
             if self.ctx.is_main and (superseded := checkpoint_layout.earlier_run(self.cfg)):
                 self.superseded = superseded
                 self.log.info(f"{self.ckpt_root} holds a finished earlier run (up to {superseded[-1].name}): this run "
-                              f"starts from step 0 and its first checkpoint replaces those (--resume auto continues "
-                              f"a run)")
+                              f"starts from step 0, and its first checkpoint replaces those (to extend that run "
+                              f"instead: --resume auto with a larger --max-steps)")
             return
         meta = checkpoint.load(path, self.state, self.ctx, self.cache.key)
         self.completed = meta.step

@@ -20,8 +20,8 @@ from pathlib import Path
 from trainer.checkpoint_layout import check_checkpoint_dir, check_resume, earlier_run
 from trainer.choices import cpu_refusal
 from trainer.config import RUNS_DIR, Config
-from trainer.durable import check_writable
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
+from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 from trainer.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
 
