@@ -7,6 +7,7 @@ durable once the parent folder is fsynced too).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -18,22 +19,18 @@ from trainer.errors import UserError
 
 
 def check_writable(folder: Path, what: str, fix: str) -> None:
-    """Create `folder` and write a scratch file in it, then remove what this created: a folder the run cannot write
-    (permissions, a read-only mount, a file in the way) is one line naming `what` it is for and the `fix`, before any
-    work that would write there, and a run that cannot start leaves no folder behind."""
-    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    """Write a scratch file where `folder` is or would be created (the folder itself, else its nearest existing
+    parent): a folder the run cannot write (permissions, a read-only mount, a file in the way) is one line naming
+    `what` it is for and the `fix`, before any work that would write there. Nothing is created, so a run that cannot
+    start leaves no folder behind, and ranks or runs checking the same folder at once cannot trip each other up."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), folder)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
         raise UserError(f"{what} {folder} is not writable ({e.strerror or e}); {fix}") from None
-    finally:
-        for path in created:
-            try:
-                path.rmdir()
-            except OSError:  # never made, or no longer empty: another process writes there now
-                break
 
 
 def fsync_dir(path: Path) -> None:
