@@ -74,7 +74,9 @@ def test_single_process_run_by_hand(tmp_path: Path, token_cache_dir: Path) -> No
 
     # A fresh start in the same folder supersedes the finished run: its first checkpoint replaces them, so neither
     # pruning nor a later --resume auto can take the earlier run's step_000004 for this run's.
-    again = run_main(["--debug", *set_flags(merged(layer, {"training": {"max_steps": 3}}))], cwd=tmp_path)
+    quick = {"training": {"max_steps": 3}, "logging": {"plot": False}, "debug": {"nan_localize": False,
+                                                                              "nan_dump": False}}
+    again = run_main(["--debug", *set_flags(merged(layer, quick))], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert ("INFO | .checkpoints holds a finished earlier run (up to step_000004): this run starts from step 0"
             in again.stdout)
