@@ -143,7 +143,8 @@ CASES = {
         "preset '1b' (1.1B parameters, ddp, auto) needs GPUs and none was found"),
     "fresh start over an unfinished run": BadInput(
         "run_training.sh", ("--debug",),
-        "ckpt holds an unfinished run (up to step_000004 of 10 steps); continue it with --resume auto", files=UNFINISHED),
+        "ckpt holds an unfinished run (up to step_000004 of 10 steps); continue it with --resume auto",
+        files=UNFINISHED),
     "fresh start by hand over an unfinished run": BadInput(
         "pretrain_main.py", ("--debug",), "ckpt holds an unfinished run (up to step_000004 of 10 steps)",
         files=UNFINISHED),
