@@ -37,6 +37,7 @@ from trainer.resolve import add_config_arguments, handle_inspection_flags
 from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2
+MAX_TIMEOUT_S = 30 * 86400  # a month: longer is not a timeout (and infinity breaks the watcher's select)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,8 +100,10 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.nproc is not None and args.nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {args.nproc}")
     for name in ("grace_period", "hang_timeout", "startup_timeout"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must not be negative")
+        seconds = getattr(args, name)
+        if not 0 <= seconds <= MAX_TIMEOUT_S:  # NaN fails this too: a NaN allowance would stall the run at once
+            raise UserError(f"--{name.replace('_', '-')} must be a number of seconds within 0-{MAX_TIMEOUT_S:,}"
+                            f"{' (0 disables the watchdog)' if name == 'hang_timeout' else ''}, got {seconds:g}")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must not be negative, got {args.max_restarts}")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
@@ -194,8 +197,6 @@ def node_layout(args: argparse.Namespace, notes: list[str]) -> None:
 
 
 def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], notes: list[str]) -> Plan:
-    node_layout(args, notes)
-    check_flags(args)
     notes.extend(cfg.notes)
     if wandb_note := check_wandb(cfg):
         notes.append(wandb_note)
@@ -222,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     ours, entry_args = split_entry_args(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(ours)
     try:
+        notes: list[str] = []
+        node_layout(args, notes)
+        check_flags(args)  # the supervisor's own flags first: a bad one is refused even beside --print-config
         cfg = handle_inspection_flags(args)
         if cfg is None:
             return 0
@@ -230,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run_report(cfg, args.nproc), flush=True)
             return 0
-        notes: list[str] = []
         plan = make_plan(args, cfg, entry_args, notes)
         console = Console(footer=plan.footer)
         console.open_log(plan.run_dir / "supervisor.log")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import re
 import types
 import typing
@@ -182,6 +183,103 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values one numeric key accepts: `low` and `high` inclusive unless open (None: no limit on that side);
+    a float must be finite as well. The caps keep a value inside what the libraries it reaches take (an int64, a
+    `timedelta`, `time.sleep`), so an absurd value is one line here rather than a traceback minutes later."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def refusal(self, value: float) -> str | None:
+        """What `value` breaks, as the error message says it ('must be positive', 'must be within [0, 1)'), or
+        None when it is admitted. Only the side it breaks is named: a cap of two billion says nothing to a user
+        who typed -1."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return "must be a finite number"
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
+        if not (too_low or too_high):
+            return None
+        if isinstance(value, float) and self.low is not None and self.high is not None:
+            return (f"must be within {'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}"
+                    f"{')' if self.high_open else ']'}")
+        if too_high:
+            return f"must be {'below' if self.high_open else 'at most'} {number(self.high)}"
+        if self.low == 0 and self.low_open or (isinstance(value, int) and self.low == 1 and not self.low_open):
+            return "must be positive"
+        if self.low == 0:
+            return "must be 0 or more"
+        return f"must be {'above' if self.low_open else 'at least'} {number(self.low)}"
+
+
+def number(value: float) -> str:
+    """31,536,000 rather than 3.1536e+07; 0.5 as it is."""
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """A value as JSON in an error message, cut short: one line, even for a 5,000-digit number."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
+
+
+COUNT_MAX = 2**31 - 1  # steps, sizes, intervals: an int32, far beyond any run, inside every index type torch uses
+POSITIVE, NON_NEGATIVE = Bound(1, COUNT_MAX), Bound(0, COUNT_MAX)
+POSITIVE_FLOAT, FRACTION = Bound(0, low_open=True), Bound(0, 1)
+# Every int and float key, beside the dataclasses so that a new key gets its line here (tests/test_config.py checks
+# none is missing). Cross-key rules (context within positions, heads dividing the width) stay in `validate`.
+BOUNDS: dict[str, Bound] = {
+    "system.device_id": Bound(0, 4095),
+    "system.seed": Bound(0, 2**64 - 1),  # torch.manual_seed's range
+    "system.dist_timeout_s": Bound(0, 365 * 86400, low_open=True),
+    "model.hidden_size": POSITIVE,
+    "model.num_layers": POSITIVE,
+    "model.num_heads": POSITIVE,
+    "model.num_kv_heads": POSITIVE,
+    "model.ffn_hidden_size": POSITIVE,
+    "model.max_position_embeddings": POSITIVE,
+    "model.vocab_size": POSITIVE,
+    "model.init_std": Bound(0, 10, low_open=True),
+    "model.rope_theta": POSITIVE_FLOAT,
+    "data.vocab_size": Bound(256 + 1, COUNT_MAX),  # a byte-level BPE holds the 256 bytes and one merge at least
+    "data.context_length": POSITIVE,
+    "data.max_samples": Bound(1, 2**53),  # '5.5b' goes through a float: exact up to 2**53
+    "data.val_fraction": Bound(0, 1, high_open=True),
+    "training.max_steps": POSITIVE,
+    "training.batch_size": POSITIVE,
+    "training.grad_accum_nums": POSITIVE,
+    "training.num_workers": Bound(0, 1024),
+    "training.learning_rate": POSITIVE_FLOAT,
+    "training.min_lr_ratio": FRACTION,
+    "training.warmup_steps": NON_NEGATIVE,
+    "training.weight_decay": Bound(0),
+    "training.beta1": Bound(0, 1, high_open=True),  # torch.optim.AdamW's range
+    "training.beta2": Bound(0, 1, high_open=True),
+    "training.max_grad_norm": POSITIVE_FLOAT,
+    "training.eval_interval": NON_NEGATIVE,
+    "training.eval_steps": POSITIVE,
+    "checkpoint.interval": NON_NEGATIVE,
+    "checkpoint.keep": POSITIVE,
+    "logging.log_interval": POSITIVE,
+    "debug.max_nonfinite_steps": POSITIVE,
+    "debug.inject_nan_step": NON_NEGATIVE,
+    "debug.inject_nan_rank": NON_NEGATIVE,
+    "debug.inject_fault_step": NON_NEGATIVE,
+    "debug.inject_fault_rank": NON_NEGATIVE,
+    "debug.inject_fault_code": Bound(0, 255),  # an exit status
+    "debug.inject_fault_delay_s": Bound(0, 86400, low_open=True),
+}
+# Folders, files and names where an empty string would quietly mean the working folder or nothing at all.
+NON_EMPTY = ("data.source", "data.cache_dir", "data.tokenizer", "data.text_field", "data.split", "checkpoint.dir",
+             "checkpoint.resume", "model.name_or_path", "logging.run_dir", "logging.wandb_project")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Reading JSON (with // comments, as people paste them from docs)
 
@@ -214,13 +312,53 @@ def strip_json_comments(text: str) -> str:
     return "".join(out)
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise UserError(f"config file {path} does not exist")
+MAX_CONFIG_BYTES = 16 << 20  # a config is a few kilobytes; anything this large is another file given by mistake
+
+
+def refuse_constant(name: str) -> float:
+    """`json.loads` takes NaN and Infinity, which JSON does not have: a config holding one is refused by name."""
+    raise ValueError(f"{name} is not a JSON number; give a finite number")
+
+
+MAX_INTEGER_DIGITS = 100
+
+
+def parse_integer(text: str) -> int:
+    """Python refuses to convert more than 4,300 digits with advice about `sys`; a config's numbers are short."""
+    if len(text) > MAX_INTEGER_DIGITS:
+        raise ValueError(f"a number of {len(text):,} digits")
+    return int(text)
+
+
+def parse_json(text: str) -> Any:
+    """JSON as the config files use it: no NaN or Infinity, no number of thousands of digits. A nesting too deep for
+    the parser is a ValueError like any other malformed input."""
     try:
-        raw = json.loads(strip_json_comments(path.read_text()))
+        return json.loads(text, parse_constant=refuse_constant, parse_int=parse_integer)
+    except RecursionError:
+        raise ValueError("nested too deeply to be a config") from None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A config file, read defensively: UTF-8 text (a BOM allowed), JSON with // comments, an object at the top."""
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist" if not path.exists() else
+                        f"config file {path} is not a file")
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise UserError(f"config file {path} is {path.stat().st_size:,} bytes, too large for a config; is it the "
+                            f"right file?")
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as e:
+        raise UserError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}); save the config as UTF-8 JSON") from None
+    try:
+        raw = parse_json(strip_json_comments(text))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except ValueError as e:
+        raise UserError(f"{path}: invalid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: the top level must be a JSON object with sections {', '.join(SECTIONS)}")
     return raw
@@ -238,8 +376,10 @@ def parse_count(value: Any, key: str) -> int:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMbB]?)\s*", value)
         if m:
             scale = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9}[m.group(2).lower()]
-            return int(float(m.group(1)) * scale)
-    raise UserError(f"{key}: expected a count such as 500, 500k, 5M or 50M, got {value!r}")
+            count = float(m.group(1)) * scale
+            if math.isfinite(count):  # too large is said by the key's bound; too large for a float, here
+                return int(count)
+    raise UserError(f"{key}: expected a count such as 500, 500k, 5M or 50M, got {shown(value)}")
 
 
 COUNT_KEYS = {"data.max_samples"}
@@ -273,7 +413,7 @@ def coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
     elif isinstance(tp, types.UnionType) and type(value) in typing.get_args(tp):  # bool | str: a switch or a choice
         return value
     given = "null" if value is None else type(value).__name__
-    raise UserError(f"{origin}: {key} expects {type_name(tp)}, got {given} ({json.dumps(value)})")
+    raise UserError(f"{origin}: {key} expects {type_name(tp)}, got {given} ({shown(value)})")
 
 
 def closest(name: str, candidates: list[str], what: str = "keys") -> str:
@@ -289,13 +429,13 @@ def apply_layer(cfg: Config, raw: dict[str, Any], origin: str) -> None:
             continue
         if section in TOP_LEVEL_LISTS:
             if not isinstance(values, list):
-                raise UserError(f"{origin}: {section} expects a list of strings, got {json.dumps(values)}")
+                raise UserError(f"{origin}: {section} expects a list of strings, got {shown(values)}")
             setattr(cfg, section, [coerce(item, str, section, origin) for item in values])
             continue
         if section not in SECTIONS:
             raise UserError(f"{origin}: unknown section '{section}'{closest(section, SECTIONS, 'sections')}")
         if not isinstance(values, dict):
-            raise UserError(f"{origin}: section '{section}' must be an object, got {json.dumps(values)}")
+            raise UserError(f"{origin}: section '{section}' must be an object, got {shown(values)}")
         target = getattr(cfg, section)
         types_ = field_types(type(target))
         for key, value in values.items():
@@ -325,14 +465,12 @@ def validate(cfg: Config) -> None:
     """Cross-field rules: what no single key's type can say."""
     normalise_switches(cfg)
     for dotted, allowed in CHOICES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
+        value = value_of(cfg, dotted)
         if value is not None and value not in allowed:
             raise UserError(f"{dotted} must be one of {', '.join(allowed)}, got '{value}'")
+    check_bounds(cfg)
     m, d, t = cfg.model, cfg.data, cfg.training
     rules = [
-        (m.hidden_size > 0 and m.num_layers > 0 and m.num_heads > 0 and m.num_kv_heads > 0,
-         "model sizes (hidden_size, num_layers, num_heads, num_kv_heads) must be positive"),
         (m.num_heads > 0 and m.hidden_size % m.num_heads == 0,
          f"model.num_heads ({m.num_heads}) must divide model.hidden_size ({m.hidden_size})"),
         (m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads == 0,
@@ -340,24 +478,8 @@ def validate(cfg: Config) -> None:
         (0 < d.context_length <= m.max_position_embeddings,
          f"data.context_length ({d.context_length}) must be between 1 and model.max_position_embeddings "
          f"({m.max_position_embeddings})"),
-        (t.batch_size > 0, f"training.batch_size must be positive, got {t.batch_size}"),
-        (t.grad_accum_nums > 0, f"training.grad_accum_nums must be positive, got {t.grad_accum_nums}"),
-        (t.num_workers >= 0, f"training.num_workers must be 0 or more, got {t.num_workers}"),
-        (t.learning_rate > 0, f"training.learning_rate must be positive, got {t.learning_rate}"),
-        (t.max_steps > 0, f"training.max_steps must be positive, got {t.max_steps}"),
         (0 <= t.warmup_steps < t.max_steps,
          f"training.warmup_steps ({t.warmup_steps}) must be shorter than the run (training.max_steps = {t.max_steps})"),
-        (0 <= t.min_lr_ratio <= 1, f"training.min_lr_ratio must be within [0, 1], got {t.min_lr_ratio}"),
-        (t.max_grad_norm > 0, f"training.max_grad_norm must be positive, got {t.max_grad_norm}"),
-        (0 <= d.val_fraction < 1, f"data.val_fraction must be within [0, 1), got {d.val_fraction}"),
-        (d.max_samples is None or d.max_samples > 0, f"data.max_samples must be positive, got {d.max_samples}"),
-        (d.vocab_size >= 256 + 1, f"data.vocab_size must be at least 257 for a byte-level BPE, got {d.vocab_size}"),
-        (cfg.logging.log_interval > 0, f"logging.log_interval must be positive, got {cfg.logging.log_interval}"),
-        (cfg.checkpoint.keep > 0, f"checkpoint.keep must be positive, got {cfg.checkpoint.keep}"),
-        (cfg.debug.max_nonfinite_steps > 0,
-         f"debug.max_nonfinite_steps must be positive, got {cfg.debug.max_nonfinite_steps}"),
-        (cfg.debug.inject_fault_delay_s > 0,
-         f"debug.inject_fault_delay_s must be positive, got {cfg.debug.inject_fault_delay_s}"),
         (m.attention_backend != "efficient" or m.num_kv_heads == m.num_heads,
          f"model.attention_backend efficient has no grouped-query attention (num_kv_heads {m.num_kv_heads} < "
          f"num_heads {m.num_heads}); use auto, flash or cudnn"),
@@ -369,6 +491,24 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise UserError(message)
     check_injection(cfg.debug, t.max_steps)
+
+
+def value_of(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def check_bounds(cfg: Config) -> None:
+    """Every numeric key within its `BOUNDS` (finite, for a float); no folder, file or name left empty."""
+    for dotted, bound in BOUNDS.items():
+        value = value_of(cfg, dotted)
+        if value is not None and (refusal := bound.refusal(value)):
+            raise UserError(f"{dotted} {refusal}, got {shown(value) if isinstance(value, int) else f'{value:g}'}")
+    for dotted in NON_EMPTY:
+        value = value_of(cfg, dotted)
+        if value is not None and not value.strip():
+            raise UserError(f"{dotted} is empty; give a value (an empty one would quietly mean the working folder "
+                            f"or nothing)")
 
 
 def check_injection(d: DebugConfig, max_steps: int | None = None) -> None:

@@ -14,7 +14,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainer.config import DEFAULT_PRESET, PROJECT_ROOT, Config, apply_layer, closest, read_json, validate
+from trainer.config import (
+    DEFAULT_PRESET,
+    PROJECT_ROOT,
+    Config,
+    apply_layer,
+    closest,
+    read_json,
+    validate,
+)
 from trainer.errors import UserError
 from trainer.sizes import human, parameter_count, tokens_per_step
 
@@ -30,6 +38,9 @@ def preset_names() -> list[str]:
 
 
 def preset_layer(name: str) -> dict[str, Any]:
+    if Path(name).name != name or name.endswith(".json") or name in ("", ".", ".."):
+        raise UserError(f"--preset takes a preset's name ({', '.join(preset_names())}), not a path: '{name}'; give "
+                        f"a config file with --config FILE")
     path = PRESETS_DIR / f"{name}.json"
     if not path.is_file():
         raise UserError(f"unknown preset '{name}'{closest(name, preset_names(), 'presets')}")
@@ -77,8 +88,8 @@ def parse_set(item: str) -> tuple[str, Any]:
     if not sep or "." not in key:
         raise UserError(f"--set {item}: expected SECTION.KEY=VALUE, for example --set training.max_steps=100")
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = json.loads(text)  # NaN and Infinity parse: the key's bound then says it must be finite
+    except (ValueError, RecursionError):  # not JSON, or too deep for the parser: taken as a string
         value = text
     return key.strip(), value
 
