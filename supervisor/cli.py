@@ -26,7 +26,7 @@ from pathlib import Path
 from supervisor import gpus, slurm
 from supervisor.diagnosis import preflight
 from supervisor.console import Console
-from supervisor.launcher import Launcher
+from supervisor.launcher import Launcher, run_folder_writes
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
 from trainer.checkpoint_layout import check_checkpoint_dir, earlier_run, find_resume
 from trainer.choices import cpu_refusal
@@ -177,14 +177,18 @@ def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
 def create_run_dir(root: Path, preset: str) -> Path:
     """logs/<yyyymmdd-hhmmss>-<preset>, with -2, -3 ... when two runs start in the same second."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    root.mkdir(parents=True, exist_ok=True)
-    for n in count(1):
-        path = root / (f"{stamp}-{preset}" + ("" if n == 1 else f"-{n}"))
-        try:
-            path.mkdir()
-            return path.resolve()
-        except FileExistsError:
-            continue
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for n in count(1):
+            path = root / (f"{stamp}-{preset}" + ("" if n == 1 else f"-{n}"))
+            try:
+                path.mkdir()
+                return path.resolve()
+            except FileExistsError:
+                continue
+    except OSError as e:  # a disk that filled up since check_writable looked
+        raise UserError(f"cannot create a run folder in {root} ({e.strerror or e}); free space there or choose "
+                        f"another log folder with --log-dir DIR") from None
     raise AssertionError("unreachable")
 
 
@@ -204,7 +208,7 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
     trainer_entry = entry.name == TRAINER_ENTRY
     check_writable(Path(args.log_dir), "the log folder", "choose a writable one with --log-dir DIR")
     if trainer_entry:
-        find_resume(cfg)  # a --resume without a checkpoint: one error here, not a failure on every rank later
+        find_resume(cfg, notes)  # a --resume without a checkpoint: one error here, not a failure on every rank later
         earlier_run(cfg)  # a fresh start over an unfinished run: likewise
         check_checkpoint_dir(cfg)
     gpu_ids = choose_devices(args, cfg, trainer_entry, notes)
@@ -236,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         plan = make_plan(args, cfg, entry_args, notes)
         console = Console(footer=plan.footer)
-        console.open_log(plan.run_dir / "supervisor.log")
+        with run_folder_writes(plan.run_dir):
+            console.open_log(plan.run_dir / "supervisor.log")
         try:
             for note in notes:
                 console.say(note)

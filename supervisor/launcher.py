@@ -17,6 +17,8 @@ import copy
 import os
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,17 @@ from trainer.errors import UserError
 
 if TYPE_CHECKING:
     from supervisor.control import ControlChannel
+
+
+@contextmanager
+def run_folder_writes(run_dir: Path) -> Iterator[None]:
+    """What the supervisor must write into the run folder before ranks start (the config, the log files): a full
+    disk or a folder gone is one line, and no rank is started."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"cannot write into the run folder {run_dir} ({e.strerror or e}); free space there or choose "
+                        f"another log folder with --log-dir DIR") from None
 
 
 class Launcher:
@@ -123,7 +136,8 @@ class Launcher:
         cfg = copy.deepcopy(self.cfg)
         cfg.checkpoint.resume = resume
         path = self.plan.run_dir / ("config.json" if restart == 0 else f"config.restart{restart}.json")
-        cfg.save(path)
+        with run_folder_writes(self.plan.run_dir):
+            cfg.save(path)
         return path
 
     def run_group(self, config_path: Path, restart: int, signals: SignalInbox, reaper: Reaper,
@@ -132,16 +146,16 @@ class Launcher:
         port = PortReservation.take() if plan.master_port is None else None
         master_port = port.port if port is not None else plan.master_port
         assert master_port is not None
-        log_fds = {}
-        for spec in plan.ranks:
-            fd = os.open(plan.run_dir / spec.log_name, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-            if restart:
-                os.write(fd, f"----- restart {restart} of {plan.max_restarts} -----\n".encode())
-            log_fds[spec.rank] = fd
-        for spec in plan.ranks:
-            make_pipe(recorder_pipe(plan.run_dir, spec.label))
+        log_fds: dict[int, int] = {}
         workers: list[Worker] = []
         try:
+            with run_folder_writes(plan.run_dir):
+                for spec in plan.ranks:
+                    log_fds[spec.rank] = os.open(plan.run_dir / spec.log_name,
+                                                 os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+                    if restart:
+                        os.write(log_fds[spec.rank], f"----- restart {restart} of {plan.max_restarts} -----\n".encode())
+                    make_pipe(recorder_pipe(plan.run_dir, spec.label))
             for spec in plan.ranks:
                 env = {**plan.rank_env(spec, master_port, config_path, restart), TOKEN_ENV: reaper.token}
                 try:

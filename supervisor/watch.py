@@ -348,7 +348,8 @@ class Watch:
                                                                         record.step_s)):
                 self.console.say(found.message(), style="bold yellow")
                 self.straggler_history.append(found)
-                stragglers.record(self.plan.run_dir, self.straggler_history)
+                if failure := stragglers.record(self.plan.run_dir, self.straggler_history):
+                    self.console.say(failure, style="yellow")
 
     def check_hangs(self, now: float) -> None:
         if self.plan.hang_timeout <= 0:

@@ -94,6 +94,20 @@ def test_stacks_decide_when_the_records_agree() -> None:
     assert everyone_waits.culprits == []
 
 
+def test_a_rank_that_answers_nothing_while_the_others_wait_is_the_culprit() -> None:
+    """A frozen rank (SIGSTOP, a debugger) prints no stack and dumps no flight record; the others wait for it."""
+    ranks = [evidence(0, STACK_WAITING, record({"0": (14, 13)})), evidence(1, None, None),
+             evidence(2, None, record({"0": (14, 13)}))]
+    verdict = find_culprit(ranks)
+    assert verdict.method == "silence" and [c.rank for c in verdict.culprits] == [1]
+    assert verdict.headline(5.0) == (
+        "GPU1 (rank 1) stalled at step 3 and answered neither the stack request nor the flight recorder (stopped, "
+        "or stuck outside Python); GPU0 (rank 0) waits for it in _engine_run_backward (autograd/graph.py:829); "
+        "GPU2 (rank 2) waits for it in nccl:all_reduce #14 on default_pg (no progress for 5.0 s; by silence)")
+    busy = [evidence(0, STACK_HUNG, None), evidence(1, None, None)]  # a rank in its own code: silence decides nothing
+    assert find_culprit(busy).method != "silence"
+
+
 def feed(detector: StragglerDetector, steps: range, slow_from: int, slowdown: float) -> list:
     found = []
     for step in steps:

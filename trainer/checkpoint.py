@@ -20,6 +20,8 @@ the checkpoint to resume from are in `trainer/checkpoint_layout.py` (no torch: t
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import random
 import shutil
 import time
@@ -39,10 +41,12 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer import durable
 from trainer.checkpoint_layout import (
+    DCP_DIR,
     FULL,
     META_FILE,
     OLD_PREFIX,
     SHARDED,
+    STATE_FILE,
     STEP_PREFIX,
     TMP_PREFIX,
     list_checkpoints,
@@ -55,8 +59,6 @@ from trainer.distributed import DistContext, broadcast_object, gather_objects, i
 from trainer.errors import UserError
 from trainer.model import shape_signature
 
-STATE_FILE = "state.pt"
-DCP_DIR = "dcp"
 FINAL_DIR = "final"
 
 
@@ -143,21 +145,53 @@ def publish(tmp: Path, final: Path) -> None:
     durable.publish(tmp, final, aside=final.with_name(OLD_PREFIX + final.name))
 
 
-def failure_of(action: Callable[[], Any]) -> str | None:
-    """Run `action`; say what went wrong instead of raising, so the other ranks can be told before anyone raises."""
+@dataclass(frozen=True)
+class WriteFailure:
+    """Why rank 0 could not write, as every rank is told. `disk` failures (a full disk, a failing one, a folder gone)
+    are one line for the user; anything else is a bug whose traceback the ranks keep."""
+
+    message: str
+    disk: bool
+
+
+FULL_BELOW = 16 << 20  # free bytes under which a failed write is taken for a full disk
+
+
+def free_bytes(folder: Path) -> int | None:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def failure_of(action: Callable[[], Any], folder: Path) -> WriteFailure | None:
+    """Run `action`, which writes into `folder`; say what went wrong instead of raising, so the other ranks can be
+    told before anyone raises. A full disk is named as one: torch's zip writer says only `unexpected pos`."""
     try:
         action()
     except Exception as e:
-        return f"{type(e).__name__}: {e}"
+        free = free_bytes(folder)
+        if free is not None and free < FULL_BELOW:
+            return WriteFailure(f"No space left on device in {folder} ({free:,} bytes free)", disk=True)
+        if isinstance(e, OSError):
+            return WriteFailure(f"{e.strerror or e} in {folder}", disk=True)
+        return WriteFailure(f"{type(e).__name__}: {e}", disk=False)
     return None
 
 
-def raise_if_main_failed(error: str | None, ctx: DistContext, what: str) -> None:
+def raise_if_main_failed(failure: WriteFailure | None, ctx: DistContext, what: str, fix: str) -> None:
     """Collective: every rank raises when rank 0 failed; otherwise the others would wait forever in their next
     collective for a rank that has given up."""
-    error = broadcast_object(error, ctx)
-    if error:
-        raise RuntimeError(f"{what} failed on rank 0: {error}")
+    failure = broadcast_object(failure, ctx)
+    if failure is None:
+        return
+    if failure.disk:
+        raise UserError(f"cannot write {what}: {failure.message}; {fix}")
+    raise RuntimeError(f"{what} failed on rank 0: {failure.message}")
+
+
+DISK_FIX = "free space there, or set checkpoint.dir to a folder on a disk with room (earlier checkpoints are intact)"
 
 
 def prune(root: Path, keep: int) -> None:
@@ -241,12 +275,14 @@ def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
             (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n")
         publish(tmp, path)
 
-    error = failure_of(write_state) if ctx.is_main else None
+    failure = failure_of(write_state, path.parent) if ctx.is_main else None
     if before_publish is not None:
         before_publish()
-    if ctx.is_main and error is None:
-        error = failure_of(seal)
-    raise_if_main_failed(error, ctx, f"checkpoint {path}")
+    if ctx.is_main and failure is None:
+        failure = failure_of(seal, path.parent)
+    if failure is not None:
+        remove(tmp)  # a partial save is no use to anyone, and on a full disk it holds the space the run needs
+    raise_if_main_failed(failure, ctx, f"checkpoint {path}", DISK_FIX)
     return path
 
 
@@ -254,7 +290,11 @@ def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> Che
     """Restore `state` from a checkpoint after checking it belongs to this run (collective for the sharded format)."""
     meta = read_meta(path)
     check_compatible(path, meta, cache_key, state)
-    content = load_payload(path if path.is_file() else path / STATE_FILE)
+    try:
+        content = load_payload(path if path.is_file() else path / STATE_FILE)
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:  # damage the layout's look did not see
+        raise UserError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0]}); resume an intact "
+                        f"checkpoint, or start fresh without --resume") from None
     if meta.format == FULL:
         state.model.load_state_dict(content["model"])
         state.optimizer.load_state_dict(content["optimizer"])
@@ -285,8 +325,11 @@ def save_final(out_dir: Path, model: torch.nn.Module, ctx: DistContext, tokenize
     state_dict = None
     if is_sharded(model):  # gather full weights onto rank 0's CPU
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    error = failure_of(lambda: write_final(out_dir, model, state_dict, tokenizer_path, eos_id)) if ctx.is_main else None
-    raise_if_main_failed(error, ctx, f"saving the final model to {out_dir}")
+    failure = failure_of(lambda: write_final(out_dir, model, state_dict, tokenizer_path, eos_id),
+                         out_dir.parent) if ctx.is_main else None
+    if failure is not None:
+        remove(out_dir.with_name(TMP_PREFIX + out_dir.name))
+    raise_if_main_failed(failure, ctx, f"the final model {out_dir}", DISK_FIX)
     return out_dir
 
 

@@ -10,9 +10,10 @@ before any rank builds its model.
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
-from trainer.config import Config
+from trainer.config import Config, parse_json
 from trainer.durable import check_writable
 from trainer.errors import UserError
 
@@ -20,6 +21,9 @@ STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 META_FILE = "meta.json"
+STATE_FILE = "state.pt"  # torch.save's zip archive: scheduler, scaler, RNGs; model and optimizer in the full format
+DCP_DIR = "dcp"  # the sharded format's torch.distributed.checkpoint folder
+DCP_METADATA = ".metadata"  # written last by torch.distributed.checkpoint
 FULL, SHARDED = "full", "sharded"  # a checkpoint's format: one full state (DDP, one process) or FSDP2's shards
 STRATEGY_OF_FORMAT = {FULL: "ddp", SHARDED: "fsdp"}
 # The model keys that decide the parameters' shapes (vocab_size aside: None means the tokenizer's). A model started
@@ -59,18 +63,91 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def find_resume(cfg: Config) -> Path | None:
-    """The checkpoint `checkpoint.resume` asks for: None (fresh start), "auto" (the latest, if any) or a path: a
-    checkpoint folder, a `.pt` file, or a folder holding checkpoints (its latest)."""
+# ---------------------------------------------------------------------------------------------------------------------
+# Damage: what the atomic save cannot rule out (a disk fault, a copy cut short, a hand edit), found without torch and
+# without reading the tensors, so that `--resume` passes over or refuses such a checkpoint before any rank starts
+
+
+def archive_damage(path: Path) -> str | None:
+    """What is wrong with a `torch.save` file, or None. A zip keeps its directory at its end, so a file cut short
+    has lost it; an entry reaching past the end is a file cut short too."""
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return f"{path} is empty"
+        with zipfile.ZipFile(path) as archive:
+            entries = archive.infolist()
+    except FileNotFoundError:
+        return f"{path} is missing"
+    except (OSError, zipfile.BadZipFile, ValueError) as e:
+        return f"{path} is not a complete torch.save archive ({e})"
+    if not any(e.filename.endswith("/data.pkl") for e in entries):
+        return f"{path} is a zip archive but not one torch.save wrote"
+    if any(e.header_offset + e.compress_size > size for e in entries):
+        return f"{path} is cut short"
+    return None
+
+
+def damage(path: Path) -> str | None:
+    """What makes a checkpoint (a folder or a `.pt` file) unusable, or None when it looks whole: a folder's meta.json
+    must parse and say what `check_meta` reads, its state.pt be a whole archive, a sharded one's dcp/ be finished."""
+    if path.is_file():
+        return archive_damage(path)
+    try:
+        meta = parse_json((path / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return f"{path / META_FILE} is not readable JSON ({e})"
+    fits = (isinstance(meta, dict) and isinstance(meta.get("cache_key"), str) and isinstance(meta.get("step"), int)
+            and meta.get("format") in STRATEGY_OF_FORMAT and isinstance(meta.get("config"), dict)
+            and isinstance(meta["config"].get("model", {}), dict))
+    if not fits:
+        return f"{path / META_FILE} lacks the step, format, cache_key or config a checkpoint records"
+    if problem := archive_damage(path / STATE_FILE):
+        return problem
+    if meta["format"] == SHARDED and not (path / DCP_DIR / DCP_METADATA).is_file():
+        return f"{path / DCP_DIR} has no {DCP_METADATA} (the sharded save did not finish)"
+    return None
+
+
+def newest_intact(root: Path, notes: list[str] | None = None) -> Path | None:
+    """The latest checkpoint under `root` that is not damaged; each damaged one passed over is said in `notes`.
+    None when there is none at all; a UserError when there are some and every one is damaged."""
+    found = list_checkpoints(root)
+    problems = []
+    for path in reversed(found):
+        problem = damage(path)
+        if problem is None:
+            if notes is not None:
+                notes += [f"--resume: {p}; resuming from {path}, the newest intact checkpoint" for p in problems]
+            return path
+        problems.append(problem)
+    if problems:
+        raise UserError(f"every checkpoint in {root} is damaged ({len(problems)}; the latest: {problems[0]}); start "
+                        f"fresh without --resume in another checkpoint.dir, or restore them")
+    return None
+
+
+def find_resume(cfg: Config, notes: list[str] | None = None) -> Path | None:
+    """The checkpoint `checkpoint.resume` asks for: None (fresh start), "auto" (the latest intact one, if any) or a
+    path: a checkpoint folder, a `.pt` file, or a folder holding checkpoints (its latest intact one). A damaged
+    latest checkpoint is passed over, said in `notes`; a damaged one named by its path is refused, naming the
+    newest intact one beside it."""
     spec = cfg.checkpoint.resume
     if spec is None:
         return None
     if spec == "auto":
-        return latest_checkpoint(Path(cfg.checkpoint.dir))
+        return newest_intact(Path(cfg.checkpoint.dir), notes)
     path = Path(spec)
     if path.is_file() or (path / META_FILE).is_file():
+        if problem := damage(path):
+            try:
+                intact = newest_intact(path.parent)
+            except UserError:
+                intact = None
+            instead = f"; the newest intact checkpoint beside it is {intact}: --resume {intact}" if intact else ""
+            raise UserError(f"--resume {spec} cannot be resumed: {problem}{instead}")
         return path
-    latest = latest_checkpoint(path) if path.is_dir() else None
+    latest = newest_intact(path, notes) if path.is_dir() else None
     if latest is None:
         what = "no such file or folder" if not path.exists() else "no checkpoint there"
         raise UserError(f"--resume {spec}: {what}; give a step_<n> checkpoint folder, a folder holding them, a .pt "
@@ -126,7 +203,7 @@ def check_meta(path: Path, cfg: Config, cache_key: str, tokenizer_vocab: int) ->
     meta = json.loads((path / META_FILE).read_text())
     if meta["cache_key"] != cache_key:
         raise other_data(path, meta["cache_key"], cache_key)
-    theirs, ours = meta["config"]["model"], cfg.model.__dict__
+    theirs, ours = meta["config"].get("model", {}), cfg.model.__dict__
     keys = ["name_or_path"] if theirs.get("name_or_path") or ours["name_or_path"] else ["name_or_path", *SHAPE_KEYS]
     differ = [f"model.{k} is {theirs[k]} there and {ours[k]} here" for k in keys
               if k in theirs and theirs[k] != ours[k]]  # a key the checkpoint does not record: the rank checks

@@ -18,6 +18,9 @@ from typing import Any
 from trainer.errors import UserError
 
 
+MIN_FREE_BYTES = 1 << 20  # a folder a run writes into with less than this free is full for it
+
+
 def check_writable(folder: Path, what: str, fix: str) -> None:
     """Write a scratch file where `folder` is or would be created (the folder itself, else its nearest existing
     parent): a folder the run cannot write (permissions, a read-only mount, a file in the way) is one line naming
@@ -29,8 +32,12 @@ def check_writable(folder: Path, what: str, fix: str) -> None:
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         with tempfile.TemporaryFile(dir=existing):
             pass
+        st = os.statvfs(existing)  # an empty file fits on a full disk: its free space is asked for too
+        if st.f_bavail * st.f_frsize < MIN_FREE_BYTES:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}, {st.f_bavail * st.f_frsize:,} bytes free")
     except OSError as e:
         raise UserError(f"{what} {folder} is not writable ({e.strerror or e}); {fix}") from None
+
 
 
 def fsync_dir(path: Path) -> None:

@@ -208,7 +208,10 @@ class Trainer:
             model_shapes=checkpoint.shape_signature(self.module), config=self.cfg.to_dict())
 
     def resume(self) -> None:
-        path = checkpoint_layout.find_resume(self.cfg) if self.ctx.is_main else None
+        passed_over: list[str] = []  # damaged checkpoints `--resume` passed over for the newest intact one
+        path = checkpoint_layout.find_resume(self.cfg, passed_over) if self.ctx.is_main else None
+        for note in passed_over:
+            self.log.warning(note)
         path = broadcast_object(path, self.ctx)  # one decision for every rank
         if path is None:
             if self.cfg.checkpoint.resume == "auto" and self.ctx.is_main:

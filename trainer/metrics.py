@@ -161,17 +161,34 @@ class History:
             self.wandb_run.log(scalars, step=record.step)
 
     def save(self, status: str) -> None:
-        """Write the JSON and the plot if asked for (atomically; called at the end and when the run fails)."""
+        """Write the JSON and the plot if asked for (atomically; called at the end and when the run fails). What
+        cannot be written (a full disk) is a warning: the run's result is its checkpoints and final model, and a
+        finished run does not fail for want of its history."""
         self.status = status
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         data = {"run": {**self.run_info, "status": status}, "steps": [asdict(r) for r in self.records]}
         tmp = self.run_dir / (HISTORY_JSON + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n")
-        tmp.replace(self.run_dir / HISTORY_JSON)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n")
+            tmp.replace(self.run_dir / HISTORY_JSON)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self.cannot_write(self.run_dir / HISTORY_JSON, e)
         if self.writes_plot:
-            self.plot(self.run_dir / HISTORY_PNG)
+            try:
+                self.plot(self.run_dir / HISTORY_PNG)
+            except Exception as e:  # whatever matplotlib raises on a write that fails: the plot is a convenience
+                self.cannot_write(self.run_dir / HISTORY_PNG, e)
         if self.writer is not None:
-            self.writer.flush()
+            try:
+                self.writer.flush()
+            except OSError as e:
+                self.cannot_write(self.run_dir / TENSORBOARD_DIR, e)
+
+    @staticmethod
+    def cannot_write(path: Path, error: Exception) -> None:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {error}"
+        logging.getLogger(LOGGER_NAME).warning(f"cannot write {path} ({reason}); the run goes on without it")
 
     def close(self) -> None:
         if self.writer is not None:
@@ -204,6 +221,9 @@ class History:
         fig.suptitle(f"{self.run_info.get('run_dir', '')}  {self.run_info.get('preset', '')}".strip())
         fig.tight_layout()
         tmp = path.with_name(path.name + ".tmp.png")
-        fig.savefig(tmp, dpi=100)
-        plt.close(fig)
-        tmp.replace(path)
+        try:
+            fig.savefig(tmp, dpi=100)
+            tmp.replace(path)
+        finally:
+            plt.close(fig)
+            tmp.unlink(missing_ok=True)

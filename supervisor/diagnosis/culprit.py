@@ -11,7 +11,11 @@ Evidence, strongest first:
    in autograd's ``_engine_run_backward`` (DDP's reducer waits for the gradient all-reduce there) is waiting; any
    other main thread is not. The ranks that are not waiting, when some others are, are the culprits.
 
-Where neither singles anyone out (everybody waits, nobody waits, or no evidence arrived), `Verdict.culprits` is empty
+3. **Silence**: a rank that answers neither the stack request nor the flight recorder (SIGSTOPped, in a debugger,
+   swapped out, stuck in a driver call with the interpreter's lock held) while every rank that did answer waits for
+   others is the culprit: a rank that runs Python answers SIGUSR1, one that waits answers both.
+
+Where none singles anyone out (everybody waits, nobody waits, or no evidence arrived), `Verdict.culprits` is empty
 and the headline says so instead of guessing.
 """
 
@@ -129,6 +133,21 @@ class RankEvidence:
     def name(self) -> str:
         return f"{self.label} (rank {self.rank})"
 
+    @property
+    def silent(self) -> bool:
+        return not self.stack and not self.recorder
+
+    def waits(self) -> str | None:
+        """Where this rank waits for others, by its stack, else by a collective its flight record has not completed;
+        None when its evidence does not show it waiting."""
+        if self.stack and (frame := waiting_in(self.stack)):
+            return frame.short()
+        pending = [s for s in (self.recorder or {}).values() if s.completed < s.enqueued]
+        return f"{pending[0].collective} #{pending[0].enqueued} on {pending[0].group}" if pending else None
+
+
+SILENT = "answered neither the stack request nor the flight recorder (stopped, or stuck outside Python)"
+
 
 @dataclass
 class Verdict:
@@ -141,7 +160,8 @@ class Verdict:
         quiet = f"no progress for {silence:.1f} s"
         if not self.culprits:
             return f"stalled ({quiet}); the evidence singles out no rank ({self.method or 'none'})"
-        where = " and ".join(f"{c.name} stalled {c.when} in {own_frame(c.stack).short() if c.stack else '?'}"
+        where = " and ".join(f"{c.name} stalled {c.when}" + (f" in {own_frame(c.stack).short()}" if c.stack else
+                                                              f" and {SILENT}" if c.silent else "")
                              for c in self.culprits)
         waiting = [f"{label} waits for it in {text}" for label, text in self.waits.items()]
         return f"{where}" + (f"; {'; '.join(waiting)}" if waiting else "") + f" ({quiet}; by {self.method})"
@@ -197,10 +217,20 @@ def by_stacks(ranks: list[RankEvidence]) -> Verdict | None:
     return verdict
 
 
+def by_silence(ranks: list[RankEvidence]) -> Verdict | None:
+    """The ranks that gave no evidence at all, when every rank that did waits for others: a frozen rank cannot run
+    the handler that prints its stack, nor the thread that dumps its flight record."""
+    silent = [r for r in ranks if r.silent]
+    answered = {r.name: r.waits() for r in ranks if not r.silent}
+    if not silent or not answered or None in answered.values():
+        return None
+    return Verdict(silent, waits={name: where for name, where in answered.items() if where}, method="silence")
+
+
 def find_culprit(ranks: list[RankEvidence]) -> Verdict:
     """The verdict from the strongest evidence that decides, with every rank's evidence for the report."""
     arrived = any(r.stack or r.recorder for r in ranks)
-    verdict = by_recorder(ranks) or by_stacks(ranks) or Verdict(
+    verdict = by_recorder(ranks) or by_silence(ranks) or by_stacks(ranks) or Verdict(
         [], method="the flight records and stacks do not decide" if arrived else "no stacks or flight records arrived")
     for r in ranks:
         stack = "no stack" if not r.stack else (

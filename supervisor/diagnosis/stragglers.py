@@ -88,9 +88,15 @@ class StragglerDetector:
         return None
 
 
-def record(run_dir: Path, found: list[Straggler]) -> None:
-    """Every straggler named so far in this run, as ``stragglers.json`` in the run folder."""
+def record(run_dir: Path, found: list[Straggler]) -> str | None:
+    """Every straggler named so far in this run, as ``stragglers.json`` in the run folder; why it could not be
+    written (a full disk), for a warning: the console and supervisor.log have said it already."""
     path = run_dir / HISTORY_FILE
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"stragglers": [asdict(s) for s in found]}, indent=2) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps({"stragglers": [asdict(s) for s in found]}, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        return f"cannot write {path} ({e.strerror or e})"
+    return None
