@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ import torch
 from process_tree import watching
 from rank_scripts.harness import clean_env
 from rank_support import TINY, merged, set_flags
+from small_disk import fill, small_disk
 from trainer import checkpoint, checkpoint_layout
 
 RANK_FAULTS = {"raise": 1, "exit": 3, "sigkill": 128 + signal.SIGKILL, "segv": 128 + signal.SIGSEGV, "hang": 124}
@@ -176,20 +178,31 @@ def wait_for(pattern: re.Pattern[str], log: Path, proc: subprocess.Popen[bytes],
         time.sleep(0.02)
 
 
-def supervise(case: Case, tmp_path: Path, cache_dir: Path, resume: bool = False) -> Outcome:
-    """One run to its end; the supervisor's signal, if the case has one, sent once its cue shows up."""
-    log = tmp_path / ("resume.txt" if resume else "run.txt")
+def run_supervisor(argv: list[str], tmp_path: Path, log_name: str, env: dict[str, str],
+                   during: Callable[[subprocess.Popen[bytes], Path], None] | None = None) -> Outcome:
+    """`python -m supervisor ARGV` to its end, its output merged into `log_name`; `during` acts on the run while it
+    goes (a signal, a disk that fills up, a rank frozen)."""
+    log = tmp_path / log_name
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor", *flags(case, tmp_path, cache_dir, resume)],
-                                cwd=tmp_path, env=clean_env(SUPERVISOR_FAKE_GPUS="0,1"), stdout=out,
+        proc = subprocess.Popen([sys.executable, "-m", "supervisor", *argv], cwd=tmp_path, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     with watching(proc) as tree:
-        if case.by_supervisor and not resume:
-            wait_for(case.signal_cue(), log, proc, RUN_TIMEOUT)
-            proc.send_signal(getattr(signal, case.fault))
+        if during is not None:
+            during(proc, log)
         code = proc.wait(RUN_TIMEOUT)
         tree.stop()
         return Outcome(code, log.read_text(errors="replace"), tree.survivors(timeout=5.0), len(tree.seen))
+
+
+def supervise(case: Case, tmp_path: Path, cache_dir: Path, resume: bool = False) -> Outcome:
+    """One run of the case to its end; the supervisor's signal, if the case has one, sent once its cue shows up."""
+    def signal_at_cue(proc: subprocess.Popen[bytes], log: Path) -> None:
+        wait_for(case.signal_cue(), log, proc, RUN_TIMEOUT)
+        proc.send_signal(getattr(signal, case.fault))
+
+    return run_supervisor(flags(case, tmp_path, cache_dir, resume), tmp_path, "resume.txt" if resume else "run.txt",
+                          clean_env(SUPERVISOR_FAKE_GPUS="0,1"),
+                          signal_at_cue if case.by_supervisor and not resume else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -249,3 +262,107 @@ def test_fault(case: Case, tmp_path: Path, token_cache_dir: Path) -> None:
     assert "run finished in" in again.output and f"step {case.max_steps}/{case.max_steps}" in again.output
     assert latest_loadable(root) == case.max_steps
     assert not list(root.glob(f"{checkpoint_layout.TMP_PREFIX}*"))  # the next saves cleared what the cut one left
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Faults of the machine: a rank frozen, a disk that fills up, a checkpoint damaged on disk. Plain CPU ranks (CPU0,
+# CPU1). Where the test must act between two moments of the run, rank 0 sleeps before every step from SLOW_FROM on
+# (debug.inject_fault=slow), so that the act lands before the next checkpoint. Each costs a run or two of 15 to 30 s
+# on two cores: all are slow tests. The default suite covers their parts: the culprit rule on recorded evidence
+# (tests/test_diagnosis.py), a damaged checkpoint and a full folder refused at the start (tests/test_bad_inputs.py),
+# the passing over of a damaged checkpoint and a failed history write (tests/test_checkpoint.py, test_metrics.py).
+
+SLOW_FROM, SLOW_S = 3, 0.4
+
+
+def machine_flags(tmp_path: Path, cache_dir: Path, *extra: str, **sections: dict[str, object]) -> list[str]:
+    layer = merged(merged(TINY, {"data": {"cache_dir": str(cache_dir)}, "training": {"max_steps": STEPS},
+                                 "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": INTERVAL}}), sections)
+    return ["--debug", "--no-footer", "--nproc", "2", "--log-dir", str(tmp_path / "logs"), "--grace-period",
+            str(GRACE), *set_flags(layer), *extra]
+
+
+SLOW = {"inject_fault": "slow", "inject_fault_step": SLOW_FROM, "inject_fault_delay_s": SLOW_S}
+
+
+def step_line(step: int) -> re.Pattern[str]:
+    return re.compile(rf"^CPU0:INFO \| \[GPU 0\] Step \[{step}/", re.M)
+
+
+def assert_ended_cleanly(run: Outcome, code: int) -> None:
+    assert run.code == code, run.output[-4000:]
+    assert "Traceback" not in run.output, run.output[-4000:]
+    assert run.survivors == [], f"left running: {[(p.pid, p.cmdline()) for p in run.survivors]}"
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_blamed(tmp_path: Path, token_cache_dir: Path) -> None:
+    """Rank 1 stops dead (SIGSTOP: a debugger, swap, a driver hang): it answers neither SIGUSR1 nor the flight
+    recorder while rank 0 waits for it in a collective, and the headline names it."""
+    def freeze_rank_1(proc: subprocess.Popen[bytes], log: Path) -> None:
+        wait_for(step_line(3), log, proc, RUN_TIMEOUT)
+        (rank1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
+        rank1.suspend()
+
+    argv = machine_flags(tmp_path, token_cache_dir, "--hang-timeout", str(HANG_TIMEOUT), "--startup-timeout",
+                         str(HANG_FIRST_STARTUP_TIMEOUT), training={"max_steps": 2000}, checkpoint={"interval": 0})
+    run = run_supervisor(argv, tmp_path, "run.txt", clean_env(), freeze_rank_1)
+    assert_ended_cleanly(run, RANK_FAULTS["hang"])
+    assert re.search(r"^supervisor: CPU1 \(rank 1\) stalled at step \d+ and answered neither the stack request nor the "
+                     r"flight recorder \(stopped, or stuck outside Python\); CPU0 \(rank 0\) waits for it in .* "
+                     r"\(no progress for [\d.]+ s; by silence\)$", run.output, re.M), run.output[-4000:]
+
+
+@pytest.mark.slow
+def test_a_full_checkpoint_disk_is_named_and_the_earlier_checkpoints_stay(tmp_path: Path,
+                                                                          token_cache_dir: Path) -> None:
+    with small_disk(tmp_path / "ckpt", "8m") as ckpt:
+        def fill_after_the_first_checkpoint(proc: subprocess.Popen[bytes], log: Path) -> None:
+            wait_for(re.compile(r"checkpoint saved: \S+step_000002$", re.M), log, proc, RUN_TIMEOUT)
+            fill(ckpt)
+
+        run = run_supervisor(machine_flags(tmp_path, token_cache_dir, debug=SLOW), tmp_path, "run.txt", clean_env(),
+                             fill_after_the_first_checkpoint)
+        assert_ended_cleanly(run, 2)
+        assert re.search(rf"^CPU0:error: cannot write checkpoint {ckpt}/step_000004: No space left on device in "
+                         rf"{ckpt} \(\d[\d,]* bytes free\); free space there, or set checkpoint.dir", run.output,
+                         re.M), run.output[-4000:]
+        assert latest_loadable(ckpt) == INTERVAL  # the earlier checkpoint intact
+        assert not list(ckpt.glob(f"{checkpoint_layout.TMP_PREFIX}*"))  # the partial save removed
+
+
+@pytest.mark.slow
+def test_a_full_log_disk_does_not_fail_a_finished_run(tmp_path: Path, token_cache_dir: Path) -> None:
+    with small_disk(tmp_path / "logs", "8m") as logs:
+        def fill_mid_run(proc: subprocess.Popen[bytes], log: Path) -> None:
+            wait_for(step_line(SLOW_FROM - 1), log, proc, RUN_TIMEOUT)
+            fill(logs)
+
+        run = run_supervisor(machine_flags(tmp_path, token_cache_dir, debug=SLOW, logging={"plot": True}), tmp_path,
+                             "run.txt", clean_env(), fill_mid_run)
+        assert_ended_cleanly(run, 0)
+        run_dir = next(p for p in logs.iterdir() if p.is_dir())
+        assert re.search(rf"^CPU0:WARNING \| cannot write {run_dir}/training_history.json \(No space left on device\); "
+                         rf"left out \(the checkpoints are not affected\)$", run.output, re.M), run.output[-4000:]
+        assert "run finished in" in run.output
+    assert latest_loadable(tmp_path / "ckpt") == STEPS
+
+
+@pytest.mark.slow
+def test_a_damaged_latest_checkpoint_is_passed_over_for_the_newest_intact_one(tmp_path: Path,
+                                                                              token_cache_dir: Path) -> None:
+    root = tmp_path / "ckpt"
+    first = run_supervisor(machine_flags(tmp_path, token_cache_dir, checkpoint={"keep": 3}), tmp_path, "run.txt",
+                           clean_env())
+    assert_ended_cleanly(first, 0)
+    state = checkpoint_layout.step_path(root, STEPS) / checkpoint.STATE_FILE
+    state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])  # a copy cut short
+    again = run_supervisor(machine_flags(tmp_path, token_cache_dir, "--resume", "auto",
+                                         training={"max_steps": STEPS + INTERVAL}), tmp_path, "resume.txt",
+                           clean_env())
+    assert_ended_cleanly(again, 0)
+    intact = checkpoint_layout.step_path(root, STEPS - INTERVAL)
+    assert f"supervisor: --resume: {state} is not a torch.save archive, or one cut short" in again.output
+    assert f"resuming from {intact}, the newest intact checkpoint" in again.output
+    assert f"resumed from {intact} at step {STEPS - INTERVAL}" in again.output
+    assert latest_loadable(root) == STEPS + INTERVAL

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+import pytest
 
 from rank_support import LOG_LINE
 from trainer.metrics import (
     HISTORY_JSON,
     HISTORY_PNG,
+    LOGGER_NAME,
     TENSORBOARD_DIR,
     EtaClock,
     History,
@@ -79,6 +83,18 @@ def test_history_without_the_plot(tmp_path: Path) -> None:
     history.add(StepRecord(step=0, loss=5.0, lr=0.0, grad_norm=1.0, tokens_per_s=None))
     history.save("completed")
     assert sorted(p.name for p in tmp_path.iterdir()) == [HISTORY_JSON]
+
+
+def test_history_that_cannot_be_written_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A full disk or a folder gone: the run's end must not fail for its history (the checkpoints are its result)."""
+    (tmp_path / "run").write_text("a file where the run folder should be")
+    history = History(tmp_path / "run", {"preset": "debug"}, plot=True)
+    history.add(StepRecord(step=0, loss=2.0, lr=1e-3, grad_norm=0.5))
+    with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        history.save("completed")
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        f"cannot write {tmp_path / 'run' / HISTORY_JSON}", f"cannot write {tmp_path / 'run' / HISTORY_PNG}"]
+    assert not list(tmp_path.glob("**/*.tmp*"))
 
 
 def test_memory_field_of_the_summary_line() -> None:

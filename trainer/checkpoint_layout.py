@@ -80,7 +80,7 @@ def archive_damage(path: Path) -> str | None:
     except FileNotFoundError:
         return f"{path} is missing"
     except (OSError, zipfile.BadZipFile, ValueError) as e:
-        return f"{path} is not a complete torch.save archive ({e})"
+        return f"{path} is not a torch.save archive, or one cut short ({e})"
     if not any(e.filename.endswith("/data.pkl") for e in entries):
         return f"{path} is a zip archive but not one torch.save wrote"
     if any(e.header_offset + e.compress_size > size for e in entries):

@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import sys
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -172,7 +173,8 @@ class History:
             tmp.write_text(json.dumps(data, indent=1, allow_nan=True) + "\n")
             tmp.replace(self.run_dir / HISTORY_JSON)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            with suppress(OSError):  # a folder gone or a file in its way: no temporary file either
+                tmp.unlink(missing_ok=True)
             self.cannot_write(self.run_dir / HISTORY_JSON, e)
         if self.writes_plot:
             try:
@@ -188,7 +190,8 @@ class History:
     @staticmethod
     def cannot_write(path: Path, error: Exception) -> None:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else f"{type(error).__name__}: {error}"
-        logging.getLogger(LOGGER_NAME).warning(f"cannot write {path} ({reason}); the run goes on without it")
+        logging.getLogger(LOGGER_NAME).warning(f"cannot write {path} ({reason}); left out (the checkpoints are not "
+                                               f"affected)")
 
     def close(self) -> None:
         if self.writer is not None:
@@ -226,4 +229,5 @@ class History:
             tmp.replace(path)
         finally:
             plt.close(fig)
-            tmp.unlink(missing_ok=True)
+            with suppress(OSError):  # a folder gone or a file in its way: no temporary file either
+                tmp.unlink(missing_ok=True)

@@ -18,6 +18,7 @@ import json
 import statistics
 import time
 from collections import deque
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def record(run_dir: Path, found: list[Straggler]) -> str | None:
         tmp.write_text(json.dumps({"stragglers": [asdict(s) for s in found]}, indent=2) + "\n")
         tmp.replace(path)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
         return f"cannot write {path} ({e.strerror or e})"
     return None
