@@ -10,16 +10,22 @@ found while preparing the data may follow progress lines (``training BPE ...``) 
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import subprocess
 import sys
+import zipfile
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from process_tree import watching
+from supervisor import cli
 from rank_scripts.harness import ROOT, clean_env
+from small_disk import FILLER, fill, small_disk
 from trainer.checkpoint_layout import STEP_PREFIX, TMP_PREFIX
 from trainer.data.cache_folder import list_caches
 from trainer.data.staging import BUILD_PREFIX
@@ -37,12 +43,30 @@ UNFINISHED = {"ckpt/step_000004/meta.json": json.dumps({"config": {"training": {
 OCCUPIED = {"occupied": "a file where a folder is asked for: not writable, even by root"}
 
 
+def torch_archive(cut: bool = False) -> bytes:
+    """A file shaped as torch.save writes one (a zip holding <name>/data.pkl), whole or cut short half-way."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("state/data.pkl", pickle.dumps({"scheduler": {}}))
+        archive.writestr("state/data/0", bytes(4096))
+    data = buffer.getvalue()
+    return data[:len(data) // 2] if cut else data
+
+
+def planted_checkpoint(step: int, cache_key: str = "0" * 32, cut: bool = False) -> dict[str, str | bytes]:
+    """A checkpoint folder as the checkpoint layout sees it (meta.json and state.pt), without torch."""
+    folder = f"ckpt/step_{step:06d}"
+    meta = {"step": step, "format": "full", "cache_key": cache_key, "config": {"training": {"max_steps": 10}}}
+    return {f"{folder}/meta.json": json.dumps(meta), f"{folder}/state.pt": torch_archive(cut)}
+
+
 @dataclass(frozen=True)
 class BadInput:
     command: str  # a key of COMMANDS
     args: tuple[str, ...]
     message: str  # what the error line says (a part of it)
-    files: dict[str, str] = field(default_factory=dict)  # files to write into the working folder first
+    files: dict[str, str | bytes] = field(default_factory=dict)  # files to write into the working folder first
+    full_disks: tuple[str, ...] = ()  # folders to mount as a small disk that is full (tests/small_disk.py)
     env: dict[str, str] = field(default_factory=dict)
     before_any_work: bool = True  # rejected while reading the configuration: stderr holds the error line alone
 
@@ -124,8 +148,32 @@ CASES = {
     "resume a checkpoint of other data": BadInput(
         "supervisor", ("--debug", "--resume", "auto", *SMALL_DATA),
         f"ckpt/step_000002 was trained on dataset cache {'0' * 32}, but this run uses ",
-        files={"ckpt/step_000002/meta.json": json.dumps({"cache_key": "0" * 32, "config": {}})},
-        before_any_work=False),
+        files=planted_checkpoint(2), before_any_work=False),
+    "resume a file that is not a checkpoint": BadInput(
+        "supervisor", ("--debug", "--resume", "/etc/passwd"),
+        "--resume /etc/passwd cannot be resumed: /etc/passwd is not a torch.save archive, or one cut short"),
+    "resume an empty file": BadInput(
+        "run_training.sh", ("--debug", "--resume", "nan_grad_step_3.pt"),
+        "--resume nan_grad_step_3.pt cannot be resumed: nan_grad_step_3.pt is empty",
+        files={"nan_grad_step_3.pt": ""}),
+    "resume a damaged checkpoint by its path": BadInput(
+        "supervisor", ("--debug", "--resume", "ckpt/step_000004"),
+        "--resume ckpt/step_000004 cannot be resumed: ckpt/step_000004/state.pt is not a torch.save archive, or one "
+        "cut short (File is not a zip file); the newest intact checkpoint beside it is ckpt/step_000002: --resume "
+        "ckpt/step_000002", files={**planted_checkpoint(2), **planted_checkpoint(4, cut=True)}),
+    "resume auto with a corrupt meta.json": BadInput(
+        "supervisor", ("--debug", "--resume", "auto"),
+        "is damaged (1; the latest: ", files={"ckpt/step_000004/meta.json": '{"step": 4, "format": "fu'}),
+    "resume a damaged checkpoint by hand": BadInput(
+        "pretrain_main.py", ("--debug", "--resume", "ckpt/step_000004"),
+        "--resume ckpt/step_000004 cannot be resumed: ckpt/step_000004/meta.json is not readable JSON",
+        files={"ckpt/step_000004/meta.json": "not JSON", "ckpt/step_000004/state.pt": torch_archive()}),
+    "log folder on a full disk": BadInput(
+        "supervisor", ("--debug",), "logs is not writable (No space left on device, 0 bytes free); choose a "
+        "writable one with --log-dir DIR", full_disks=("logs",)),
+    "checkpoint folder on a full disk": BadInput(
+        "run_training.sh", ("--debug",), "ckpt is not writable (No space left on device, 0 bytes free); set "
+        "checkpoint.dir to a writable folder", full_disks=("ckpt",)),
     "unknown loss": BadInput(
         "supervisor", ("--debug", "--set", "training.loss=fused"),
         "training.loss must be one of auto, chunked, liger, full, got 'fused'"),
@@ -165,7 +213,7 @@ CASES = {
 }
 
 
-def no_half_written_output(folder: Path, planted: dict[str, str]) -> None:
+def no_half_written_output(folder: Path, planted: dict[str, str | bytes]) -> None:
     """No staging folder in the cache, no invalid token cache, no checkpoint of any kind but those the case planted."""
     cache = folder / "cache"
     assert not list(cache.rglob(f"{BUILD_PREFIX}*")), "a cache build was left half-way"
@@ -178,9 +226,19 @@ def no_half_written_output(folder: Path, planted: dict[str, str]) -> None:
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input(name: str, tmp_path: Path) -> None:
     case = CASES[name]
-    for relative, text in case.files.items():
+    with ExitStack() as disks:
+        for folder in case.full_disks:
+            fill(disks.enter_context(small_disk(tmp_path / folder, "64k")))
+        run_bad_input(case, tmp_path)
+
+
+def run_bad_input(case: BadInput, tmp_path: Path) -> None:
+    for relative, content in case.files.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / relative).write_text(text)
+        if isinstance(content, bytes):
+            (tmp_path / relative).write_bytes(content)
+        else:
+            (tmp_path / relative).write_text(content)
     # Everything a run writes goes under tmp_path, unless the case names a folder (its flags come later: they win).
     paths = ("--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}")
     if case.command in ("run_training.sh", "supervisor"):
@@ -199,5 +257,73 @@ def test_bad_input(name: str, tmp_path: Path) -> None:
     assert case.message in lines[-1], err
     if case.before_any_work:
         assert len(lines) == 1, err
-        assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir()), "a run folder was made"
+        logs = tmp_path / "logs"
+        assert not logs.exists() or not [p for p in logs.iterdir() if p.name != FILLER], "a run folder was made"
     no_half_written_output(tmp_path, case.files)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Values: refused while the configuration is read, before anything starts, so checked in-process (milliseconds each)
+# through the supervisor's own main with --print-config; the entry points share the flags, the files and the checks.
+
+CONFIG_FILES: dict[str, bytes] = {
+    "deep.json": b'{"training": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "nan.json": b'{"training": {"learning_rate": NaN}}',
+    "utf16.json": '{"training": {"max_steps": 5}}'.encode("utf-16"),
+    "binary.json": bytes(range(256)) * 4,
+}
+BAD_VALUES = {
+    "max samples beyond any corpus": (("--max-samples", "99999999999999999999b"),
+                                      "data.max_samples must be at most 9,007,199,254,740,992, got "),
+    "beta1 above 1": (("--set", "training.beta1=1.5"), "training.beta1 must be within [0, 1), got 1.5"),
+    "beta2 negative": (("--set", "training.beta2=-1"), "training.beta2 must be within [0, 1), got -1"),
+    "init_std negative": (("--set", "model.init_std=-1"), "model.init_std must be within (0, 10], got -1"),
+    "init_std NaN": (("--set", "model.init_std=NaN"), "model.init_std must be a finite number, got nan"),
+    "ffn size negative": (("--set", "model.ffn_hidden_size=-5"), "model.ffn_hidden_size must be positive, got -5"),
+    "seed beyond 64 bits": (("--set", "system.seed=99999999999999999999"),
+                            "system.seed must be at most 18,446,744,073,709,551,615, got 99999999999999999999"),
+    "dist timeout NaN": (("--set", "system.dist_timeout_s=NaN"), "system.dist_timeout_s must be a finite number"),
+    "dist timeout negative": (("--set", "system.dist_timeout_s=-1"),
+                              "system.dist_timeout_s must be within (0, 31,536,000], got -1"),
+    "dist timeout 1e30": (("--set", "system.dist_timeout_s=1e30"),
+                          "system.dist_timeout_s must be within (0, 31,536,000], got 1e+30"),
+    "grad accumulation beyond int32": (("--set", "training.grad_accum_nums=99999999999999999999"),
+                                       "training.grad_accum_nums must be at most 2,147,483,647"),
+    "slow fault delay infinite": (("--set", "debug.inject_fault=slow", "--set", "debug.inject_fault_step=1", "--set",
+                                   "debug.inject_fault_delay_s=Infinity"),
+                                  "debug.inject_fault_delay_s must be a finite number, got inf"),
+    "timeouts infinite": (("--hang-timeout", "inf", "--startup-timeout", "inf"),
+                          "--hang-timeout must be a number of seconds within 0-2,592,000 (0 disables the watchdog), "
+                          "got inf"),
+    "hang timeout NaN": (("--hang-timeout", "nan"), "--hang-timeout must be a number of seconds within 0-2,592,000"),
+    "startup timeout NaN": (("--startup-timeout", "nan"),
+                            "--startup-timeout must be a number of seconds within 0-2,592,000, got nan"),
+    "learning rate infinite": (("--lr", "inf"), "training.learning_rate must be a finite number, got inf"),
+    "empty cache folder": (("--set", "data.cache_dir="), "data.cache_dir is empty; give a value"),
+    "empty checkpoint folder": (("--set", "checkpoint.dir="), "checkpoint.dir is empty; give a value"),
+    "empty data source": (("--set", "data.source="), "data.source is empty; give a value"),
+    "preset given as a path": (("--preset", "../presets/debug"),
+                               "--preset takes a preset's name (1b, debug, production, small), not a path: "
+                               "'../presets/debug'; give a config file with --config FILE"),
+    "config nested too deeply": (("--config", "deep.json"), "deep.json: invalid JSON: nested too deeply"),
+    "config holding NaN": (("--config", "nan.json"), "nan.json: invalid JSON: NaN is not a JSON number"),
+    "config in UTF-16": (("--config", "utf16.json"), "utf16.json is not UTF-8 text (byte 0); save the config as "
+                                                     "UTF-8 JSON"),
+    "binary config": (("--config", "binary.json"), "binary.json is not UTF-8 text (byte 128)"),
+    "newline in a key": (("--set", "data.\nsplit=x"), "unknown key '\\nsplit' in section 'data'"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_VALUES))
+def test_bad_value(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                   capsys: pytest.CaptureFixture[str]) -> None:
+    args, message = BAD_VALUES[name]
+    for file, content in CONFIG_FILES.items():
+        (tmp_path / file).write_bytes(content)
+    monkeypatch.chdir(tmp_path)
+    preset = () if "--preset" in args else ("--debug",)
+    code = cli.main([*preset, "--log-dir", str(tmp_path / "logs"), *args, "--print-config"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, ""), err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert not (tmp_path / "logs").exists()

@@ -116,6 +116,44 @@ def test_retention_and_resume_lookup(tmp_path: Path, ctx: DistContext) -> None:
         checkpoint_layout.find_resume(cfg)
 
 
+def test_a_damaged_checkpoint_is_passed_over_by_auto_and_refused_by_path(tmp_path: Path, ctx: DistContext) -> None:
+    """What the atomic save cannot rule out (a disk fault, a copy cut short, a hand edit): `--resume auto` passes over
+    a damaged latest checkpoint for the newest intact one and says so; a damaged one named by path is refused, naming
+    the intact one beside it; one that is not a checkpoint at all is refused."""
+    cfg = make_cfg(tmp_path)
+    root = Path(cfg.checkpoint.dir)
+    state = make_state(cfg)
+    for step in (1, 2, 3):
+        checkpoint.save(checkpoint_layout.step_path(root, step), state, make_meta(state, step), ctx)
+    cut = checkpoint_layout.step_path(root, 3) / checkpoint.STATE_FILE
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+    (checkpoint_layout.step_path(root, 2) / checkpoint_layout.META_FILE).write_text('{"step": 2, "form')
+    cfg.checkpoint.resume = "auto"
+    notes: list[str] = []
+    assert checkpoint_layout.find_resume(cfg, notes) == checkpoint_layout.step_path(root, 1)
+    assert [n.split(" (")[0] for n in notes] == [
+        f"--resume: {cut} is not a torch.save archive, or one cut short",
+        f"--resume: {checkpoint_layout.step_path(root, 2) / checkpoint_layout.META_FILE} is not readable JSON"]
+    assert all(n.endswith(f"resuming from {root / 'step_000001'}, the newest intact checkpoint") for n in notes)
+    cfg.checkpoint.resume = str(checkpoint_layout.step_path(root, 3))
+    with pytest.raises(UserError) as refused:
+        checkpoint_layout.find_resume(cfg)
+    assert str(refused.value).startswith(f"--resume {cfg.checkpoint.resume} cannot be resumed: {cut} is not a "
+                                         f"torch.save archive, or one cut short")
+    assert str(refused.value).endswith(f"; the newest intact checkpoint beside it is {root / 'step_000001'}: "
+                                       f"--resume {root / 'step_000001'}")
+    (checkpoint_layout.step_path(root, 1) / checkpoint.STATE_FILE).write_bytes(b"")
+    cfg.checkpoint.resume = "auto"
+    with pytest.raises(UserError, match=f"every checkpoint in {root} is damaged \\(3; the latest: {cut} is not"):
+        checkpoint_layout.find_resume(cfg)
+    for name, content, problem in (("passwd", b"root:x:0:0:root:/root:/bin/bash\n", "is not a torch.save archive"),
+                                   ("empty.pt", b"", "is empty")):
+        (tmp_path / name).write_bytes(content)
+        cfg.checkpoint.resume = str(tmp_path / name)
+        with pytest.raises(UserError, match=f"cannot be resumed: {tmp_path / name} {problem}"):
+            checkpoint_layout.find_resume(cfg)
+
+
 def test_a_fresh_start_supersedes_a_finished_run_and_refuses_an_unfinished_one(tmp_path: Path,
                                                                                ctx: DistContext) -> None:
     """checkpoint_layout.earlier_run: what a run without --resume makes of the checkpoints already in its folder."""

@@ -6,7 +6,13 @@ ends in a traceback.
 
 
 class UserError(Exception):
-    """Bad input from the user: a config, a flag, a path. The message says what is wrong and how to fix it."""
+    """Bad input from the user: a config, a flag, a path. The message says what is wrong and how to fix it.
+
+    It is one line whatever it quotes: a newline, a carriage return or a terminal escape the user typed into a value
+    is shown escaped (``\\n``, ``\\x1b``), so the error line is never split or rewritten on the screen."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message))
 
 
 USER_ERROR_EXIT_CODE = 2

@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.checkpoint_layout import check_checkpoint_dir, check_resume, earlier_run
+from trainer.checkpoint_layout import check_checkpoint_dir, check_resume, earlier_run, find_resume
 from trainer.choices import cpu_refusal
 from trainer.config import RUNS_DIR, Config
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
             check_fits_on_cpu(cfg)
             check_checkpoint_dir(cfg)
+            find_resume(cfg)  # a damaged or missing checkpoint: refused before the data is tokenized
             earlier_run(cfg)
             check_writable(Path(cfg.logging.run_dir) if cfg.logging.run_dir else RUNS_DIR, "the run folder",
                             "set logging.run_dir to a writable folder")
