@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
-from trainer.config import Config, strip_json_comments
+from trainer.config import BOUNDS, SECTIONS, Config, field_types, strip_json_comments
 from trainer.errors import UserError
 from trainer.resolve import add_config_arguments, preset_names, presets_table, resolve
 from trainer.sizes import parameter_count
@@ -247,3 +249,25 @@ def test_a_warmup_the_user_set_is_never_changed(tmp_path: Path) -> None:
     with pytest.raises(UserError, match=r"training.warmup_steps \(50\) must be shorter than the run"):
         parse("--debug", "--max-steps", "10", "--config", write(tmp_path, "w.json", {"training": {"warmup_steps": 50}}))
     assert parse("--preset", "small", "--max-steps", "10", "--set", "training.warmup_steps=3").notes == []
+
+
+def test_every_numeric_key_has_bounds() -> None:
+    """A new int or float key gets its line in BOUNDS: unbounded, NaN or 1e30 would reach torch as a traceback."""
+    numeric = {f"{section}.{key}" for section in SECTIONS
+               for key, tp in field_types(type(getattr(Config(), section))).items()
+               if {int, float} & {tp, *typing.get_args(tp)}}
+    assert numeric == set(BOUNDS), f"missing: {sorted(numeric - set(BOUNDS))}, stale: {sorted(set(BOUNDS) - numeric)}"
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("training.learning_rate", float("nan"), "must be a finite number, got nan"),
+    ("training.weight_decay", -0.5, "must be 0 or more, got -0.5"),
+    ("data.vocab_size", 100, "must be at least 257, got 100"),
+    ("debug.inject_fault_code", 256, "must be at most 255, got 256"),
+    ("model.rope_theta", 0.0, "must be positive, got 0"),
+    ("system.seed", 10**40, f"must be at most 18,446,744,073,709,551,615, got {10**40}"),
+])
+def test_bounds_name_the_side_broken(key: str, value: float, message: str) -> None:
+    section, name = key.split(".")
+    with pytest.raises(UserError, match=f"^{re.escape(key)} {re.escape(message)}$"):
+        Config.from_dict({section: {name: value}})

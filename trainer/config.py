@@ -183,8 +183,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-
-
 @dataclass(frozen=True)
 class Bound:
     """The values one numeric key accepts: `low` and `high` inclusive unless open (None: no limit on that side);
