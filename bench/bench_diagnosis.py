@@ -4,7 +4,9 @@
 
 Every run is ``python -m supervisor`` with two fake GPUs (``SUPERVISOR_FAKE_GPUS=0,1``) on a tiny model:
 1. stall detected → every rank gone: rank 1 hangs at step 3 (``--hang-timeout 5``); seconds from the supervisor's
-   stall line to its exit (it exits after its last rank). Goal: ≤ 3 s (it was the 30 s grace period).
+   stall line to its exit (it exits after its last rank). Goal: ≤ 3 s (it was the 30 s grace period). The same for a
+   frozen rank: rank 1 SIGSTOPped after step 3, answering neither the stack request nor the flight recorder; the
+   headline must name it.
 2. straggler detection delay: the normal step time is measured first (rank 0's ``training_history.json``), then rank 1
    sleeps 30 % of it before every step from step 5; steps from the slowdown to the warning. Goal: ≤ 30.
 3. false alarms: ``straggler:`` warnings over N normal runs. Goal: 0.
@@ -34,8 +36,16 @@ SLOW_FROM = 5
 CUE = b"stalled: no progress"
 
 
-def supervise(work: Path, *flags: str) -> tuple[int, str, Path, float | None]:
-    """(exit code, output, run folder, seconds from the stall line to the exit or None)."""
+def freeze_rank_1(supervisor: int) -> None:
+    import psutil
+
+    (rank,) = [p for p in psutil.Process(supervisor).children() if p.environ().get("RANK") == "1"]
+    rank.suspend()  # SIGSTOP
+
+
+def supervise(work: Path, *flags: str, freeze_after: bytes | None = None) -> tuple[int, str, Path, float | None]:
+    """(exit code, output, run folder, seconds from the stall line to the exit or None); rank 1 is frozen once
+    `freeze_after` shows up in the output."""
     logs = work / "logs"
     before = set(logs.iterdir()) if logs.exists() else set()
     out = work / "out.txt"
@@ -47,7 +57,11 @@ def supervise(work: Path, *flags: str) -> tuple[int, str, Path, float | None]:
                                 cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT)
     detected = None
     while proc.poll() is None:
-        if detected is None and CUE in out.read_bytes():
+        text = out.read_bytes()
+        if freeze_after is not None and freeze_after in text:
+            freeze_rank_1(proc.pid)
+            freeze_after = None
+        if detected is None and CUE in text:
             detected = time.monotonic()
         time.sleep(0.01)
     gone = None if detected is None else time.monotonic() - detected
@@ -85,8 +99,13 @@ def main() -> int:
                                            "--set", "debug.inject_fault=hang", "--set", "debug.inject_fault_rank=1",
                                            "--set", "debug.inject_fault_step=3")
         headline = re.search(r"^supervisor: (GPU\d \(rank \d\) stalled at step .*)$", out_h, re.M)
+        code_f, out_f, _, gone_f = supervise(work, "--set", "training.max_steps=2000", "--hang-timeout", "5",
+                                             freeze_after=b"] Step [3/")
+        frozen = re.search(r"^supervisor: (GPU\d \(rank \d\) stalled at step .*)$", out_f, re.M)
     print(f"stall detected -> every rank gone: {gone:.2f} s (exit {code_h}); headline: "
           f"{headline[1] if headline else 'none'}")
+    print(f"frozen rank (SIGSTOP): stall detected -> every rank gone: {gone_f:.2f} s (exit {code_f}); headline: "
+          f"{frozen[1] if frozen else 'none'}")
     print(f"straggler: normal step {normal * 1000:.1f} ms, rank 1 slowed by {delay * 1000:.1f} ms (30 %) from step "
           f"{SLOW_FROM}: " + (f"named {named[2]} ({named[3]} %) at step {named[4]}, "
                               f"{int(named[4]) - SLOW_FROM} steps after the slowdown" if named else "never named"))
