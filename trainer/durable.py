@@ -23,7 +23,7 @@ MIN_FREE_BYTES = 1 << 20  # a folder a run writes into with less than this free 
 
 def check_writable(folder: Path, what: str, fix: str) -> None:
     """Write a scratch file where `folder` is or would be created (the folder itself, else its nearest existing
-    parent): a folder the run cannot write (permissions, a read-only mount, a file in the way) is one line naming
+    parent): a folder the run cannot write (permissions, a read-only mount, a file in the way, a full disk) is one line naming
     `what` it is for and the `fix`, before any work that would write there. Nothing is created, so a run that cannot
     start leaves no folder behind, and ranks or runs checking the same folder at once cannot trip each other up."""
     existing = next((p for p in (folder, *folder.parents) if p.exists()), folder)
@@ -32,8 +32,8 @@ def check_writable(folder: Path, what: str, fix: str) -> None:
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         with tempfile.TemporaryFile(dir=existing):
             pass
-        st = os.statvfs(existing)  # an empty file fits on a full disk: its free space is asked for too
-        if st.f_bavail * st.f_frsize < MIN_FREE_BYTES:
+        st = os.statvfs(existing)  # an empty file fits on a full disk: its free space is asked for too, where the
+        if st.f_blocks and st.f_bavail * st.f_frsize < MIN_FREE_BYTES:  # file system reports one (FUSE may not)
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}, {st.f_bavail * st.f_frsize:,} bytes free")
     except OSError as e:
         raise UserError(f"{what} {folder} is not writable ({e.strerror or e}); {fix}") from None
