@@ -20,7 +20,6 @@ the checkpoint to resume from are in `trainer/checkpoint_layout.py` (no torch: t
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
 import shutil
@@ -157,21 +156,13 @@ class WriteFailure:
 FULL_BELOW = 16 << 20  # free bytes under which a failed write is taken for a full disk
 
 
-def free_bytes(folder: Path) -> int | None:
-    try:
-        st = os.statvfs(folder)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 def failure_of(action: Callable[[], Any], folder: Path) -> WriteFailure | None:
     """Run `action`, which writes into `folder`; say what went wrong instead of raising, so the other ranks can be
     told before anyone raises. A full disk is named as one: torch's zip writer says only `unexpected pos`."""
     try:
         action()
     except Exception as e:
-        free = free_bytes(folder)
+        free = durable.free_bytes(folder)
         if free is not None and free < FULL_BELOW:
             return WriteFailure(f"No space left on device in {folder} ({free:,} bytes free)", disk=True)
         if isinstance(e, OSError):

@@ -21,6 +21,16 @@ from trainer.errors import UserError
 MIN_FREE_BYTES = 1 << 20  # a folder a run writes into with less than this free is full for it
 
 
+def free_bytes(folder: Path) -> int | None:
+    """The bytes an unprivileged writer may still use on `folder`'s file system; None where it cannot be asked or the
+    file system reports no size at all (some FUSE mounts), so that such a folder is never taken for a full one."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize if st.f_blocks else None
+
+
 def check_writable(folder: Path, what: str, fix: str) -> None:
     """Write a scratch file where `folder` is or would be created (the folder itself, else its nearest existing
     parent): a folder the run cannot write (permissions, a read-only mount, a file in the way, a full disk) is one line naming
@@ -32,9 +42,9 @@ def check_writable(folder: Path, what: str, fix: str) -> None:
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         with tempfile.TemporaryFile(dir=existing):
             pass
-        st = os.statvfs(existing)  # an empty file fits on a full disk: its free space is asked for too, where the
-        if st.f_blocks and st.f_bavail * st.f_frsize < MIN_FREE_BYTES:  # file system reports one (FUSE may not)
-            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}, {st.f_bavail * st.f_frsize:,} bytes free")
+        free = free_bytes(existing)  # an empty file fits on a full disk: its free space is asked for too
+        if free is not None and free < MIN_FREE_BYTES:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}, {free:,} bytes free")
     except OSError as e:
         raise UserError(f"{what} {folder} is not writable ({e.strerror or e}); {fix}") from None
 
