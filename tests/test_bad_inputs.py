@@ -303,8 +303,7 @@ BAD_VALUES = {
     "empty checkpoint folder": (("--set", "checkpoint.dir="), "checkpoint.dir is empty; give a value"),
     "empty data source": (("--set", "data.source="), "data.source is empty; give a value"),
     "preset given as a path": (("--preset", "../presets/debug"),
-                               "--preset takes a preset's name (1b, debug, production, small), not a path: "
-                               "'../presets/debug'; give a config file with --config FILE"),
+                               "preset '../presets/debug' is a path, not a preset's name ("),
     "config nested too deeply": (("--config", "deep.json"), "deep.json: invalid JSON: nested too deeply"),
     "config holding NaN": (("--config", "nan.json"), "nan.json: invalid JSON: NaN is not a JSON number"),
     "config in UTF-16": (("--config", "utf16.json"), "utf16.json is not UTF-8 text (byte 0); save the config as "

@@ -39,8 +39,8 @@ def preset_names() -> list[str]:
 
 def preset_layer(name: str) -> dict[str, Any]:
     if Path(name).name != name or name.endswith(".json") or name in ("", ".", ".."):
-        raise UserError(f"--preset takes a preset's name ({', '.join(preset_names())}), not a path: '{name}'; give "
-                        f"a config file with --config FILE")
+        raise UserError(f"preset '{name}' is a path, not a preset's name ({', '.join(preset_names())}); give a "
+                        f"config file with --config FILE")
     path = PRESETS_DIR / f"{name}.json"
     if not path.is_file():
         raise UserError(f"unknown preset '{name}'{closest(name, preset_names(), 'presets')}")
