@@ -37,6 +37,7 @@ from trainer.resolve import add_config_arguments, handle_inspection_flags
 from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2
+MAX_NPROC = 1024  # ranks on one node: more is a typo, and would be planned (and spawned) one by one
 MAX_TIMEOUT_S = 30 * 86400  # a month: longer is not a timeout (and infinity breaks the watcher's select)
 
 
@@ -97,8 +98,8 @@ def split_entry_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    if args.nproc is not None and args.nproc < 1:
-        raise UserError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.nproc is not None and not 1 <= args.nproc <= MAX_NPROC:
+        raise UserError(f"--nproc must be within 1-{MAX_NPROC:,} (ranks on this node), got {args.nproc}")
     for name in ("grace_period", "hang_timeout", "startup_timeout"):
         seconds = getattr(args, name)
         if not 0 <= seconds <= MAX_TIMEOUT_S:  # NaN fails this too: a NaN allowance would stall the run at once

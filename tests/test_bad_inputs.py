@@ -5,7 +5,9 @@ Each case runs a user's command as a subprocess (``bash run_training.sh``, ``pyt
 ``python prepare_dataset.py``, ``python pretrain_main.py``) with ``PYTHON`` set to this interpreter, so the shell
 scripts' bootstrap installs nothing. Inputs rejected before any work leave stderr holding the error line alone; those
 found while preparing the data may follow progress lines (``training BPE ...``) and, under the supervisor, its
-``supervisor:`` lines announcing the run, but the error is still one line, the last.
+``supervisor:`` lines announcing the run, but the error is still one line, the last. A folder on a full disk is a small
+tmpfs mounted for the case (tests/small_disk.py). Values refused while the configuration is read are checked
+in-process, through the supervisor's own main (the last section): the same one line, in milliseconds.
 """
 
 from __future__ import annotations
@@ -298,6 +300,7 @@ BAD_VALUES = {
     "hang timeout NaN": (("--hang-timeout", "nan"), "--hang-timeout must be a number of seconds within 0-2,592,000"),
     "startup timeout NaN": (("--startup-timeout", "nan"),
                             "--startup-timeout must be a number of seconds within 0-2,592,000, got nan"),
+    "ranks beyond any node": (("--nproc", "99999999999"), "--nproc must be within 1-1,024 (ranks on this node)"),
     "learning rate infinite": (("--lr", "inf"), "training.learning_rate must be a finite number, got inf"),
     "empty cache folder": (("--set", "data.cache_dir="), "data.cache_dir is empty; give a value"),
     "empty checkpoint folder": (("--set", "checkpoint.dir="), "checkpoint.dir is empty; give a value"),
