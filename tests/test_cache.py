@@ -375,8 +375,12 @@ def test_unknown_tokenizer_path(tmp_path: Path) -> None:
 
 
 def test_vocabulary_larger_than_uint32(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="data.vocab_size must be at most 4,294,967,296"):
+        make_config(tmp_path / "cache", vocab_size=2**32 + 1)  # the config's bound, before any work
+    cfg = make_config(tmp_path / "cache")
+    cfg.data.vocab_size = 2**32 + 1  # past the config's check: the tokenizer's own, as for a hub tokenizer's size
     with pytest.raises(UserError, match="does not fit 32-bit token ids"):
-        prepare(make_config(tmp_path / "cache", vocab_size=2**32 + 1), show_progress=False)
+        prepare(cfg, show_progress=False)
     assert_nothing_left(tmp_path / "cache")
 
 

@@ -116,7 +116,7 @@ def test_default_preset_is_production_with_the_stdlib_corpus() -> None:
     ({"source": "/no/such/corpus.jsonl"}, {}, ("does not exist",)),
     ({"source": "someone/some-dataset"}, {"HF_HUB_OFFLINE": "1"}, ("hub cannot be reached", "local")),
     ({"tokenizer": "someone/no-such-tokenizer"}, {"HF_HUB_OFFLINE": "1"}, ("unknown tokenizer",)),
-    ({"vocab_size": 2**33}, {}, ("32-bit",)),
+    ({"vocab_size": 2**33}, {}, ("data.vocab_size must be at most 4,294,967,296",)),
     ({"source": "{tmp}/tiny.txt"}, {}, ("fewer than one context window",)),
 ], ids=["missing-path", "hub-offline", "unknown-tokenizer", "vocab-over-uint32", "shorter-than-a-window"])
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, data: dict, env: dict, needles: tuple[str, ...]) -> None:

@@ -245,7 +245,7 @@ BOUNDS: dict[str, Bound] = {
     "model.vocab_size": POSITIVE,
     "model.init_std": Bound(0, 10, low_open=True),
     "model.rope_theta": POSITIVE_FLOAT,
-    "data.vocab_size": Bound(256 + 1, COUNT_MAX),  # a byte-level BPE holds the 256 bytes and one merge at least
+    "data.vocab_size": Bound(256 + 1, 2**32),  # the 256 bytes and a merge at least; ids are stored as uint32 at most
     "data.context_length": POSITIVE,
     "data.max_samples": Bound(1, 2**53),  # '5.5b' goes through a float: exact up to 2**53
     "data.val_fraction": Bound(0, 1, high_open=True),
