@@ -21,7 +21,8 @@ segfault through tests/test_supervisor_failures.py, SIGTERM to the supervisor an
 test_supervisor_signals.py, test_rank_e2e.py and test_slurm.py (SIGUSR1), its SIGKILL through test_supervisor_signals.py.
 
 The last section adds the machine's faults, all slow tests: a rank frozen by SIGSTOP (named as the culprit), the
-checkpoint disk and the log disk filling up mid-run (a small tmpfs), and a damaged latest checkpoint under --resume auto.
+checkpoint disk and the log disk filling up mid-run (a small tmpfs), and a damaged latest checkpoint under
+--resume auto.
 """
 
 from __future__ import annotations
