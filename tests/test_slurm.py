@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rank_scripts.harness import ROOT, clean_env, Run, start
+from rank_scripts.harness import CONTROL_SECRET, ROOT, clean_env, Run, start
 from rank_support import TINY, merged, set_flags
 from supervisor import slurm
 from trainer import checkpoint_layout
@@ -125,7 +125,7 @@ def slurm_nodes(tmp_path: Path, *args: str, entry: Path | None, entry_args: tupl
     nodes = []
     for node in (0, 1):
         env = clean_env(SLURM_JOB_ID=job_id, SLURM_NNODES="2", SLURM_NODEID=str(node), SLURM_NTASKS="2",
-                        SLURM_JOB_NODELIST="localhost,localhost")
+                        SLURM_JOB_NODELIST="localhost,localhost", SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
         nodes.append(start(tmp_path, "--grace-period", "20", *args, entry=entry, entry_args=entry_args, env=env,
                            tag=f"{tag}{node}"))
     return nodes

@@ -8,7 +8,7 @@ import signal
 import socket
 import time
 
-from rank_scripts.harness import Run, start, survivors
+from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, start, survivors
 
 
 def free_port_pair() -> int:
@@ -31,9 +31,10 @@ def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0) 
     port = str(free_port_pair())
     common = ("--nproc", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
               "--grace-period", "5")
-    node0 = start(tmp_path, *common, "--node-rank", "0", entry_args=node0_args, tag="0")
+    env = clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
+    node0 = start(tmp_path, *common, "--node-rank", "0", entry_args=node0_args, env=env, tag="0")
     time.sleep(node1_delay)
-    node1 = start(tmp_path, *common, "--node-rank", "1", entry_args=node1_args, tag="1")
+    node1 = start(tmp_path, *common, "--node-rank", "1", entry_args=node1_args, env=env, tag="1")
     return node0, node1
 
 
