@@ -59,6 +59,8 @@ Event = tuple[int, str, int, str]  # node, label, exit code, why
 
 
 def remote_failure(node: int, label: str, code: int) -> Event:
+    if label == "supervisor":  # no rank failed there: the supervisor itself stopped (a signal such as Slurm's USR1)
+        return node, label, code, f"its supervisor stopped with {describe_exit(code)}"
     return node, label, code, f"{label} failed with {describe_exit(code)}"
 
 

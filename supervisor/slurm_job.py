@@ -47,7 +47,8 @@ def run_job(env: dict[str, str], flags: list[str]) -> int:
     code = subprocess.run(step_command(env, flags), env=env).returncode
     code = code if code >= 0 else 128 - code  # srun itself ended by a signal: the shell's convention
     if code == REQUEUE_EXIT_CODE:
-        print(f"stopped by the time-limit warning with a checkpoint written: requeueing job {job_id}", flush=True)
+        print(f"stopped by the time-limit warning (exit {code}): requeueing job {job_id}; its next allocation "
+              f"resumes from the latest checkpoint", flush=True)
         subprocess.run(["scontrol", "requeue", job_id])
     return code
 

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, start, survivors
+from supervisor.control import remote_failure
 from supervisor.control_wire import (SECRET_ENV, LineReader, Session, hello_proof, new_nonce, read_secret,
                                      welcome_proof)
 from trainer.errors import UserError
@@ -283,3 +284,8 @@ def test_the_secret_must_be_set_and_not_trivial():
     with pytest.raises(UserError, match="SUPERVISOR_CONTROL_SECRET has 6 characters; use at least 16"):
         read_secret({SECRET_ENV: "abc123"})
     assert read_secret({SECRET_ENV: CONTROL_SECRET}) == CONTROL_SECRET.encode()
+
+
+def test_an_abort_says_whether_a_rank_failed_or_a_supervisor_stopped():
+    assert remote_failure(1, "GPU3", 7)[3] == "GPU3 failed with exit 7"
+    assert remote_failure(1, "supervisor", 138)[3] == "its supervisor stopped with SIGUSR1 (138)"  # Slurm's warning
