@@ -190,7 +190,8 @@ def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
     sent = time.monotonic()
     with pytest.raises(OSError):  # reset once node 0 closes it
         oversized.sendall(b"x" * 20_000_000)
-    assert time.monotonic() - sent < 2
+    closed_after = time.monotonic() - sent
+    assert closed_after < 2
 
     for code in ("99999999999999999999", "256", "-1", "3.0"):
         me.send(f"abort 2 CPU0 {code}")
@@ -207,7 +208,8 @@ def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
     elapsed, steps = time.monotonic() - started, rank0_step(node0) - first_step
     assert node0.proc.poll() is None and node1.proc.poll() is None, node0.err_path.read_text()
     assert supervisor_fds < 100
-    print(f"rank 0 during the attacks: {steps} steps in {elapsed:.2f} s; node 0 held {supervisor_fds} fds")
+    print(f"rank 0 during the attacks: {steps} steps in {elapsed:.2f} s; node 0 held {supervisor_fds} fds in the flood; "
+          f"20 MB without a newline cut off after {closed_after:.3f} s")
     assert steps > 0.5 * elapsed / 0.02  # worker.py's --step-time: not slowed to half
 
     ranks0 = node0.pids()
