@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,11 +119,11 @@ class Cluster:
         self.wait_for(lambda: self.idle_nodes() == len(NODES), "both slurmd idle")
 
     def daemon(self, *argv: str) -> None:
-        log = open(self.folder / f"{argv[0]}-{len(self.daemons)}.out", "wb")
-        self.daemons.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True))
+        with open(self.folder / f"{argv[0]}-{len(self.daemons)}.out", "wb") as log:
+            self.daemons.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL, start_new_session=True))
 
-    def wait_for(self, ready, what: str) -> None:
+    def wait_for(self, ready: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while not ready():
             dead = [p.args[0] for p in self.daemons if p.poll() is not None]
