@@ -38,14 +38,16 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0) -> tuple[Run, Run]:
+def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0,
+              node1_secret: str = CONTROL_SECRET) -> tuple[Run, Run]:
     port = str(free_port_pair())
     common = ("--nproc", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
               "--grace-period", "5")
-    env = clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
-    node0 = start(tmp_path, *common, "--node-rank", "0", entry_args=node0_args, env=env, tag="0")
+    node0 = start(tmp_path, *common, "--node-rank", "0", entry_args=node0_args,
+                  env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="0")
     time.sleep(node1_delay)
-    node1 = start(tmp_path, *common, "--node-rank", "1", entry_args=node1_args, env=env, tag="1")
+    node1 = start(tmp_path, *common, "--node-rank", "1", entry_args=node1_args,
+                  env=clean_env(SUPERVISOR_CONTROL_SECRET=node1_secret), tag="1")
     return node0, node1
 
 
@@ -89,6 +91,16 @@ def test_a_vanished_node_supervisor_stops_the_others(tmp_path):
     assert node0.returncode == 1, node0.stderr[-2000:]
     assert "lost contact with node 1's supervisor" in node0.stderr
     assert survivors(node0.pids() + pids1, timeout=3.0) == []
+
+
+def test_a_node_with_another_secret_is_refused_and_told_why(tmp_path):
+    node0, node1 = two_nodes(tmp_path, node0_args=("--steps", "20"), node1_secret="another-secret-0123456789")
+    node1.wait(timeout=20)
+    node0.wait(timeout=20)
+    assert node1.returncode == 1, node1.stderr[-2000:]
+    assert "node 0's control server refused this node's hello: SUPERVISOR_CONTROL_SECRET differs" in node1.stderr
+    assert "that does not prove this run's secret" in node0.stderr  # and node 0 goes on: a refusal is no abort
+    assert node0.returncode == 0, node0.stderr[-2000:]
 
 
 def test_both_nodes_finish(tmp_path):
