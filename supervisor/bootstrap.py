@@ -5,6 +5,8 @@ Usage (what the shell scripts run): ``python3 supervisor/bootstrap.py -m supervi
 Which interpreter, first match wins:
 1. ``PYTHON=/path/to/python`` or a name on ``PATH`` (``PYTHON=python3``): used as is, nothing installed.
 2. An active virtual environment (``VIRTUAL_ENV``): used as is, nothing installed.
+   Either must have the dependencies: one lacking some is refused with one line naming them and the install command,
+   before anything starts (not a ModuleNotFoundError from deep inside a run, or from one node of several).
 3. The interpreter running this file, when it already has every dependency (for example your CUDA build of torch).
 4. The project-local ``.venv/``: created on first use (torch pinned to 2.13.0 where no torch is importable, then
    ``pip install -e .[test]``), reused afterwards; it is reinstalled only when ``pyproject.toml`` changes.
@@ -27,7 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".installed-pyproject-sha256"
 REQUIRED_MODULES = ("torch", "transformers", "datasets", "tokenizers", "numpy", "psutil", "rich", "filelock",
-                    "pynvml", "safetensors", "matplotlib", "hostlist", "pytest")
+                    "pynvml", "safetensors", "matplotlib", "hostlist")
+TEST_MODULES = ("pytest",)
+PACKAGES = {"pynvml": "nvidia-ml-py", "hostlist": "python-hostlist"}  # where the pip package is named otherwise
+PROBE = "import importlib.util, sys; print(*(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
 TORCH_PIN = "torch==2.13.0"  # the CPU build the project's machines carry; a torch already present is never replaced
 
 
@@ -49,7 +54,25 @@ def pyproject_digest() -> str:
 
 
 def has_dependencies() -> bool:
-    return all(importlib.util.find_spec(name) is not None for name in REQUIRED_MODULES)
+    return all(importlib.util.find_spec(name) is not None for name in REQUIRED_MODULES + TEST_MODULES)
+
+
+def check_dependencies(python: str, where: str, argv: list[str]) -> None:
+    """A given interpreter must have what the entry point imports (the test extra too for the test suite)."""
+    tests = argv[:2] == ["-m", "pytest"]
+    modules = REQUIRED_MODULES + (TEST_MODULES if tests else ())
+    try:
+        probe = subprocess.run([python, "-c", PROBE, *modules], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        bad_input(f"{where}: cannot run {python} ({e}); set PYTHON to a Python interpreter")
+    if probe.returncode != 0:
+        bad_input(f"{where}: {python} did not run as a Python interpreter; set PYTHON to one")
+    missing = probe.stdout.split()
+    if missing:
+        packages = ", ".join(PACKAGES.get(m, m) for m in missing)
+        target = f"{ROOT}[test]" if tests else str(ROOT)
+        bad_input(f"{where}: {python} lacks {packages}; install them with {python} -m pip install -e '{target}', or "
+                  f"leave PYTHON and VIRTUAL_ENV unset to use the project's own environment")
 
 
 def venv_python() -> Path:
@@ -84,11 +107,15 @@ def given_python(name: str) -> str:
     return str(found)
 
 
-def choose_python() -> str:
+def choose_python(argv: list[str]) -> str:
     if os.environ.get("PYTHON"):
-        return given_python(os.environ["PYTHON"])
+        python = given_python(os.environ["PYTHON"])
+        check_dependencies(python, f"PYTHON={os.environ['PYTHON']}", argv)
+        return python
     if os.environ.get("VIRTUAL_ENV"):
-        return str(Path(os.environ["VIRTUAL_ENV"]) / "bin" / "python")
+        python = str(Path(os.environ["VIRTUAL_ENV"]) / "bin" / "python")
+        check_dependencies(python, f"VIRTUAL_ENV={os.environ['VIRTUAL_ENV']}", argv)
+        return python
     if has_dependencies():
         return sys.executable
     return str(ensure_project_venv())
@@ -98,7 +125,7 @@ def main(argv: list[str]) -> None:
     if not argv:
         sys.exit("usage: bootstrap.py -m MODULE [ARGS...] | bootstrap.py SCRIPT [ARGS...]")
     try:
-        python = choose_python()
+        python = choose_python(argv)
     except subprocess.CalledProcessError as e:
         sys.exit(f"error: setting up the environment failed ({' '.join(map(str, e.cmd))} exited {e.returncode})")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))

@@ -26,6 +26,7 @@ from pathlib import Path
 from supervisor import gpus, slurm
 from supervisor.diagnosis import preflight
 from supervisor.console import Console
+from supervisor.control_wire import read_secret
 from supervisor.launcher import Launcher, run_folder_writes
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
 from trainer.checkpoint_layout import check_checkpoint_dir, earlier_run, find_resume
@@ -117,6 +118,7 @@ def check_flags(args: argparse.Namespace) -> None:
         if args.max_restarts:
             raise UserError("--max-restarts works on a single node only (a restart would need every node to "
                             "start again together)")
+        read_secret(os.environ)  # the nodes authenticate to each other: refused here, before anything starts
     if args.master_port is not None and not 0 < args.master_port < 65535:
         raise UserError(f"--master-port must be within 1-65534, got {args.master_port}")
 

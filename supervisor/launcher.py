@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
+from supervisor.control_wire import read_secret
 from supervisor.diagnosis.culprit import make_pipe, recorder_pipe
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
@@ -78,7 +79,8 @@ class Launcher:
 
                 assert self.plan.master_port is not None
                 control = open_channel(self.plan.node_rank, self.plan.nnodes, self.plan.master_addr,
-                                       self.plan.master_port, self.plan.startup_timeout)
+                                       self.plan.master_port, self.plan.startup_timeout, read_secret(os.environ),
+                                       self.console.say)
             restarts, before = 0, self.checkpoints()
             config = self.write_config(restarts, self.cfg.checkpoint.resume)
             while True:

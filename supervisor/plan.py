@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from supervisor.control_wire import SECRET_ENV
 from supervisor.diagnosis.culprit import recorder_pipe
 from supervisor.rendezvous import loopback_interface
 from trainer.config import PROJECT_ROOT
@@ -75,7 +76,7 @@ class Plan:
 
     def rank_env(self, spec: RankSpec, master_port: int, config_path: Path, restart: int) -> dict[str, str]:
         """Everything but SUPERVISOR_PROGRESS_FD, which the worker adds with the pipe it creates."""
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}  # the supervisors' secret, not the ranks'
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         env.update({
             "RANK": str(spec.rank),

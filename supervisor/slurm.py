@@ -19,8 +19,6 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import hostlist
-
 from trainer.errors import UserError
 
 # The port pair (PORT for the rendezvous, PORT+1 for the control channel) comes from this range: unprivileged, and
@@ -52,6 +50,8 @@ def master_port(job_id: int) -> int:
 
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm host list: `node[01-04,07]` → node01, `a[1-2],b3` → a1."""
+    import hostlist  # here: only a multi-node Slurm job needs it
+
     try:
         hosts = hostlist.expand_hostlist(nodelist)
     except hostlist.BadHostlist as e:

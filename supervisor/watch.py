@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
+from supervisor.control_wire import LOST_CODE
 from supervisor.diagnosis import culprit, oom, stragglers
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
@@ -309,7 +310,8 @@ class Watch:
         if self.stop is None:
             self.console.say(f"node {node}: {why}; stopping this node's ranks", style="bold red")
             self.quiet_fallout(None)
-            self.begin_stop(Stop("remote", code, f"node {node}: {why}"))
+            # an abort always says how a rank failed; were it to say 0, the run must still not look finished
+            self.begin_stop(Stop("remote", code or LOST_CODE, f"node {node}: {why}"))
 
     def quiet_fallout(self, failing: int | None) -> None:
         """Keep the other ranks' stderr off the console from now on (it goes on into their log files): their

@@ -18,9 +18,19 @@ def run_bootstrap(env: dict[str, str], interpreter: str = sys.executable) -> sub
                           timeout=60)
 
 
+def interpreter_elsewhere(tmp_path: Path) -> Path:
+    """This interpreter, packages and all, under another path: a virtual environment is linked in whole (a lone link
+    to a venv's python is a bare python: the venv is found beside the path it was started by)."""
+    if sys.prefix == sys.base_prefix:
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / "python").symlink_to(sys.executable)
+        return tmp_path / "bin" / "python"
+    (tmp_path / "env").symlink_to(sys.prefix)
+    return tmp_path / "env" / "bin" / "python"
+
+
 def test_python_variable_is_used_as_is(tmp_path: Path) -> None:
-    fake = tmp_path / "python"
-    fake.symlink_to(sys.executable)
+    fake = interpreter_elsewhere(tmp_path)
     out = run_bootstrap({"PYTHON": str(fake)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [str(fake), str(ROOT)]
@@ -28,12 +38,23 @@ def test_python_variable_is_used_as_is(tmp_path: Path) -> None:
 
 
 def test_active_virtualenv_is_used_as_is(tmp_path: Path) -> None:
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python").symlink_to(sys.executable)
-    out = run_bootstrap({"VIRTUAL_ENV": str(tmp_path)})
+    python = interpreter_elsewhere(tmp_path)
+    out = run_bootstrap({"VIRTUAL_ENV": str(python.parent.parent)})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == str(tmp_path / "bin" / "python")
+    assert out.stdout.splitlines()[0] == str(python)
     assert "[setup]" not in out.stderr
+
+
+def test_python_without_the_dependencies_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    bare = tmp_path / "bare-python"
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # no site-packages: the standard library only
+    bare.chmod(0o755)
+    out = run_bootstrap({"PYTHON": str(bare)})
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"error: PYTHON={bare}: {bare} lacks torch, transformers, datasets, tokenizers, numpy, psutil, "
+                          f"rich, filelock, nvidia-ml-py, safetensors, matplotlib, python-hostlist; install them with "
+                          f"{bare} -m pip install -e '{ROOT}', or leave PYTHON and VIRTUAL_ENV unset to use the "
+                          f"project's own environment\n")
 
 
 def test_interpreter_with_all_dependencies_is_used_without_installing() -> None:

@@ -5,20 +5,26 @@ stopped by Slurm's time-limit warning (SIGUSR1), checkpointed, and resumed as a 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from rank_scripts.harness import ROOT, clean_env, Run, start
+from rank_scripts.harness import CONTROL_SECRET, ROOT, clean_env, Run, start
 from rank_support import TINY, merged, set_flags
 from supervisor import slurm
+from supervisor.control_wire import SECRET_ENV
 from trainer import checkpoint_layout
 from trainer.errors import UserError
+
+SCRIPT = ROOT / "train_slurm.sbatch"
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The layout, unit by unit
@@ -101,6 +107,64 @@ def test_a_job_the_supervisor_cannot_read_is_a_user_error(env: dict[str, str], m
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The job script's side (supervisor/slurm_job.py), with srun and scontrol stood in for by scripts that record their call
+
+
+def fake_slurm_commands(folder: Path, srun_exit: int) -> dict[str, str]:
+    """`srun` and `scontrol` on PATH that write their arguments and environment to <folder>/<name>.json."""
+    folder.mkdir()
+    for name, code in (("srun", srun_exit), ("scontrol", 0)):
+        path = folder / name
+        path.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                        f"open({str(folder / (name + '.json'))!r}, 'w').write(json.dumps([sys.argv[1:], dict(os.environ)]))\n"
+                        f"sys.exit({code})\n")
+        path.chmod(0o755)
+    return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
+
+
+def run_job_script(tmp_path: Path, srun_exit: int, *flags: str, **env: str) -> subprocess.CompletedProcess:
+    """`sbatch train_slurm.sbatch FLAGS` as the batch step runs it: the script itself, in the project folder."""
+    full = clean_env(**{"PYTHON": sys.executable, "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "16",
+                        **fake_slurm_commands(tmp_path / "bin", srun_exit), **env})
+    return subprocess.run(["bash", str(ROOT / "train_slurm.sbatch"), *flags], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=60)
+
+
+def recorded(tmp_path: Path, name: str) -> tuple[list[str], dict[str, str]]:
+    argv, env = json.loads((tmp_path / "bin" / f"{name}.json").read_text())
+    return argv, env
+
+
+def test_the_job_script_passes_the_users_flags_and_a_fresh_secret(tmp_path: Path) -> None:
+    out = run_job_script(tmp_path, 0, "--debug", "--max-steps", "5")
+    assert out.returncode == 0, out.stderr
+    argv, env = recorded(tmp_path, "srun")
+    assert argv == ["--ntasks-per-node=1", "--cpus-per-task=16", "bash", str(ROOT / "run_training.sh"),
+                    "--resume", "auto", "--debug", "--max-steps", "5"]  # no preset of its own: --debug works
+    assert re.fullmatch(r"[0-9a-f]{64}", env[SECRET_ENV])
+    assert not (tmp_path / "bin" / "scontrol.json").exists()
+
+
+def test_the_job_script_keeps_a_given_secret_and_requeues_after_the_time_limit_warning(tmp_path: Path) -> None:
+    out = run_job_script(tmp_path, 138, SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
+    assert out.returncode == 138
+    assert "requeueing job 4242" in out.stdout
+    assert recorded(tmp_path, "srun")[1][SECRET_ENV] == CONTROL_SECRET
+    assert recorded(tmp_path, "scontrol")[0] == ["requeue", "4242"]
+
+
+def test_the_job_script_outside_a_job_is_one_line(tmp_path: Path) -> None:
+    out = run_job_script(tmp_path, 0, SLURM_JOB_ID="")
+    assert out.returncode == 2 and out.stderr.startswith("error: train_slurm.sbatch is a Slurm job script and "
+                                                         "SLURM_JOB_ID is not set") and out.stderr.count("\n") == 1
+
+
+def test_the_job_script_only_delegates() -> None:
+    lines = [line for line in SCRIPT.read_text().splitlines() if line and not line.startswith("#")]
+    assert lines == ["exec python3 supervisor/bootstrap.py -m supervisor.slurm_job \"$@\""]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Two nodes on loopback, described only by SLURM_* variables
 
 
@@ -125,7 +189,7 @@ def slurm_nodes(tmp_path: Path, *args: str, entry: Path | None, entry_args: tupl
     nodes = []
     for node in (0, 1):
         env = clean_env(SLURM_JOB_ID=job_id, SLURM_NNODES="2", SLURM_NODEID=str(node), SLURM_NTASKS="2",
-                        SLURM_JOB_NODELIST="localhost,localhost")
+                        SLURM_JOB_NODELIST="localhost,localhost", SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
         nodes.append(start(tmp_path, "--grace-period", "20", *args, entry=entry, entry_args=entry_args, env=env,
                            tag=f"{tag}{node}"))
     return nodes

@@ -23,6 +23,8 @@ from trainer.resolve import preset_layer
     (("--nnodes", "2", "--master-addr", "h", "--master-port", "1234", "--max-restarts", "1"),
      "error: --max-restarts works on a single node only"),
     (("--nproc", "0"), "error: --nproc must be within 1-1,024 (ranks on this node), got 0"),
+    (("--nnodes", "2", "--master-addr", "h", "--master-port", "1234"),
+     "error: a multi-node run needs SUPERVISOR_CONTROL_SECRET, which authenticates the nodes to each other"),
 ])
 def test_user_errors_are_one_line_and_exit_2(tmp_path, args, message):
     r = run(tmp_path, *args, entry=WORKER if "--entry" not in args else None)

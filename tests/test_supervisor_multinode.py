@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 
-from rank_scripts.harness import Run, start, survivors
+import psutil
+import pytest
+
+from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, start, survivors
+from supervisor.control import remote_failure
+from supervisor.control_wire import (SECRET_ENV, LineReader, Session, hello_proof, new_nonce, read_secret,
+                                     welcome_proof)
+from trainer.errors import UserError
 
 
 def free_port_pair() -> int:
@@ -27,13 +38,16 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair")
 
 
-def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0) -> tuple[Run, Run]:
+def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0,
+              node1_secret: str = CONTROL_SECRET) -> tuple[Run, Run]:
     port = str(free_port_pair())
     common = ("--nproc", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
               "--grace-period", "5")
-    node0 = start(tmp_path, *common, "--node-rank", "0", entry_args=node0_args, tag="0")
+    node0 = start(tmp_path, *common, "--node-rank", "0", entry_args=node0_args,
+                  env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="0")
     time.sleep(node1_delay)
-    node1 = start(tmp_path, *common, "--node-rank", "1", entry_args=node1_args, tag="1")
+    node1 = start(tmp_path, *common, "--node-rank", "1", entry_args=node1_args,
+                  env=clean_env(SUPERVISOR_CONTROL_SECRET=node1_secret), tag="1")
     return node0, node1
 
 
@@ -79,10 +93,218 @@ def test_a_vanished_node_supervisor_stops_the_others(tmp_path):
     assert survivors(node0.pids() + pids1, timeout=3.0) == []
 
 
+def test_a_node_with_another_secret_is_refused_and_told_why(tmp_path):
+    node0, node1 = two_nodes(tmp_path, node0_args=("--steps", "20"), node1_secret="another-secret-0123456789")
+    node1.wait(timeout=20)
+    node0.wait(timeout=20)
+    assert node1.returncode == 1, node1.stderr[-2000:]
+    assert "node 0's control server refused this node's hello: SUPERVISOR_CONTROL_SECRET differs" in node1.stderr
+    assert "that does not prove this run's secret" in node0.stderr  # and node 0 goes on: a refusal is no abort
+    assert node0.returncode == 0, node0.stderr[-2000:]
+
+
 def test_both_nodes_finish(tmp_path):
-    node0, node1 = two_nodes(tmp_path, node0_args=("--steps", "5"), node1_args=("--steps", "5"))
+    node0, node1 = two_nodes(tmp_path, node0_args=("--steps", "5", "--dump-env", str(tmp_path)),
+                             node1_args=("--steps", "5"))
     node0.wait()
     node1.wait()
     assert (node0.returncode, node1.returncode) == (0, 0), node0.stderr + node1.stderr
+    assert SECRET_ENV not in json.loads((tmp_path / "rank0.json").read_text())["env"]  # the supervisors' alone
     ranks = sorted(int(r) for r in re.findall(r"rank (\d+) started", node0.stdout + node1.stdout))
     assert ranks == [0, 1, 2, 3]  # global rank = node rank × ranks per node + local rank
+
+
+# -- the control port against strangers and bad messages ----------------------------------------------------------
+
+
+class FakeNode:
+    """The test as one more node of the run: it holds the secret, so what it sends is authenticated."""
+
+    def __init__(self, port: int, node: int, secret: bytes = CONTROL_SECRET.encode()) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.reader = LineReader()
+        (challenge,) = self.lines()
+        server_nonce, nonce = challenge.split()[1], new_nonce()
+        self.sock.sendall(f"hello {node} {nonce} {hello_proof(secret, node, server_nonce, nonce)}\n".encode())
+        (answer,) = self.lines()
+        assert answer == f"welcome {welcome_proof(secret, node, server_nonce, nonce)}", answer
+        self.session = Session.derive(secret, server_nonce, nonce, server=False)
+
+    def lines(self) -> list[str]:
+        lines: list[str] | None = []
+        while not lines:
+            lines = self.reader.feed(self.sock.recv(4096))
+            assert lines is not None
+        return lines
+
+    def send(self, message: str) -> bytes:
+        line = self.session.seal(message)
+        self.sock.sendall(line)
+        return line
+
+
+def closed_by_peer(sock: socket.socket, timeout: float) -> float:
+    """Seconds until the other end closes `sock` (whatever it sends first is read and ignored)."""
+    started = time.monotonic()
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(4096):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - started
+
+
+def stranger(port: int, send: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    if send:
+        sock.sendall(send)
+    return sock
+
+
+def rank0_step(run: Run) -> int:
+    steps = re.findall(r"CPU0:rank 0 step (\d+) ", run.out_path.read_text(errors="replace"))
+    return int(steps[-1]) if steps else 0
+
+
+def three_nodes(tmp_path) -> tuple[Run, Run, int]:
+    """Node 0 and node 1 as supervisors (CPU1 of each prints a line per step); the test is node 2."""
+    port = free_port_pair()
+    common = ("--nproc", "2", "--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--grace-period", "5")
+    env = clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
+    node0, node1 = (start(tmp_path, *common, "--node-rank", str(n), entry_args=("--chatter", "1"), env=env,
+                          tag=str(n)) for n in (0, 1))
+    node0.wait_for_ranks(2)
+    node1.wait_for_ranks(2)
+    return node0, node1, port + 1
+
+
+def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
+    node0, node1, control = three_nodes(tmp_path)
+    flood = [stranger(control) for _ in range(300)]  # and keeps them open
+    me = FakeNode(control, node=2)  # a real node still gets in during the flood
+    supervisor_fds = psutil.Process(node0.proc.pid).num_fds()
+    for sock in flood:
+        sock.close()
+    idle = stranger(control)  # says nothing: closed within seconds, while the rest goes on
+    idle_closed: list[float] = []
+    watcher = threading.Thread(target=lambda: idle_closed.append(closed_by_peer(idle, 10)))
+    watcher.start()
+    first_step, started = rank0_step(node0), time.monotonic()
+
+    for _ in range(5):
+        stranger(control).close()  # nc -z
+    assert closed_by_peer(stranger(control, b"abort 0 GPU0 3\n"), 5) < 1  # the unauthenticated protocol
+    forged = stranger(control)
+    challenge = forged.recv(4096).decode().split()[1]
+    forged.sendall(f"hello 1 {new_nonce()} {hello_proof(b'not the secret', 1, challenge, new_nonce())}\n".encode())
+    assert forged.recv(4096) == b"refused\n"
+    assert closed_by_peer(stranger(control, b"\x00\xff binary \x1b[2J\n"), 5) < 1
+    oversized = stranger(control)
+    sent = time.monotonic()
+    with pytest.raises(OSError):  # reset once node 0 closes it
+        oversized.sendall(b"x" * 20_000_000)
+    closed_after = time.monotonic() - sent
+    assert closed_after < 2
+
+    for code in ("99999999999999999999", "256", "-1", "3.0"):
+        me.send(f"abort 2 CPU0 {code}")
+    me.send("abort 1 CPU0 3")  # in another node's name
+    me.send("shutdown")
+    replayed = me.send("done")
+    me.sock.sendall(replayed)  # out of sequence
+    tampered = me.session.seal("abort 2 CPU0 3").replace(b"CPU0 3", b"CPU0 4")  # the MAC no longer fits
+    me.sock.sendall(tampered)
+    me.sock.sendall(b"abort 2 CPU0 3 " + b"f" * 64 + b"\n")  # a made-up MAC
+
+    watcher.join()
+    assert 2 < idle_closed[0] < 6
+    elapsed, steps = time.monotonic() - started, rank0_step(node0) - first_step
+    assert node0.proc.poll() is None and node1.proc.poll() is None, node0.err_path.read_text()
+    assert supervisor_fds < 100
+    print(f"rank 0 during the attacks: {steps} steps in {elapsed:.2f} s; node 0 held {supervisor_fds} fds in the flood; "
+          f"20 MB without a newline cut off after {closed_after:.3f} s")
+    assert steps > 0.5 * elapsed / 0.02  # worker.py's --step-time: not slowed to half
+
+    ranks0 = node0.pids()
+    killed = time.monotonic()
+    os.kill(node1.pids()[1], signal.SIGKILL)  # CPU1 of node 1: a real node's abort
+    assert survivors(ranks0, timeout=5) == []
+    stopped_in = time.monotonic() - killed
+    node0.wait(timeout=20)
+    node1.wait(timeout=20)
+    assert (node0.returncode, node1.returncode) == (137, 137), node0.stderr[-3000:]
+    print(f"node 0's ranks gone {stopped_in:.3f} s after node 1's rank was killed")
+    assert stopped_in < 1.0, stopped_in
+    assert me.lines()[0].startswith("abort 1 CPU1 137 ")  # relayed to every node
+    for said in ("closed before authenticating", "is not a hello", "that does not prove this run's secret",
+                 "a line over 512 bytes", "did not authenticate within 3 s", "connections waiting to authenticate",
+                 "exit code '99999999999999999999' is not within 0-255", "whose MAC is wrong",
+                 "dropped an unknown message from node 2: 'shutdown'", "node 1: CPU1 failed with SIGKILL"):
+        assert said in node0.stderr, said
+
+
+def test_a_remote_abort_never_ends_a_run_with_exit_0(tmp_path):
+    node0, node1, control = three_nodes(tmp_path)
+    FakeNode(control, node=2).send("abort 2 CPU0 0")
+    node0.wait(timeout=20)
+    node1.wait(timeout=20)
+    assert (node0.returncode, node1.returncode) == (1, 1), node0.stderr[-3000:]
+    assert "node 2: CPU0 failed with exit 0" in node0.stderr
+
+
+SERVER_WITH_FEW_FDS = """
+import os, resource, select, sys
+from supervisor.control import open_channel
+limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 12, limits[1]))
+channel = open_channel(0, 3, '127.0.0.1', int(sys.argv[1]), 5, sys.argv[2].encode(), lambda line: print(line, flush=True))
+print('listening', flush=True)
+select.select([channel.fd], [], [])
+print('event', channel.read_events(), flush=True)
+resource.setrlimit(resource.RLIMIT_NOFILE, limits)  # room to exit in (ending a thread may load a library)
+"""
+
+
+def test_out_of_file_descriptors_the_control_port_goes_on_hearing_the_nodes(tmp_path):
+    """EMFILE in accept: the oldest waiting connection makes room (it used to end the control thread silently)."""
+    port = free_port_pair()
+    server = subprocess.Popen([sys.executable, "-c", SERVER_WITH_FEW_FDS, str(port), CONTROL_SECRET],
+                              env=clean_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline() == "listening\n"
+        flood = [stranger(port + 1) for _ in range(40)]
+        FakeNode(port + 1, node=1).send("abort 1 GPU5 9")
+        out, _ = server.communicate(timeout=10)
+        for sock in flood:
+            sock.close()
+    finally:
+        server.kill()
+    assert "out of file descriptors (Too many open files): closed the oldest connection" in out
+    assert "event [(1, 'GPU5', 9, 'GPU5 failed with exit 9')]" in out
+
+
+def test_a_line_is_worth_nothing_on_another_connection_or_twice():
+    secret = CONTROL_SECRET.encode()
+    sender = Session.derive(secret, "a" * 32, "b" * 32, server=False)
+    receiver = Session.derive(secret, "a" * 32, "b" * 32, server=True)
+    elsewhere = Session.derive(secret, "a" * 32, "c" * 32, server=True)
+    line = sender.seal("abort 1 GPU0 3").decode().strip()
+    assert elsewhere.open(line) is None  # recorded on one connection, replayed on another
+    assert receiver.open(line) == "abort 1 GPU0 3"
+    assert receiver.open(line) is None  # replayed on its own
+    assert Session.derive(secret, "a" * 32, "b" * 32, server=False).open(line) is None  # reflected back
+
+
+def test_the_secret_must_be_set_and_not_trivial():
+    with pytest.raises(UserError, match="a multi-node run needs SUPERVISOR_CONTROL_SECRET"):
+        read_secret({})
+    with pytest.raises(UserError, match="SUPERVISOR_CONTROL_SECRET has 6 characters; use at least 16"):
+        read_secret({SECRET_ENV: "abc123"})
+    assert read_secret({SECRET_ENV: CONTROL_SECRET}) == CONTROL_SECRET.encode()
+
+
+def test_an_abort_says_whether_a_rank_failed_or_a_supervisor_stopped():
+    assert remote_failure(1, "GPU3", 7)[3] == "GPU3 failed with exit 7"
+    assert remote_failure(1, "supervisor", 138)[3] == "its supervisor stopped with SIGUSR1 (138)"  # Slurm's warning

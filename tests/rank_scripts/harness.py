@@ -21,7 +21,9 @@ SPAM = ROOT / "tests" / "rank_scripts" / "spam.py"
 PYTHON = sys.executable
 SEAM_KEYS = ("SUPERVISOR_FAKE_GPUS", "SUPERVISOR_FAKE_GPU_STATE", "CUDA_VISIBLE_DEVICES", "GPU_RANK", "RANK",
              "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUPERVISOR_PROGRESS_FD", "SLURM_JOB_ID",
-             "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NTASKS")
+             "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NTASKS",
+             "SUPERVISOR_CONTROL_SECRET")
+CONTROL_SECRET = "a-test-secret-of-the-control-channel"  # what two node supervisors of a test share
 
 _started: list["Run"] = []
 

@@ -1,0 +1,140 @@
+"""The shipped `train_slurm.sbatch` under a real Slurm (tier `slurm`: ``bash run_tests.sh -m slurm``).
+
+munged, slurmctld and two slurmd (nodes n1 and n2, both this host) on loopback (tests/slurm/slurm_cluster.py); every job
+is the job script as a user submits it, with CPU ranks of the debug preset: ``sbatch --nodes=2 --gpus-per-node=0
+--cpus-per-task=1 train_slurm.sbatch --debug ...`` (one rank per node, one thread per rank: the two nodes share this
+machine's cores). Skipped, with the reason, where Slurm is not installed or cannot start.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rank_scripts.harness import ROOT, clean_env
+from slurm_cluster import Cluster, Job, missing
+
+pytestmark = pytest.mark.slurm
+SCRIPT = ROOT / "train_slurm.sbatch"
+JOB_TIMEOUT = 300.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+    found = Cluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        found.start()
+    except RuntimeError as e:
+        found.stop()
+        pytest.skip(f"Slurm did not come up on loopback: {e}")
+    yield found
+    found.stop()
+
+
+def submit(cluster: Cluster, tmp: Path, cache: Path, *flags: str, options: tuple[str, ...] = ()) -> Job:
+    """The job script on both nodes, as a user submits it; the run's folders in `tmp`, the token cache shared."""
+    return cluster.sbatch(
+        SCRIPT, ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", *options],
+        ["--debug", "--nproc", "1", "--master-addr", "127.0.0.1", "--log-dir", str(tmp / "logs"),
+         "--set", f"checkpoint.dir={tmp / 'ckpt'}", "--set", f"data.cache_dir={cache}", *flags],
+        output=tmp / "job.out", cwd=ROOT, env=clean_env(PYTHON=sys.executable, OMP_NUM_THREADS="1"))
+
+
+def job_processes(job: Job) -> list[psutil.Process]:
+    """The job's own processes (job script, supervisors, ranks): those with its SLURM_JOB_ID in their environment."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SLURM_JOB_ID") == job.id:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def wait_for_output(job: Job, pattern: str, timeout: float = JOB_TIMEOUT) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while not (found := re.search(pattern, job.text())):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {pattern!r} in job {job.id}'s output after {timeout:g} s:\n{job.text()[-4000:]}")
+        time.sleep(0.5)
+    return found
+
+
+def said_at(log: Path, text: str) -> datetime:
+    """When supervisor.log recorded `text` (its time stamps have whole seconds)."""
+    line = next(line for line in log.read_text().splitlines() if text in line)
+    return datetime.strptime(line[:19], "%Y-%m-%d %H:%M:%S")
+
+
+def test_both_nodes_train_to_the_end(cluster: Cluster, tmp_path: Path, token_cache_dir: Path) -> None:
+    job = submit(cluster, tmp_path, token_cache_dir, "--max-steps", "6")
+    info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_TIMEOUT)
+    out = job.text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-4000:]
+    for node in (0, 1):
+        assert f"SLURM_NODEID={node}, SLURM_JOB_NODELIST=n[1-2]): --nnodes 2 --node-rank {node} --master-port" in out
+    assert out.count("run finished") == 2 and "step 6/6" in out
+    assert "world size: 2 (gloo)" in out
+
+
+def test_the_time_limit_warning_checkpoints_requeues_and_resumes(cluster: Cluster, tmp_path: Path,
+                                                                 token_cache_dir: Path) -> None:
+    """``--time=3 --signal=USR1@90``: the warning comes while the ranks train (Slurm sends it up to a minute early, so
+    between 30 and 90 s into the job; each step is paced to at least 0.5 s, so the 160 steps cannot end first); every
+    rank checkpoints, both supervisors exit 138 and the job requeues itself. The test then gives the requeued job room
+    to finish (a longer time limit); its next allocation resumes from that checkpoint and trains to the end."""
+    job = submit(cluster, tmp_path, token_cache_dir, "--max-steps", "160", "--set", "debug.inject_fault=slow",
+                 "--set", "debug.inject_fault_step=1", "--set", "debug.inject_fault_delay_s=0.5",
+                 options=("--time=3", "--signal=USR1@90"))
+    cluster.wait(job, ("PENDING",), JOB_TIMEOUT, restarts=1)
+    assert psutil.wait_procs(job_processes(job), timeout=60)[1] == []  # the first allocation is over
+    first = job.text()
+    assert "SIGUSR1" in first and "requeueing job" in first, first[-4000:]
+    saves = re.findall(r"checkpoint saved: \S+/(step_\d+)", first)
+    assert saves, f"the warning came before the first checkpoint:\n{first[-4000:]}"
+    saved = saves[-1]
+    cluster.run("scontrol", "update", f"JobId={job.id}", "TimeLimit=15")
+    info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_TIMEOUT)
+    out = job.text()
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (info, out[-4000:])
+    assert f"resumed from {tmp_path / 'ckpt' / saved} at step {int(saved[5:])}" in out[len(first):]
+    assert "step 160/160" in out[len(first):]
+
+
+def test_scancel_leaves_no_process(cluster: Cluster, tmp_path: Path, token_cache_dir: Path) -> None:
+    job = submit(cluster, tmp_path, token_cache_dir, "--max-steps", "100000")
+    wait_for_output(job, r"Step \[2/")
+    processes = job_processes(job)
+    assert len(processes) >= 4  # the job script, srun, two supervisors, two ranks (and their shells)
+    cluster.run("scancel", job.id)
+    cluster.wait(job, ("CANCELLED",), 60)
+    gone, alive = psutil.wait_procs(processes, timeout=60)
+    assert alive == [] and job_processes(job) == [], [p.cmdline() for p in alive]
+
+
+def test_a_failing_rank_fails_the_job_naming_it(cluster: Cluster, tmp_path: Path, token_cache_dir: Path) -> None:
+    """Rank 1 (node 1's CPU0) exits 7 at step 3: node 1's supervisor names it, node 0's stops its rank within
+    seconds on hearing it, and the job fails with that exit code."""
+    job = submit(cluster, tmp_path, token_cache_dir, "--max-steps", "1000", "--set", "debug.inject_fault=exit",
+                 "--set", "debug.inject_fault_step=3", "--set", "debug.inject_fault_rank=1",
+                 "--set", "debug.inject_fault_code=7")
+    info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_TIMEOUT)
+    out = job.text()
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "7:0"), out[-4000:]
+    assert "CPU0 (rank 1, pid" in out and "failed with exit 7; stopping the other ranks" in out
+    assert "node 1: CPU0 failed with exit 7; stopping this node's ranks" in out
+    logs = {path.read_text().count("--node-rank 1"): path for path in (tmp_path / "logs").glob("*/supervisor.log")}
+    failed = said_at(logs[1], "failed with exit 7; stopping the other ranks")
+    heard = said_at(logs[0], "node 1: CPU0 failed with exit 7")
+    assert (heard - failed).total_seconds() <= 2
