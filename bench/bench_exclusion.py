@@ -29,17 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--debug", "--no-footer", "--grace-period", "30", "--max-restarts", "1",
-        "--set", "model.hidden_size=32", "--set", "model.num_layers=1", "--set", "model.num_heads=4",
-        "--set", "model.num_kv_heads=2", "--set", "model.ffn_hidden_size=64",
-        "--set", "model.max_position_embeddings=64", "--set", "data.source=stdlib", "--set", "data.vocab_size=300",
-        "--set", "data.context_length=32", "--set", "data.max_samples=40", "--set", "training.batch_size=2",
-        "--set", "training.grad_accum_nums=3", "--set", "training.max_steps=6", "--set", "training.warmup_steps=1",
-        "--set", "training.eval_interval=0", "--set", "checkpoint.interval=2", "--set", "checkpoint.save_final=false",
-        "--set", "logging.log_interval=1", "--set", "logging.plot=false",
-        "--set", "debug.inject_fault=gpu_lost", "--set", "debug.inject_fault_step=3",
-        "--set", "debug.inject_fault_rank=1", "--set", "debug.inject_fault_restart=0"]
+from bench_diagnosis import ROOT, TINY
+
+# bench_diagnosis's tiny run on 4 ranks (the later flag wins), with the accumulation a 4 → 3 regroup keeps exactly
+FLAGS = [*TINY, "--nproc", "4", "--max-restarts", "1", "--set", "training.batch_size=2",
+         "--set", "training.grad_accum_nums=3", "--set", "training.max_steps=6", "--set", "checkpoint.interval=2",
+         "--set", "logging.log_interval=1", "--set", "logging.plot=false",
+         "--set", "debug.inject_fault=gpu_lost", "--set", "debug.inject_fault_step=3",
+         "--set", "debug.inject_fault_rank=1", "--set", "debug.inject_fault_restart=0"]
 MARKS = [("fault", "fault injection: gpu_lost"), ("failure seen", "failed with exit 1"),
          ("group gone", "supervisor: restart 1 of 1"), ("resumed", "resumed from"),
          ("training again", "[all ranks] step 2/")]
@@ -51,7 +48,7 @@ def one_run(work: Path) -> dict[str, float]:
     state.write_text("{}")
     env = {"SUPERVISOR_FAKE_GPUS": "0,1,2,3", "SUPERVISOR_FAKE_GPU_STATE": str(state), "PATH": "/usr/bin:/bin",
            "PYTHONPATH": str(ROOT), "HOME": str(work)}
-    proc = subprocess.Popen([sys.executable, "-m", "supervisor", *TINY, "--log-dir", str(work / "logs"),
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor", *FLAGS, "--log-dir", str(work / "logs"),
                              "--set", f"data.cache_dir={json.dumps(str(work.parent / 'cache'))}",
                              "--set", f"checkpoint.dir={json.dumps(str(work / 'ckpt'))}"],
                             cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

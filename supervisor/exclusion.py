@@ -17,8 +17,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainer.config import Config
@@ -68,11 +69,16 @@ class Exclusion:
     gpus_after: list[int]  # the new layout: rank i on gpus_after[i]
     grad_accum_after: int
     global_batch_after: int
+    host: str = field(default_factory=socket.gethostname)  # where the GPU is: what a job script leaves out next time
 
     def line(self) -> str:
         return (f"GPU {self.gpu} excluded at {self.time} ({', '.join(self.evidence)}); restart {self.restart} on "
                 f"{gpus_phrase(self.gpus_after)}: accumulation {self.grad_accum_after}, global batch "
                 f"{self.global_batch_after}")
+
+    def short(self) -> str:
+        """For the live footer's title: which GPU, when, the first piece of evidence."""
+        return f"GPU {self.gpu} excluded at {self.time.split('T')[-1]} ({self.evidence[0]})"
 
 
 def gpus_phrase(gpus: list[int]) -> str:

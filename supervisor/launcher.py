@@ -219,7 +219,7 @@ class Launcher:
             if self.footer is not None:
                 self.footer.rows = watch.footer_rows
                 if restart:
-                    excluded = "".join(f" · GPU {e.gpu} excluded" for e in self.exclusions)
+                    excluded = "".join(f" · {e.short()}" for e in self.exclusions)
                     self.footer.title = f"run {plan.run_dir.name} · restart {restart}/{plan.max_restarts}{excluded}"
                 self.console.start_footer(lambda: self.footer)
             return watch.run()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,9 @@ from rank_scripts.harness import Run, clean_env, run
 from rank_support import TINY, history_losses, merged, set_flags, tiny_config
 from supervisor.diagnosis.gpu_fault import diagnose
 from supervisor.diagnosis.preflight import Health, check
-from supervisor.exclusion import gpus_phrase, regroup
+from supervisor.exclusion import Exclusion, gpus_phrase, regroup
 from trainer import loop
+from trainer.checkpoint import sample_order
 
 CUDA_ECC = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
 
@@ -79,6 +81,15 @@ def test_regroup_keeps_the_global_batch_where_the_numbers_divide() -> None:
                             "without the fault")
 
 
+
+def test_a_checkpoint_continues_the_same_order_on_another_split_of_its_global_batch() -> None:
+    def data(world_size: int, grad_accum: int, micro_batch_size: int = 2) -> dict[str, int]:
+        return {"seed": 7, "context_length": 32, "world_size": world_size, "grad_accum": grad_accum,
+                "micro_batch_size": micro_batch_size}
+
+    assert sample_order(data(4, 3)) == sample_order(data(3, 4)) == sample_order(data(1, 6, 4))
+    assert sample_order(data(4, 1)) != sample_order(data(3, 1))
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The supervisor's decisions, on the torch-free rank program
 
@@ -109,6 +120,8 @@ def test_each_gpu_fault_excludes_its_gpu_until_the_minimum_stops_the_run(tmp_pat
     assert [(e["gpu"], e["restart"], e["gpus_after"], e["evidence"][0]) for e in record] == [
         (1, 1, [0, 2, 3], "NVML: lost"), (2, 2, [0, 3], "NVML: lost")]
     assert record[0]["evidence"][1] == f"its error: {CUDA_ECC}"
+    assert record[0]["host"] == socket.gethostname()
+    assert Exclusion(**record[1]).short() == f"GPU 2 excluded at {record[1]['time'][11:]} (NVML: lost)"  # the footer's
     report = said[said.index("run failed after"):]
     assert "GPU fault: GPU 3 (NVML: lost" in report and "restarts: 2 of 5 used" in report
     assert re.search(r"GPU exclusions \(also in .*exclusions\.json\):\n.*  GPU 1 excluded at .*\n.*  GPU 2 excluded",

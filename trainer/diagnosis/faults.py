@@ -93,7 +93,10 @@ class FaultInjector:
                              f"on rank {d.inject_fault_rank}")
             else:
                 code = f" (code {d.inject_fault_code})" if d.inject_fault == "exit" else ""
-                parts.append(f"{d.inject_fault}{code} {self.where(d.inject_fault_step)} on rank {d.inject_fault_rank}")
+                group = {None: "", 0: " (first group only)"}.get(d.inject_fault_restart,
+                                                                  f" (after restart {d.inject_fault_restart} only)")
+                parts.append(f"{d.inject_fault}{code} {self.where(d.inject_fault_step)} on rank {d.inject_fault_rank}"
+                             f"{group}")
         return "fault injection ON: " + "; ".join(parts)
 
     def attach(self, model: torch.nn.Module) -> None:
