@@ -1,9 +1,9 @@
 """End to end, the fault matrix: every way a run can end badly × when it happens, through the real supervisor.
 
 Faults: a rank raises, exits 3, SIGKILLs itself, segfaults, hangs or loses its GPU (``debug.inject_fault``); or the
-supervisor itself gets SIGINT, SIGTERM or SIGKILL. Phases: the first step, mid-run, and while a checkpoint is being written
-(``debug.inject_fault_during=checkpoint``; for the supervisor's signals, rank 0 hangs inside that save and the signal
-arrives while it is stuck there). Each case runs ``python -m supervisor`` on 2 CPU ranks that pretend to be GPUs 0
+supervisor itself gets SIGINT, SIGTERM or SIGKILL. Phases: the first step, mid-run, and while a checkpoint is being
+written (``debug.inject_fault_during=checkpoint``; for the supervisor's signals, rank 0 hangs inside that save and the
+signal arrives while it is stuck there). Each case runs ``python -m supervisor`` on 2 CPU ranks that pretend to be GPUs 0
 and 1, and checks what must hold however a run ends:
 
 * nothing the supervisor started is left: every descendant pid seen while it ran is gone at the end;
@@ -128,7 +128,8 @@ class Case:
         if self.by_supervisor:
             return None
         if self.fault == "gpu_lost":
-            return f"GPU fault: GPU {self.fault_rank} (NVML: lost, its error: RuntimeError: CUDA error: uncorrectable ECC"
+            return (f"GPU fault: GPU {self.fault_rank} (NVML: lost, its error: RuntimeError: CUDA error: "
+                    f"uncorrectable ECC")
         return "program fault, not a GPU's: NVML finds the GPUs as they were at the start"
 
     def report_pattern(self) -> str:

@@ -190,7 +190,7 @@ def losing_run(tmp_path: Path, cache_dir: Path, gpus: int, accum: int, strategy:
 
 
 def logged_losses(log: str) -> dict[int, float]:
-    """Step → mean loss from rank 0's '[all ranks]' log lines (4 decimals), the last group's where a step ran twice."""
+    """Step → mean loss from rank 0's '[all ranks]' log lines (4 decimals); the last group's for a step run twice."""
     return {int(m[1]): float(m[2]) for m in re.finditer(r"\[all ranks\] step (\d+)/\d+ \| mean loss (\d+\.\d+)", log)}
 
 

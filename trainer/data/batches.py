@@ -6,7 +6,7 @@ order per epoch, a keyed permutation computed index by index (`WindowOrder`): no
 materialised, so a rank's private memory does not grow with the cache (an explicit permutation of 50 M windows would
 cost 400 MB in every rank).
 
-Positions. Optimizer step s consumes global samples [s·G, (s+1)·G) with G = world_size · grad_accum · micro_batch_size
+Positions. Optimizer step s consumes global samples [s·G, (s+1)·G), G = world_size · grad_accum · micro_batch_size
 (the global batch). Global sample p is window order_{p // W}(p mod W), W windows per epoch: epochs wrap with a fresh
 order. So a step's windows, and their order, are a function of the seed, the step and G alone, never of how many ranks
 share them: the ranks only split the step's G samples, rank r taking the contiguous slice at r·grad_accum·B and its
