@@ -189,11 +189,6 @@ def losing_run(tmp_path: Path, cache_dir: Path, gpus: int, accum: int, strategy:
                                         SUPERVISOR_FAKE_GPU_STATE=str(state)))
 
 
-def logged_losses(log: str) -> dict[int, float]:
-    """Step → mean loss from rank 0's '[all ranks]' log lines (4 decimals); the last group's for a step run twice."""
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"\[all ranks\] step (\d+)/\d+ \| mean loss (\d+\.\d+)", log)}
-
-
 @pytest.mark.parametrize("gpus, accum, strategy", [
     pytest.param(2, 1, "ddp", id="2to1-ddp"),
     pytest.param(4, 3, "ddp", id="4to3-ddp", marks=pytest.mark.slow),
@@ -204,8 +199,7 @@ def test_a_lost_gpu_is_left_out_and_training_goes_on_the_same(tmp_path: Path, to
                                                               strategy: str) -> None:
     """GPU 1 of `gpus` is lost at step 3; the run restarts without it, with the accumulation raised so the global batch
     stays, resumes step_000002 (DDP's full state, or FSDP2's shards resharded by DCP) and finishes with the losses of
-    the uninterrupted run: every step, the steps after the restart to REL_TOL, the earlier ones to the log's 4
-    decimals."""
+    the uninterrupted run, step for step (training_history.json keeps the first group's steps across the restart)."""
     global_accum = gpus * accum
     expected = reference_losses(tmp_path, token_cache_dir, global_accum)
     proc = losing_run(tmp_path, token_cache_dir, gpus, accum, strategy)
@@ -219,12 +213,8 @@ def test_a_lost_gpu_is_left_out_and_training_goes_on_the_same(tmp_path: Path, to
     assert f"resumed on {gpus - 1} × {new_accum}: the same global batch, the same batches" in out
     (run_dir,) = (tmp_path / "logs").iterdir()
     assert json.loads((run_dir / "config.restart1.json").read_text())["training"]["grad_accum_nums"] == new_accum
-    after = history_losses(run_dir)  # the restarted group's rank 0: steps 2..5
-    assert sorted(after) == list(range(FAULT_STEP - 1, STEPS))
-    for step, loss in after.items():
+    losses = history_losses(run_dir)  # steps 0-1 of the first group, 2-5 of the restarted one
+    assert sorted(losses) == list(range(STEPS))
+    for step, loss in losses.items():
         assert math.isclose(loss, expected[step], rel_tol=REL_TOL), (step, loss, expected[step])
-    logged = logged_losses((run_dir / "gpu0.log").read_text())
-    assert sorted(logged) == list(range(STEPS))
-    for step, loss in logged.items():
-        assert abs(loss - expected[step]) <= 5.1e-5, (step, loss, expected[step])
     assert "GPU exclusions (also in" in out and "GPU 1 excluded at" in out

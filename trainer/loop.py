@@ -348,6 +348,7 @@ class Trainer:
                                                   "tokens_per_step": self.tokens_per_step},
                                    tensorboard=self.cfg.logging.tensorboard, plot=self.cfg.logging.plot,
                                    wandb_run=start_wandb(self.cfg, self.run_dir) if self.cfg.logging.wandb else None)
+            self.history.continue_from(self.completed)
         status = "failed"
         try:
             status = self.train()
