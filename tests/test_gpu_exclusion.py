@@ -160,7 +160,8 @@ def test_min_gpus_is_checked_before_anything_starts(tmp_path: Path) -> None:
 MICRO_BATCH, STEPS, FAULT_STEP, INTERVAL = 2, 6, 3, 2  # resumed from step_000002, the fault's step run again
 # Losses agree to float summation order only: the gradients of the same 12 (or 4) micro-batches are summed in another
 # order (a gloo all-reduce over 4 or 3 ranks after 3 or 4 local accumulations, against one process accumulating them
-# all), which moves float32 sums by about 1e-7 relative per step; AdamW and 6 steps keep that far below 1e-5.
+# all), which moves float32 sums by about 1e-7 relative per step; AdamW and 6 steps keep that far below 1e-5. Measured:
+# 2 → 1 ranks bit-identical, 4 → 3 (DDP and FSDP2) at most 1.7e-7 relative.
 REL_TOL = 1e-5
 
 
