@@ -7,7 +7,17 @@ import signal
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 if __name__ == "__main__":
+    import sys
+
     from trainer.errors import exit_without_teardown
     from trainer.rank_cli import main
 
-    exit_without_teardown(main())  # everything the run owns (process groups, workers, files) is closed by now
+    try:
+        code = main()
+    except Exception:
+        # An uncaught error: its traceback as the interpreter prints it (through torch.distributed's "[rank<n>]:" hook)
+        # and its exit code 1, but without the interpreter's finalisation, which takes seconds with torch loaded: the
+        # supervisor sees the failure (a lost GPU's among them) that much sooner, and restarts that much sooner.
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    exit_without_teardown(code)  # everything the run owns (process groups, workers, files) is closed by now

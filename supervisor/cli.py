@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 
@@ -28,6 +28,8 @@ from supervisor.diagnosis import preflight
 from supervisor.console import Console
 from supervisor.control_wire import read_secret
 from supervisor.launcher import Launcher, run_folder_writes
+from supervisor.exclusion import default_min_gpus
+from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
 from trainer.checkpoint_layout import check_checkpoint_dir, earlier_run, find_resume
 from trainer.choices import cpu_refusal
@@ -74,7 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the allowance before the first step and during start-up, evaluation and checkpoint "
                              "phases (default 900)")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                        help="restart the group after a failure, resuming from the latest checkpoint (default 0)")
+                        help="restart the group after a failure, resuming from the latest checkpoint (default 0); "
+                             "after a GPU fault, without that GPU")
+    launch.add_argument("--no-gpu-exclusion", dest="gpu_exclusion", action="store_false",
+                        help="restart on the same GPUs even after a GPU fault (default: leave the faulty GPU out)")
+    launch.add_argument("--min-gpus", type=int, metavar="N",
+                        help="stop rather than restart on fewer GPUs than this after an exclusion (default: half "
+                             "the run's GPUs, rounded up)")
     launch.add_argument("--no-footer", action="store_true", help="no live footer on a terminal")
     launch.add_argument("--dry-run", action="store_true",
                         help="print parameters, tokens per step, FLOPs per token and the per-GPU memory estimate "
@@ -143,9 +151,19 @@ def check_fits_on_cpu(cfg: Config) -> None:
         raise UserError(refusal)
 
 
+@dataclass
+class Devices:
+    """What `choose_devices` decided: the physical GPU ids for this node's ranks (empty: CPU ranks), NVML's
+    preflight answers about them (the baseline a failure is compared with) and whether they are the test seam's."""
+
+    gpus: list[int]
+    preflight: dict[int, preflight.Health] = field(default_factory=dict)
+    fake: bool = False
+
+
 def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
-                   console_notes: list[str]) -> list[int]:
-    """The physical GPU ids for this node's ranks (empty: CPU ranks); sets system.device where the plan decides."""
+                   console_notes: list[str]) -> Devices:
+    """The devices for this node's ranks; sets system.device where the plan decides."""
     inventory = gpus.discover()
     forced_cpu = cfg.system.device == "cpu"
     if forced_cpu and args.gpus is not None:
@@ -158,8 +176,8 @@ def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
             console_notes += [f"--gpus auto skips GPU {g.index}: in use by {health[g.index].users()}" for g in busy]
     chosen = [] if forced_cpu else gpus.select(inventory, args.gpus, args.nproc)
     if chosen:
-        console_notes += preflight.refuse_busy(preflight.check([g.index for g in chosen], inventory.fake),
-                                               args.allow_busy_gpus)
+        health = preflight.check([g.index for g in chosen], inventory.fake)
+        console_notes += preflight.refuse_busy(health, args.allow_busy_gpus)
         if inventory.fake:
             cfg.system.device = "cpu"
             fake_ids = gpus.id_ranges([g.index for g in inventory.gpus])
@@ -167,14 +185,25 @@ def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
                                  f"CPU")
         if args.gpus is not None and args.gpus.strip() == "auto":
             console_notes.append("--gpus auto chose " + "; ".join(g.describe() for g in chosen))
-        return [g.index for g in chosen]
+        return Devices([g.index for g in chosen], health, inventory.fake)
     if trainer_entry:
         check_fits_on_cpu(cfg)
     cfg.system.device = "cpu"
     why = "system.device=cpu" if forced_cpu else "no GPU found"
     count = args.nproc or DEFAULT_CPU_RANKS
     console_notes.append(f"{why}: starting {count} CPU rank{'s' if count > 1 else ''} on gloo (--nproc N to change)")
-    return []
+    return Devices([])
+
+
+def check_min_gpus(args: argparse.Namespace, gpu_ids: list[int]) -> int:
+    """--min-gpus, checked against the GPUs the run got (default: half of them, rounded up)."""
+    if args.min_gpus is None:
+        return default_min_gpus(len(gpu_ids))
+    if not gpu_ids:
+        raise UserError(f"--min-gpus {args.min_gpus}: the run has no GPU (CPU ranks are never excluded)")
+    if not 1 <= args.min_gpus <= len(gpu_ids):
+        raise UserError(f"--min-gpus must be within 1-{len(gpu_ids)} (the run's GPUs), got {args.min_gpus}")
+    return args.min_gpus
 
 
 def create_run_dir(root: Path, preset: str) -> Path:
@@ -214,16 +243,18 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
         find_resume(cfg, notes)  # a --resume without a checkpoint: one error here, not a failure on every rank later
         earlier_run(cfg)  # a fresh start over an unfinished run: likewise
         check_checkpoint_dir(cfg)
-    gpu_ids = choose_devices(args, cfg, trainer_entry, notes)
-    ranks = node_ranks(gpu_ids, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)
+    devices = choose_devices(args, cfg, trainer_entry, notes)
+    min_gpus = check_min_gpus(args, devices.gpus)
+    ranks = node_ranks(devices.gpus, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)
     check_world_size(cfg, args.nnodes * len(ranks))
     run_dir = create_run_dir(Path(args.log_dir), cfg.preset)
     cfg.logging.run_dir = str(run_dir)
     return Plan(entry=entry, entry_args=entry_args, run_dir=run_dir, ranks=ranks, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
                 grace_period=args.grace_period, hang_timeout=args.hang_timeout,
-                startup_timeout=args.startup_timeout, max_restarts=args.max_restarts, prepare=not args.no_prepare,
-                footer=not args.no_footer)
+                startup_timeout=args.startup_timeout, max_restarts=args.max_restarts,
+                gpu_exclusion=args.gpu_exclusion, min_gpus=min_gpus, preflight=devices.preflight,
+                fake_gpus=devices.fake, prepare=not args.no_prepare, footer=not args.no_footer)
 
 
 def main(argv: list[str] | None = None) -> int:

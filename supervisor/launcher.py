@@ -9,6 +9,10 @@ starts again with a config that says ``checkpoint.resume=auto`` (``config.restar
 ``config.json``), so the ranks continue from the run's latest checkpoint; until the run has saved one, the group
 starts again as it first did (an earlier run's checkpoints in the folder are not this run's to resume). A user error
 (exit 2) and an interrupt are never restarted. Per-rank logs continue in the same files, after a marker line.
+
+After a failure on GPUs, `supervisor.diagnosis.gpu_fault` says whether a GPU or the program was at fault (console,
+supervisor.log, the report); a restart after a GPU fault leaves that GPU out (`supervisor.exclusion`), or stops when
+too few GPUs would be left.
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from supervisor import exclusion
 from supervisor.console import Console
 from supervisor.control_wire import read_secret
+from supervisor.diagnosis import gpu_fault, preflight
 from supervisor.diagnosis.culprit import make_pipe, recorder_pipe
-from supervisor.plan import Plan
+from supervisor.exclusion import Exclusion
+from supervisor.plan import Plan, node_ranks
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import TOKEN_ENV, Reaper
 from supervisor.rendezvous import PortReservation
@@ -55,6 +63,8 @@ def run_folder_writes(run_dir: Path) -> Iterator[None]:
 class Launcher:
     def __init__(self, plan: Plan, cfg: Config, console: Console) -> None:
         self.plan, self.cfg, self.console = plan, cfg, console
+        self.exclusions: list[Exclusion] = []
+        self.verdict: gpu_fault.Verdict | None = None  # the last failure's diagnosis (GPU runs only)
         self.footer: Any = None  # supervisor.footer.Footer, in terminal mode only (rich loads only then)
         if console.terminal:
             from supervisor.footer import Footer
@@ -89,17 +99,27 @@ class Launcher:
                     self.console.say(f"{signal.Signals(pending).name}: not restarting; no rank is running")
                     return 128 + pending
                 result = self.run_group(config, restarts, signals, reaper, control)
+                self.verdict = self.diagnose(result)
                 if result.exit_code == 0 or not result.restartable or restarts >= self.plan.max_restarts:
                     break
-                restarts += 1
                 assert result.stop is not None
+                layout = ""
+                if self.verdict is not None and self.verdict.gpu_fault:
+                    if not self.plan.gpu_exclusion:
+                        layout = "; GPU exclusion is off (--no-gpu-exclusion): on the same GPUs"
+                    elif (stop_line := self.exclude(self.verdict, restarts + 1, result)) is not None:
+                        self.console.say(stop_line, style="bold red")
+                        break
+                    else:
+                        layout = f"; on {exclusion.gpus_phrase(self.plan.gpus)}"
+                restarts += 1
                 # another --entry keeps its checkpoints where the supervisor cannot see them: it is told to resume
                 saved = self.checkpoints() != before or not self.plan.trainer_entry
                 config = self.write_config(restarts, "auto" if saved else self.cfg.checkpoint.resume)
                 self.console.say(f"restart {restarts} of {self.plan.max_restarts} after {result.stop.detail}; "
                                  + ("the ranks resume from this run's latest checkpoint" if saved else
-                                    "no checkpoint of this run yet: the ranks start again as the first time"),
-                                 style="bold yellow")
+                                    "no checkpoint of this run yet: the ranks start again as the first time")
+                                 + layout, style="bold yellow")
             self.console.stop_footer()
             self.report(result, restarts, time.monotonic() - started)
             if control is not None and result.exit_code == 0:
@@ -126,6 +146,44 @@ class Launcher:
         state = "built" if info.built else "ready"
         self.console.say(f"dataset {state}: {info.tokens:,} training tokens in {info.path}")
         check_resume(self.cfg, info.key, info.vocab_size)  # other data or another model: refused before any rank
+
+    def diagnose(self, result: GroupResult) -> gpu_fault.Verdict | None:
+        """After a failure or a stall on GPUs: a GPU's fault or the program's, and on what evidence (said at once)."""
+        stop = result.stop
+        if stop is None or stop.reason not in ("failure", "hang") or not self.plan.gpus:
+            return None
+        failing = stop.worker.spec if stop.worker is not None else None
+        tail = result.tails.get(failing.rank) if failing is not None else None
+        now = preflight.check(self.plan.gpus, self.plan.fake_gpus)
+        verdict = gpu_fault.diagnose(stop.exit_code, failing.gpu if failing is not None else None,
+                                     tail.tail.decode(errors="replace") if tail is not None else "",
+                                     self.plan.preflight, now)
+        self.console.say(verdict.line(), style="bold red" if verdict.gpu_fault else "bold")
+        return verdict
+
+    def exclude(self, verdict: gpu_fault.Verdict, restart: int, result: GroupResult) -> str | None:
+        """Leave the faulty GPUs out of the next group: a new plan and, for the same global batch, a new
+        accumulation. Returns the line that stops the run instead when fewer than --min-gpus would be left."""
+        plan = self.plan
+        left = [gpu for gpu in plan.gpus if gpu not in verdict.faulty]
+        named = ", ".join(map(str, verdict.faulty))
+        if len(left) < plan.min_gpus:
+            return (f"not restarting: without GPU {named} the run would have {len(left)} GPU"
+                    f"{'s' * (len(left) != 1)}, fewer than the minimum of {plan.min_gpus} (--min-gpus)")
+        old_world = plan.world_size
+        self.plan = replace(plan, ranks=node_ranks(left, 0, plan.node_rank))
+        self.cfg, change = exclusion.restart_config(self.cfg, self.plan.world_size, old_world)
+        failed = result.stop.worker.spec.rank if result.stop is not None and result.stop.worker else None
+        stamp, accum = exclusion.now(), self.cfg.training.grad_accum_nums
+        global_batch = self.cfg.training.batch_size * accum * self.plan.world_size
+        for gpu, evidence in verdict.faulty.items():
+            self.exclusions.append(Exclusion(gpu, stamp, restart, failed, evidence, left, accum, global_batch))
+            self.console.say(self.exclusions[-1].line(), style="bold yellow")
+        exclusion.record(plan.run_dir, self.exclusions)
+        ranks = f"{self.plan.world_size} rank{'s' * (self.plan.world_size != 1)}"
+        self.console.say(change.note or f"the global batch stays {global_batch} sequences: accumulation {accum} on "
+                                        f"{ranks}", style="bold yellow")
+        return None
 
     def checkpoints(self) -> dict[Path, int]:
         """The published checkpoints in checkpoint.dir, each with its meta.json's modification time: what changed
@@ -177,7 +235,8 @@ class Launcher:
             if self.footer is not None:
                 self.footer.rows = watch.footer_rows
                 if restart:
-                    self.footer.title = f"run {plan.run_dir.name} · restart {restart}/{plan.max_restarts}"
+                    excluded = "".join(f" · {e.short()}" for e in self.exclusions)
+                    self.footer.title = f"run {plan.run_dir.name} · restart {restart}/{plan.max_restarts}{excluded}"
                 self.console.start_footer(lambda: self.footer)
             return watch.run()
         except BaseException:
@@ -195,8 +254,8 @@ class Launcher:
 
     def report(self, result: GroupResult, restarts: int, total: float) -> None:
         if result.exit_code == 0:
-            self.console.say(success_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total),
-                             style="bold green")
+            self.console.say(success_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total,
+                                            self.exclusions), style="bold green")
         else:
-            self.console.say(failure_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total),
-                             style="bold red")
+            self.console.say(failure_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total,
+                                            self.verdict, self.exclusions), style="bold red")

@@ -13,13 +13,14 @@ from pathlib import Path
 
 from supervisor.control_wire import SECRET_ENV
 from supervisor.diagnosis.culprit import recorder_pipe
+from supervisor.diagnosis.preflight import Health
 from supervisor.rendezvous import loopback_interface
 from trainer.config import PROJECT_ROOT
 from trainer.diagnosis.flight_recorder import PIPE_ENV
+from trainer.progress import RESTART_COUNT_ENV
 
 TRAINER_ENTRY = "pretrain_main.py"
 RUN_CONFIG_ENV = "SUPERVISOR_RUN_CONFIG"  # every rank: the resolved config of its attempt
-RESTART_COUNT_ENV = "SUPERVISOR_RESTART_COUNT"  # every rank: 0 for the first group, n for the n-th restart
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per rank: a few steps' worth, enough to see who fell behind
 
 
@@ -53,6 +54,10 @@ class Plan:
     hang_timeout: float = 300.0  # 0 disables the watchdog
     startup_timeout: float = 900.0
     max_restarts: int = 0
+    gpu_exclusion: bool = True  # a restart after a GPU fault leaves that GPU out (supervisor.exclusion)
+    min_gpus: int = 1  # fewer GPUs than this after an exclusion: the run stops instead
+    preflight: dict[int, Health] = field(default_factory=dict)  # NVML before the start: a failure's baseline
+    fake_gpus: bool = False  # SUPERVISOR_FAKE_GPUS: NVML's answers come from the test seam, or from nowhere
     prepare: bool = True  # build the token cache before starting ranks
     footer: bool = True  # the live footer, when the console is a terminal
     python: str = field(default_factory=lambda: sys.executable)
@@ -61,6 +66,11 @@ class Plan:
     def trainer_entry(self) -> bool:
         """The project's own rank program gets ``--run-config``; any other entry gets only the args after ``--``."""
         return self.entry.name == TRAINER_ENTRY
+
+    @property
+    def gpus(self) -> list[int]:
+        """The physical GPU ids of this node's ranks, in rank order (empty for CPU ranks)."""
+        return [spec.gpu for spec in self.ranks if spec.gpu is not None]
 
     @property
     def local_world_size(self) -> int:

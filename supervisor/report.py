@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from supervisor.diagnosis.gpu_fault import Verdict
+from supervisor.exclusion import EXCLUSIONS_FILE, Exclusion
 from supervisor.watch import GroupResult
 from supervisor.worker import describe_exit
 
@@ -52,16 +54,27 @@ def progress_line(result: GroupResult) -> str | None:
     return text
 
 
-def failure_report(result: GroupResult, run_dir: Path, restarts: int, max_restarts: int, total: float) -> str:
+def exclusion_lines(exclusions: list[Exclusion], run_dir: Path) -> list[str]:
+    """The GPUs a fault took out of the run, and the layout each restart went on with."""
+    if not exclusions:
+        return []
+    return [f"GPU exclusions (also in {run_dir / EXCLUSIONS_FILE}):", *(f"  {e.line()}" for e in exclusions)]
+
+
+def failure_report(result: GroupResult, run_dir: Path, restarts: int, max_restarts: int, total: float,
+                   verdict: Verdict | None = None, exclusions: list[Exclusion] | None = None) -> str:
     stop = result.stop
     assert stop is not None
     verb = {"interrupt": "interrupted", "remote": "stopped"}.get(stop.reason, "failed")
     lines = [f"run {verb} after {duration(total)}: {stop.detail}"]
+    if verdict is not None:
+        lines.append(verdict.line())
     if stop.evidence:
         lines.append("stall evidence (flight records and main-thread stacks):")
         lines += [f"  {line}" for line in stop.evidence]
     if max_restarts:
         lines.append(f"restarts: {restarts} of {max_restarts} used")
+    lines += exclusion_lines(exclusions or [], run_dir)
     lines += rank_table(result)
     if stop.worker is not None:
         tail = result.tails[stop.worker.spec.rank].tail_lines(TAIL_LINES) if stop.worker.spec.rank in result.tails \
@@ -84,10 +97,11 @@ def fallout_lines(result: GroupResult, run_dir: Path) -> list[str]:
             if w.spec.rank in result.tails and (count := result.tails[w.spec.rank].muted_lines)]
 
 
-def success_report(result: GroupResult, run_dir: Path, restarts: int, max_restarts: int, total: float) -> str:
+def success_report(result: GroupResult, run_dir: Path, restarts: int, max_restarts: int, total: float,
+                   exclusions: list[Exclusion] | None = None) -> str:
     text = f"run finished in {duration(total)}"
     progress = progress_line(result)
     text += f": {progress}" if progress else " (no progress reported)"
     if max_restarts:
         text += f"; {restarts} of {max_restarts} restarts used"
-    return f"{text}; logs in {run_dir}/"
+    return "\n".join([f"{text}; logs in {run_dir}/", *exclusion_lines(exclusions or [], run_dir)])

@@ -57,13 +57,15 @@ def test_rank_shards_are_disjoint_and_complete() -> None:
 
 
 def test_global_batch_does_not_depend_on_how_it_is_split() -> None:
+    """4 ranks x 3 micro-steps, 3 x 4 and 1 x 12 (x 2 sequences = 24 per step) read the same windows, and in the same
+    order rank by rank, micro-step by micro-step: what a restart on fewer GPUs with the same global batch relies on."""
     tokens = np.arange(500 * 8 + 1, dtype=np.uint32)
-    two_ranks = samplers(tokens, world_size=2, grad_accum=2)  # 2 x 2 x 2 = 8 per step
-    one_rank = samplers(tokens, world_size=1, grad_accum=4)  # 1 x 4 x 2 = 8 per step
-    for step in (0, 5, 61):
-        a = sorted(w for s in two_ranks for m in range(2) for w in s.windows(step, m).tolist())
-        b = sorted(w for s in one_rank for m in range(4) for w in s.windows(step, m).tolist())
-        assert a == b
+    layouts = [samplers(tokens, world_size=ranks, grad_accum=24 // 2 // ranks) for ranks in (4, 3, 1)]
+    for step in (0, 5, 62):  # step 62 straddles an epoch's end (500 windows)
+        batches = [[w for s in ranks for m in range(s.grad_accum) for w in s.windows(step, m).tolist()]
+                   for ranks in layouts]
+        assert batches[0] == batches[1] == batches[2]
+        assert len(batches[0]) == 24
 
 
 def test_resume_is_exact() -> None:

@@ -1,21 +1,23 @@
 """End to end, the fault matrix: every way a run can end badly × when it happens, through the real supervisor.
 
-Faults: a rank raises, exits 3, SIGKILLs itself, segfaults or hangs (``debug.inject_fault``); or the supervisor itself
-gets SIGINT, SIGTERM or SIGKILL. Phases: the first step, mid-run, and while a checkpoint is being written
-(``debug.inject_fault_during=checkpoint``; for the supervisor's signals, rank 0 hangs inside that save and the signal
-arrives while it is stuck there). Each case runs ``python -m supervisor`` on 2 CPU ranks that pretend to be GPUs 0
+Faults: a rank raises, exits 3, SIGKILLs itself, segfaults, hangs or loses its GPU (``debug.inject_fault``); or the
+supervisor itself gets SIGINT, SIGTERM or SIGKILL. Phases: the first step, mid-run, and while a checkpoint is being
+written (``debug.inject_fault_during=checkpoint``; for the supervisor's signals, rank 0 hangs inside that save and the
+signal arrives while it is stuck there). Each case runs ``python -m supervisor`` on 2 CPU ranks that pretend to be GPUs 0
 and 1, and checks what must hold however a run ends:
 
 * nothing the supervisor started is left: every descendant pid seen while it ran is gone at the end;
 * the exit code: the rank's own (1, 3, 128 + signal), 124 for a hang, 130 / 143 for SIGINT / SIGTERM;
-* the report names the GPU (except after SIGKILL: nothing is left to write it);
+* the report names the GPU (except after SIGKILL: nothing is left to write it), and after a rank's fault says whether
+  the GPU or the program was at fault (the fake NVML state, ``SUPERVISOR_FAKE_GPU_STATE``: only ``gpu_lost`` changes
+  it);
 * every published checkpoint is complete and the latest loads; a save cut short is never published;
 * ``--resume auto`` then continues from the latest checkpoint (or from step 0 where there is none) and completes.
 
 A run costs about ten seconds on two cores, most of it two ranks importing torch, so CI runs CI_CASES (every phase at
 least once per kind of ending: a rank's exception, exit, SIGKILL and hang; the supervisor's Ctrl-C) with the resume
 leg where a checkpoint exists to resume from, once mid-run and once after a save cut short (RESUMED_IN_CI; with none,
-`--resume auto` is a fresh start, tests/test_checkpoint.py). The other 19 cases are marked slow (``-m slow``), and
+`--resume auto` is a fresh start, tests/test_checkpoint.py). The other 22 cases are marked slow (``-m slow``), and
 there every case resumes. A segfault, the supervisor's SIGTERM and its SIGKILL stay in CI through other files: the
 segfault through tests/test_supervisor_failures.py, SIGTERM to the supervisor and its checkpoint-and-resume through
 test_supervisor_signals.py, test_rank_e2e.py and test_slurm.py (SIGUSR1), its SIGKILL through test_supervisor_signals.py.
@@ -46,7 +48,8 @@ from rank_support import TINY, merged, set_flags
 from small_disk import fill, small_disk
 from trainer import checkpoint, checkpoint_layout
 
-RANK_FAULTS = {"raise": 1, "exit": 3, "sigkill": 128 + signal.SIGKILL, "segv": 128 + signal.SIGSEGV, "hang": 124}
+RANK_FAULTS = {"raise": 1, "exit": 3, "sigkill": 128 + signal.SIGKILL, "segv": 128 + signal.SIGSEGV, "hang": 124,
+               "gpu_lost": 1}
 SUPERVISOR_SIGNALS = {"SIGINT": 130, "SIGTERM": 143, "SIGKILL": -signal.SIGKILL}  # SIGKILL: Popen's view
 PHASES = ("first", "mid", "checkpoint")
 
@@ -126,12 +129,22 @@ class Case:
             return {n for n in anywhere if n >= SIGNAL_AFTER_STEP // INTERVAL * INTERVAL}
         return {n for n in anywhere if n > SIGNAL_AFTER_STEP}  # the graceful stop's own checkpoint
 
+    def diagnosis(self) -> str | None:
+        """The line that says whose fault it was (the supervisor's own signals have none)."""
+        if self.by_supervisor:
+            return None
+        if self.fault == "gpu_lost":
+            return (f"GPU fault: GPU {self.fault_rank} (NVML: lost, its error: RuntimeError: CUDA error: "
+                    f"uncorrectable ECC")
+        return "program fault, not a GPU's: NVML finds the GPUs as they were at the start"
+
     def report_pattern(self) -> str:
         if self.fault == "hang":
             return rf"GPU{self.fault_rank} \(rank {self.fault_rank}\) stalled .* by flight recorder\)"
         if self.by_supervisor:
             return rf"run interrupted after .*: interrupted by {self.fault}"
-        described = {"raise": "exit 1", "exit": "exit 3", "sigkill": "SIGKILL (137)", "segv": "SIGSEGV (139)"}
+        described = {"raise": "exit 1", "exit": "exit 3", "sigkill": "SIGKILL (137)", "segv": "SIGSEGV (139)",
+                     "gpu_lost": "exit 1"}
         return rf"GPU{self.fault_rank} \(rank {self.fault_rank}\) failed: {re.escape(described[self.fault])}"
 
 
@@ -204,8 +217,11 @@ def supervise(case: Case, tmp_path: Path, cache_dir: Path, resume: bool = False)
         wait_for(case.signal_cue(), log, proc, RUN_TIMEOUT)
         proc.send_signal(getattr(signal, case.fault))
 
+    state = tmp_path / "gpu_state.json"  # the fake NVML state: healthy until gpu_lost marks a GPU lost
+    if not state.exists():
+        state.write_text("{}")
     return run_supervisor(flags(case, tmp_path, cache_dir, resume), tmp_path, "resume.txt" if resume else "run.txt",
-                          clean_env(SUPERVISOR_FAKE_GPUS="0,1"),
+                          clean_env(SUPERVISOR_FAKE_GPUS="0,1", SUPERVISOR_FAKE_GPU_STATE=str(state)),
                           signal_at_cue if case.by_supervisor and not resume else None)
 
 
@@ -250,6 +266,8 @@ def test_fault(case: Case, tmp_path: Path, token_cache_dir: Path) -> None:
         for rank in (0, 1):  # the report's table names both devices
             assert re.search(rf"^supervisor:\s+GPU{rank}\s+{rank}\s+\d+\s", out, re.M), out[-4000:]
         assert f"exit code {case.exit_code}; logs in" in out
+    if (diagnosis := case.diagnosis()) is not None:
+        assert f"supervisor: {diagnosis}" in out, out[-4000:]
     latest = check_checkpoints(case, tmp_path / "ckpt")
 
     if not case.resumes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -161,6 +162,25 @@ def test_checkpoint_fault_fires_only_inside_the_checkpoint_after_its_step() -> N
     here.during_checkpoint(1)
     with pytest.raises(RuntimeError, match="injected fault during the checkpoint after step 2 on rank 1"):
         here.during_checkpoint(2)
+
+
+def test_gpu_lost_marks_the_gpu_lost_and_dies_with_cudas_error(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    state = tmp_path / "gpu_state.json"
+    state.write_text('{"0": {"ecc_uncorrectable": 1}}')
+    monkeypatch.setenv("SUPERVISOR_FAKE_GPU_STATE", str(state))
+    monkeypatch.setenv("GPU_RANK", "2")
+    debug = DebugConfig(inject_fault="gpu_lost", inject_fault_step=1, inject_fault_rank=1, inject_fault_restart=0)
+    faults = FaultInjector(debug, rank=1)
+    assert faults.describe() == "fault injection ON: gpu_lost at step 1 on rank 1 (first group only)"
+    faults.before_step(0)
+    with pytest.raises(RuntimeError, match=r"^CUDA error: uncorrectable ECC error encountered \(injected at step 1"):
+        faults.before_step(1)
+    assert json.loads(state.read_text()) == {"0": {"ecc_uncorrectable": 1}, "2": {"lost": True}}
+    monkeypatch.setenv("SUPERVISOR_RESTART_COUNT", "1")  # the group after the restart: the fault was the first's
+    later = FaultInjector(debug, rank=1)
+    assert later.describe() is None
+    later.before_step(1)
 
 
 # A one-process run that saves a checkpoint after every step, with a fault set to fire inside the save after step 1.

@@ -97,5 +97,21 @@ def test_history_that_cannot_be_written_is_a_warning(tmp_path: Path, caplog: pyt
     assert not list(tmp_path.glob("**/*.tmp*"))
 
 
+def test_a_restarted_group_continues_the_history_of_its_run_folder(tmp_path: Path) -> None:
+    first = History(tmp_path, {"preset": "debug"}, plot=False)
+    for step in range(4):  # saved up to step 3; the group that resumes step_000002 runs steps 2 and 3 again
+        first.add(StepRecord(step=step, loss=5.0 - step))
+    first.save("failed")
+    again = History(tmp_path, {"preset": "debug"}, plot=False)
+    again.continue_from(2)
+    again.add(StepRecord(step=2, loss=2.5))
+    again.save("completed")
+    assert [(r["step"], r["loss"]) for r in json.loads((tmp_path / HISTORY_JSON).read_text())["steps"]] == [
+        (0, 5.0), (1, 4.0), (2, 2.5)]
+    fresh = History(tmp_path / "elsewhere", {"preset": "debug"}, plot=False)
+    fresh.continue_from(2)  # nothing there to continue
+    assert fresh.records == []
+
+
 def test_memory_field_of_the_summary_line() -> None:
     assert memory_part(int(41.6 * 1024**3), 80 * 1024**3) == "mem 41.6 GiB (52 %)"

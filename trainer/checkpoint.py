@@ -100,6 +100,13 @@ def data_position(cfg: Config, world_size: int) -> dict[str, int]:
             "grad_accum": cfg.training.grad_accum_nums, "context_length": cfg.data.context_length}
 
 
+def sample_order(data: dict[str, int]) -> tuple[int, int, int]:
+    """What, with the step, decides which windows a step trains on (`trainer.data.batches`): the seed, the window
+    length and the global batch. How the ranks split a step's windows (world size, accumulation, micro-batch) does
+    not, so a run resumed on fewer ranks with the same global batch continues the same order."""
+    return data["seed"], data["context_length"], data["world_size"] * data["grad_accum"] * data["micro_batch_size"]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Checking a checkpoint against the run
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.progress import restart_count
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RUNS_DIR = Path("logs")  # where run folders go, under the working directory: the supervisor's and by hand
@@ -120,9 +121,10 @@ class DebugConfig:
     inject_nan_step: int | None = None
     inject_nan_rank: int = 0
     inject_nan_module: str | None = None
-    inject_fault: str | None = None  # raise | exit | sigkill | segv | hang | slow | oom
+    inject_fault: str | None = None  # raise | exit | sigkill | segv | hang | slow | oom | gpu_lost
     inject_fault_step: int | None = None
     inject_fault_rank: int = 0
+    inject_fault_restart: int | None = None  # fire only in this group (0: the first, n: the n-th restart); None: all
     inject_fault_code: int = 1
     inject_fault_during: str = "step"  # step (at its start) | checkpoint (inside the save that follows it)
     inject_fault_delay_s: float = 0.2  # slow: the sleep before every step from inject_fault_step on
@@ -178,7 +180,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.gradient_checkpointing": ("none", "selective", "full"),
     "model.attention_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "logging.level": ("DEBUG", "INFO", "WARNING"),
-    "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang", "slow", "oom"),
+    "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang", "slow", "oom", "gpu_lost"),
     "debug.inject_fault_during": ("step", "checkpoint"),
 }
 
@@ -270,6 +272,7 @@ BOUNDS: dict[str, Bound] = {
     "debug.inject_nan_rank": NON_NEGATIVE,
     "debug.inject_fault_step": NON_NEGATIVE,
     "debug.inject_fault_rank": NON_NEGATIVE,
+    "debug.inject_fault_restart": NON_NEGATIVE,  # 0: the first group
     "debug.inject_fault_code": Bound(0, 255),  # an exit status
     "debug.inject_fault_delay_s": Bound(0, 86400, low_open=True),
 }
@@ -531,9 +534,12 @@ def check_injection(d: DebugConfig, max_steps: int | None = None) -> None:
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
-    """Injection aimed at a rank the run does not have would silently never fire; known once the ranks are planned."""
+    """Injection aimed at a rank the run does not have would silently never fire; known once the ranks are planned. A
+    fault meant for another group of the run (`debug.inject_fault_restart`) is not this group's to check: after a GPU
+    is excluded, the group that lost it is gone."""
     d = cfg.debug
-    for kind, on in (("nan", d.inject_nan_step is not None), ("fault", d.inject_fault_step is not None)):
+    fault_here = d.inject_fault_step is not None and d.inject_fault_restart in (None, restart_count())
+    for kind, on in (("nan", d.inject_nan_step is not None), ("fault", fault_here)):
         rank = getattr(d, f"inject_{kind}_rank")
         if on and rank >= world_size:
             raise UserError(f"debug.inject_{kind}_rank {rank} is outside the run's {world_size} "

@@ -228,9 +228,14 @@ class Trainer:
             self.last_saved = meta.step  # already on disk where this run saves: no need to write it again
         if self.ctx.is_main:
             self.log.info(f"resumed from {path} at step {meta.step}")
-            if meta.data != checkpoint.data_position(self.cfg, self.ctx.world_size):
+            here = checkpoint.data_position(self.cfg, self.ctx.world_size)
+            if checkpoint.sample_order(meta.data) != checkpoint.sample_order(here):
                 self.log.warning(f"the data settings changed since {path} ({meta.data}); "
                                  f"batches will not continue the original order")
+            elif meta.data != here:
+                self.log.info(f"{path} was written by {meta.world_size} ranks × accumulation "
+                              f"{meta.data['grad_accum']}, resumed on {self.ctx.world_size} × {self.accum}: the same "
+                              f"global batch, the same batches")
 
     def banner(self) -> None:
         labels = gather_objects(f"{device_label(self.device.type == 'cuda')} ({self.device_name})", self.ctx)
@@ -346,6 +351,7 @@ class Trainer:
                                                   "tokens_per_step": self.tokens_per_step},
                                    tensorboard=self.cfg.logging.tensorboard, plot=self.cfg.logging.plot,
                                    wandb_run=start_wandb(self.cfg, self.run_dir) if self.cfg.logging.wandb else None)
+            self.history.continue_from(self.completed)
         status = "failed"
         try:
             status = self.train()

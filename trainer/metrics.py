@@ -151,6 +151,16 @@ class History:
 
             self.writer = SummaryWriter(str(run_dir / TENSORBOARD_DIR))
 
+    def continue_from(self, step: int) -> None:
+        """A group restarted in the same run folder (the supervisor's --max-restarts) resumes at `step`: keep the
+        records before it from the history the earlier group saved, so that training_history.json and its plot show
+        the run's whole curve, not the last group's part of it."""
+        try:
+            steps = json.loads((self.run_dir / HISTORY_JSON).read_text())["steps"]
+            self.records = [StepRecord(**r) for r in steps if r["step"] < step] + self.records
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # none (a resume into a new folder) or unreadable: this group's records only
+
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
         scalars = {f"train/{name}" if name != "val_loss" else "val/loss": value

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass
 
 PROGRESS_FD_ENV = "SUPERVISOR_PROGRESS_FD"
+RESTART_COUNT_ENV = "SUPERVISOR_RESTART_COUNT"  # every rank: 0 for the first group, n for the n-th restart
 MAX_RECORD_BYTES = 512
 
 
@@ -77,6 +78,12 @@ class ProgressReporter:
 def gpu_id() -> str | None:
     """The physical GPU id this rank owns (``GPU_RANK``), None for CPU ranks and unlabelled runs."""
     return os.environ.get("GPU_RANK")
+
+
+def restart_count() -> int:
+    """Which group of the run this rank belongs to: 0 for the first, n after the n-th restart (0 outside the
+    supervisor)."""
+    return int(os.environ.get(RESTART_COUNT_ENV) or 0)
 
 
 def device_label(uses_cuda: bool) -> str:

@@ -3,6 +3,8 @@
 * `culprit` — on a stall: which rank holds the others up, from the flight recorder's sequence numbers and the stacks;
 * `stragglers` — during a run: a rank persistently slower than the others, from the per-step times ranks report;
 * `oom` — after a rank ran out of memory: the headline and the fixes, from the rank's report file;
-* `preflight` — before a run: GPUs busy with another process, uncorrectable ECC errors, pending page retirements,
-  clock throttling (NVML, or the ``SUPERVISOR_FAKE_GPU_STATE`` test seam).
+* `preflight` — before a run: GPUs busy with another process, lost GPUs, uncorrectable ECC errors, pending page
+  retirements, clock throttling (NVML, or the ``SUPERVISOR_FAKE_GPU_STATE`` test seam);
+* `gpu_fault` — after a failure: a GPU's fault or the program's, from what NVML says changed since the preflight and
+  the failing rank's CUDA error text.
 """

@@ -1,24 +1,25 @@
-"""Preflight: what NVML says about each chosen GPU before any rank starts.
+"""Preflight: what NVML says about each chosen GPU before any rank starts (and, after a failure, again: the
+comparison `gpu_fault` draws its evidence from).
 
-Per GPU: the compute processes already on it (pid, name, memory), uncorrectable ECC errors since the driver loaded,
-retired pages waiting for a reboot, and a clock-throttle reason in force (thermal or power slowdown). A GPU another
+Per GPU: whether NVML can still reach it (a GPU that fell off the bus is *lost*), the compute processes already on it
+(pid, name, memory), uncorrectable ECC errors since the driver loaded, retired pages waiting for a reboot, and a
+clock-throttle reason in force (thermal or power slowdown). A GPU another
 process uses is *busy*: the run refuses it (``error:``, exit 2) unless ``--allow-busy-gpus``, and ``--gpus auto``
 skips it. The other findings are warnings: the run goes on, and the operator knows which GPU to suspect.
 
 Test seam: ``SUPERVISOR_FAKE_GPU_STATE=<file.json>`` (with ``SUPERVISOR_FAKE_GPUS``) replaces NVML's answers:
 ``{"1": {"processes": [{"pid": 4242, "name": "python", "used_mib": 2048}], "ecc_uncorrectable": 3,
-"retired_pages_pending": true, "throttle": ["HW_SLOWDOWN"]}}``; GPUs it does not name are healthy.
+"retired_pages_pending": true, "throttle": ["HW_SLOWDOWN"], "lost": false}}``; GPUs it does not name are healthy
+(`trainer.diagnosis.fake_gpu_state`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
+from trainer.diagnosis.fake_gpu_state import FAKE_STATE_ENV, read_state
 from trainer.errors import UserError
-
-FAKE_STATE_ENV = "SUPERVISOR_FAKE_GPU_STATE"
 MIB = 1 << 20
 THROTTLE_REASONS = {  # NVML's clocks-event bits that mean the GPU runs slower than it should
     0x8: "HW_SLOWDOWN", 0x20: "SW_THERMAL_SLOWDOWN", 0x40: "HW_THERMAL_SLOWDOWN", 0x80: "HW_POWER_BRAKE_SLOWDOWN",
@@ -39,6 +40,7 @@ class Health:
     ecc_uncorrectable: int = 0
     retired_pages_pending: bool = False
     throttle: tuple[str, ...] = field(default_factory=tuple)
+    lost: bool = False  # NVML answers GPU_IS_LOST: the GPU fell off the bus and nothing else about it can be read
 
     @property
     def busy(self) -> bool:
@@ -46,6 +48,8 @@ class Health:
 
     def warnings(self) -> list[str]:
         out = []
+        if self.lost:
+            out.append(f"GPU {self.index}: lost (NVML cannot reach it; a GPU reset or a reboot brings it back)")
         if self.ecc_uncorrectable:
             out.append(f"GPU {self.index}: {self.ecc_uncorrectable} uncorrectable ECC errors since the driver loaded")
         if self.retired_pages_pending:
@@ -61,7 +65,7 @@ class Health:
 
 def fake_health(path: str, indices: list[int]) -> dict[int, Health]:
     try:
-        data = json.loads(open(path).read())
+        data = read_state(path)
         out = {}
         for index in indices:
             g = data.get(str(index), {})
@@ -69,7 +73,8 @@ def fake_health(path: str, indices: list[int]) -> dict[int, Health]:
                                      int(p["used_mib"]) * MIB if p.get("used_mib") is not None else None)
                           for p in g.get("processes", []))
             out[index] = Health(index, procs, int(g.get("ecc_uncorrectable", 0)),
-                                bool(g.get("retired_pages_pending", False)), tuple(g.get("throttle", ())))
+                                bool(g.get("retired_pages_pending", False)), tuple(g.get("throttle", ())),
+                                bool(g.get("lost", False)))
         return out
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise UserError(f"{FAKE_STATE_ENV}={path}: {e}") from None
@@ -98,7 +103,12 @@ def nvml_health(indices: list[int]) -> dict[int, Health]:
     pynvml.nvmlInit()
     try:
         for index in indices:
-            h = pynvml.nvmlDeviceGetHandleByIndex(index)
+            try:
+                h = pynvml.nvmlDeviceGetHandleByIndex(index)
+                pynvml.nvmlDeviceGetMemoryInfo(h)  # the cheapest query that reaches the GPU itself
+            except pynvml.NVMLError_GpuIsLost:
+                out[index] = Health(index, lost=True)
+                continue
             procs = tuple(GpuProcess(p.pid, process_name(p.pid), p.usedGpuMemory)
                           for p in ask(pynvml.nvmlDeviceGetComputeRunningProcesses, h, default=[]) or []
                           if p.pid != os.getpid())

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainer.diagnosis import fake_gpu_state
 from trainer.progress import ProgressReporter
 
 
@@ -28,7 +29,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.02)
     p.add_argument("--startup-time", type=float, default=0.0, help="silence before the first step")
     p.add_argument("--chatter", type=int, default=0, help="bytes of stdout per step, on every rank but --fail-rank")
-    p.add_argument("--fail", choices=["raise", "exit", "sigkill", "segv", "hang"])
+    p.add_argument("--fail", choices=["raise", "exit", "sigkill", "segv", "hang", "gpu_lost"],
+                   help="gpu_lost: the rank's GPU reads as lost in the fake NVML state, and it dies with CUDA's error")
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--fail-step", type=int, default=3)
     p.add_argument("--code", type=int, default=3, help="exit code for --fail exit")
@@ -148,6 +150,9 @@ def fault(args: argparse.Namespace) -> None:
     if args.fail == "hang":
         while True:
             time.sleep(3600)
+    if args.fail == "gpu_lost":
+        fake_gpu_state.mark(os.environ[fake_gpu_state.FAKE_STATE_ENV], int(os.environ["GPU_RANK"]), lost=True)
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Deterministic, rank-sharded training batches read straight from the token memmap.
+"""Deterministic training batches read straight from the token memmap: each step's global batch, split among ranks.
 
 The token stream is cut into non-overlapping windows of `context_length` tokens; a sample is a window plus the token
 after it (for the label shift), so the inputs cover every token once per epoch. Windows are visited in a pseudo-random
@@ -6,10 +6,13 @@ order per epoch, a keyed permutation computed index by index (`WindowOrder`): no
 materialised, so a rank's private memory does not grow with the cache (an explicit permutation of 50 M windows would
 cost 400 MB in every rank).
 
-Positions. Optimizer step s consumes global samples [s·G, (s+1)·G) with G = world_size · grad_accum · micro_batch_size.
-Inside a step, rank r owns the contiguous slice starting at r·grad_accum·B, and micro-step m the B samples at m·B in it.
-Global sample p is window order_{p // W}(p mod W), W windows per epoch: epochs wrap with a fresh order. Everything is
-a pure function of (seed, step, micro_step, rank), so a resumed run continues exactly where it stopped.
+Positions. Optimizer step s consumes global samples [s·G, (s+1)·G), G = world_size · grad_accum · micro_batch_size
+(the global batch). Global sample p is window order_{p // W}(p mod W), W windows per epoch: epochs wrap with a fresh
+order. So a step's windows, and their order, are a function of the seed, the step and G alone, never of how many ranks
+share them: the ranks only split the step's G samples, rank r taking the contiguous slice at r·grad_accum·B and its
+micro-step m the B samples at m·B in it (`positions`). Rank by rank, micro-step by micro-step, the slices are the
+global batch in order; 4 ranks × accumulation 3 read the same 12 micro-batches as 3 ranks × 4, or one process × 12.
+A resumed run continues exactly where it stopped, on another world size too when G stays (`supervisor.exclusion`).
 
 Reading ahead (`training.num_workers`). `StepLoader` hands the loop one step's micro-batches at a time. With 0 workers
 it reads them in the calling thread; with N it runs a torch DataLoader over `StepBatches`, a map-style dataset whose

@@ -8,5 +8,6 @@
 * `oom_report` — what a rank that ran out of memory leaves for the supervisor;
 * `flight_recorder` — dumping PyTorch's record of collectives when the supervisor asks, at a stall;
 * `step_timer` — the per-step times the straggler detector compares;
-* `faults` — fault injection (crash, hang, NaN, slow, out of memory) to rehearse all of the above.
+* `faults` — fault injection (crash, hang, NaN, slow, out of memory, a lost GPU) to rehearse all of the above;
+* `fake_gpu_state` — the fake NVML state file: the test seam the supervisor reads and the `gpu_lost` fault writes.
 """

@@ -7,8 +7,8 @@ Two kinds, both off by default and set with ``--set debug.<key>=<value>``:
   rank. Multiplying (rather than overwriting) keeps the autograd graph, so the NaN flows on through the rest of the
   forward pass *and* back through backward into the gradients, as a real overflow would. Only training-mode forwards
   are touched, so an evaluation run at the same step stays clean.
-* **Process faults** — ``inject_fault`` (``raise | exit | sigkill | segv | hang | slow | oom``), ``inject_fault_step``,
-  ``inject_fault_rank`` and ``inject_fault_code`` (the exit status for ``exit``). By default
+* **Process faults** — ``inject_fault`` (``raise | exit | sigkill | segv | hang | slow | oom | gpu_lost``),
+  ``inject_fault_step``, ``inject_fault_rank`` and ``inject_fault_code`` (the exit status for ``exit``). By default
   (``inject_fault_during=step``) they fire at the start of that optimizer step, before its first micro-batch, so
   every other rank is left waiting in that step's collectives — exactly the situation the supervisor has to detect
   and clean up. With ``inject_fault_during=checkpoint`` they fire instead inside the checkpoint save that follows that
@@ -17,6 +17,12 @@ Two kinds, both off by default and set with ``--set debug.<key>=<value>``:
   Two kinds rehearse the operator's diagnoses rather than a crash: ``slow`` sleeps ``inject_fault_delay_s`` before
   every step from ``inject_fault_step`` on (a straggler), and ``oom`` raises ``torch.OutOfMemoryError`` from a forward
   hook on the model in that step (as the caching allocator would), so the out-of-memory report runs on CPU ranks too.
+  ``gpu_lost`` rehearses a GPU fault: the rank dies with the CUDA error a broken device gives, and its GPU reads as
+  lost in the fake NVML state from then on (``SUPERVISOR_FAKE_GPU_STATE``, `fake_gpu_state`), so the supervisor's
+  diagnosis and exclusion run on CPU ranks that pretend to be GPUs.
+
+``inject_fault_restart`` limits a process fault to one group of a supervised run (0: the first, n: after the n-th
+restart, `trainer.progress.restart_count`); by default it fires in every group that reaches its step.
 
 Steps are the loop's own step numbers (whatever ``before_step`` and ``during_checkpoint`` are called with).
 """
@@ -35,7 +41,13 @@ from typing import Any
 import torch
 
 from trainer.config import DebugConfig, check_injection
+from trainer.diagnosis import fake_gpu_state
 from trainer.errors import UserError
+from trainer.progress import gpu_id, restart_count
+
+# What CUDA reports once a device's memory has failed (cudaErrorECCUncorrectable), in PyTorch's words; one of the
+# texts `supervisor.diagnosis.gpu_fault` takes for a device that is gone
+GPU_LOST_ERROR = "CUDA error: uncorrectable ECC error encountered"
 
 
 def poison(output: Any) -> Any:
@@ -61,7 +73,8 @@ class FaultInjector:
         self.rank = rank
         self.step: int | None = None
         self.nan_on = debug.inject_nan_module is not None or debug.inject_nan_step is not None
-        self.fault_on = debug.inject_fault is not None or debug.inject_fault_step is not None
+        self.fault_on = (debug.inject_fault is not None or debug.inject_fault_step is not None) and \
+            debug.inject_fault_restart in (None, restart_count())
         check_injection(debug)  # the config's own validation ran it too; a DebugConfig built by hand may not have
         self.enabled = self.nan_on or self.fault_on
         self.hook: torch.utils.hooks.RemovableHandle | None = None
@@ -80,12 +93,15 @@ class FaultInjector:
                              f"on rank {d.inject_fault_rank}")
             else:
                 code = f" (code {d.inject_fault_code})" if d.inject_fault == "exit" else ""
-                parts.append(f"{d.inject_fault}{code} {self.where(d.inject_fault_step)} on rank {d.inject_fault_rank}")
+                group = {None: "", 0: " (first group only)"}.get(d.inject_fault_restart,
+                                                                  f" (after restart {d.inject_fault_restart} only)")
+                parts.append(f"{d.inject_fault}{code} {self.where(d.inject_fault_step)} on rank {d.inject_fault_rank}"
+                             f"{group}")
         return "fault injection ON: " + "; ".join(parts)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook the named module of the *unwrapped* model (before DDP/FSDP, whose wrappers change the names)."""
-        if self.debug.inject_fault == "oom" and self.rank == self.debug.inject_fault_rank:
+        if self.fault_on and self.debug.inject_fault == "oom" and self.rank == self.debug.inject_fault_rank:
             model.register_forward_pre_hook(self._raise_oom)
         if not self.nan_on:
             return
@@ -110,6 +126,13 @@ class FaultInjector:
         if module.training and self.step == self.debug.inject_fault_step and self.debug.inject_fault_during == "step":
             raise torch.OutOfMemoryError(f"injected out-of-memory error at step {self.step} on rank {self.rank}")
 
+    def lose_gpu(self, where: str) -> None:
+        """Mark this rank's GPU lost in the fake NVML state (when the test seam is on), then fail as CUDA does."""
+        state, gpu = os.environ.get(fake_gpu_state.FAKE_STATE_ENV), gpu_id()
+        if state and gpu is not None:
+            fake_gpu_state.mark(state, int(gpu), lost=True)
+        raise RuntimeError(f"{GPU_LOST_ERROR} (injected {where} on rank {self.rank})")
+
     def where(self, step: int | None) -> str:
         """Where the process fault fires, in the words the banner and the fault's own message use."""
         if self.debug.inject_fault_during == "checkpoint":
@@ -120,7 +143,8 @@ class FaultInjector:
         """Record the step for the NaN hook; fire a step fault when this is its step and rank."""
         self.step = step
         d = self.debug
-        if d.inject_fault == "slow" and self.rank == d.inject_fault_rank and step >= (d.inject_fault_step or 0):
+        if (self.fault_on and d.inject_fault == "slow" and self.rank == d.inject_fault_rank
+                and step >= (d.inject_fault_step or 0)):
             time.sleep(d.inject_fault_delay_s)
         elif d.inject_fault_during == "step":
             self._fire_if_due(step)
@@ -147,6 +171,8 @@ class FaultInjector:
             # faulthandler's helper raises a real SIGSEGV (so a registered faulthandler prints the stack);
             # reading address 0 is the fallback where the private helper is missing
             getattr(faulthandler, "_sigsegv", lambda: ctypes.string_at(0))()
+        if d.inject_fault == "gpu_lost":
+            self.lose_gpu(where)
         if d.inject_fault == "hang":
             while True:  # no progress, no exit; a SIGTERM handler that only sets a flag does not end it
                 time.sleep(3600)
