@@ -2,11 +2,13 @@
 C++ that it compiles at the first forward, and a rank whose C++ compiler does not exist fails there as a node without
 one does (`CXX=/nonexistent`; its own, fresh inductor cache, so nothing compiled earlier hides the compiler's absence).
 
-* two CPU ranks where only rank 0 fails (rank 1 compiles with dynamo's `eager` backend, which needs no compiler),
-  `system.compile=auto` having chosen compiled layers as it does on a GPU: both go back to eager, rank 0 alone logs
-  one warning naming rank 0 and the cause, and both train their steps;
-* by hand, `system.compile=true` on such a node: one `error:` line, exit 2 (slow: a whole rank's start-up); what
-  every rank makes of the ranks' outcomes (`verdict`), and what counts as the compiler's failure.
+* in this process, a model of two compiled blocks whose compiler is not there: `auto` goes back to eager with one
+  warning and trains, `true` raises the UserError (a few seconds: the default tier);
+* slow: two CPU ranks through the real loop where only rank 0 fails (rank 1 compiles with dynamo's `eager` backend,
+  which needs no compiler), `auto` having chosen compiled layers as on a GPU: both go back to eager, rank 0 alone
+  logs one warning naming rank 0 and the cause, both train their steps; and by hand, `system.compile=true` on such a
+  node: one `error:` line, exit 2;
+* what every rank makes of the ranks' outcomes (`verdict`), and what counts as the compiler's failure.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -74,6 +77,7 @@ def worker(rank: int, folder: Path, cache_dir: Path, tokenizer: Path) -> None:
     (folder / f"outcome-{rank}.json").write_text(json.dumps(outcome))
 
 
+@pytest.mark.slow
 def test_a_compiler_missing_on_one_rank_sends_every_rank_eager(tmp_path: Path, token_cache_dir: Path) -> None:
     spawn_ranks(worker, tmp_path, token_cache_dir)
     outcomes = [json.loads((tmp_path / f"outcome-{rank}.json").read_text()) for rank in (0, 1)]
@@ -84,6 +88,67 @@ def test_a_compiler_missing_on_one_rank_sends_every_rank_eager(tmp_path: Path, t
     [warning] = outcomes[0]["warnings"]
     assert warning.startswith(f"torch.compile failed on CPU0 (rank 0): {CAUSE}"), warning
     assert "every rank trains eager instead (system.compile=auto" in warning
+
+
+class Block(torch.nn.Module):
+    """A decoder layer's stand-in: its element-wise tail is a C++ kernel for inductor on a CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(self.proj(x)) * 1.375
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("setting", ["auto", True])
+def test_a_compiler_that_is_not_there_on_a_rank(setting: bool | str, tmp_path: Path, token_cache_dir: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process, on a one-member group: inductor asked to build its C++ kernels with a compiler that does not
+    exist (what CXX=/nonexistent sets) fails inside the first forward; `check` goes back to eager with one warning
+    (auto) or stops with the UserError (true)."""
+    import torch._inductor.config as inductor
+
+    from trainer.compile_check import check
+    from trainer.distributed import init_distributed, teardown
+    from trainer.model import compile_layers
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GPU_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    cfg = tiny_config(tmp_path, token_cache_dir, system={"compile": setting})
+    model = Stack()
+    compile_layers(model)
+    log, warnings = logging.getLogger("compile-check-test"), Warnings()
+    log.addHandler(warnings)
+    ctx = init_distributed(cfg)
+    try:
+        with inductor.patch({"cpp.cxx": (None, "/nonexistent"), "fx_graph_cache": False}):
+            if setting is True:
+                with pytest.raises(UserError, match=re.escape(f"torch.compile failed on CPU0 (rank 0): {CAUSE}")):
+                    check(lambda: model(torch.randn(4, 8, requires_grad=True)).sum().backward(), cfg, ctx, model, log)
+                return
+            assert not check(lambda: model(torch.randn(4, 8, requires_grad=True)).sum().backward(), cfg, ctx, model,
+                             log)
+        assert all(layer._compiled_call_impl is None for layer in model.layers)
+        model(torch.randn(4, 8)).sum().backward()  # eager now, with no compiler
+        [warning] = warnings.lines
+        assert warning.startswith(f"torch.compile failed on CPU0 (rank 0): {CAUSE}"), warning
+    finally:
+        teardown()
+        log.removeHandler(warnings)
+        torch.compiler.reset()
 
 
 def test_true_stops_every_rank_alike_and_auto_warns_once() -> None:
