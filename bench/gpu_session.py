@@ -128,6 +128,7 @@ def prepare(anchor: Path) -> None:
                     *(pin for name, pin in pinned.items() if name not in BUILT_HERE)], check=True)
     subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), *(pinned[name] for name in BUILT_HERE)], check=True)
     (ROOT / ANCHORS).mkdir(exist_ok=True)
+    (ROOT / ANCHORS / ANCHOR).unlink(missing_ok=True)  # an earlier copy may be read-only, as its source is
     shutil.copy2(anchor, ROOT / ANCHORS / ANCHOR)
     exclude = ignore_locally(ROOT)
     print(f"wrote {wheels} ({', '.join(sorted(p.name for p in wheels.glob('*.whl')))}) and {ROOT / ANCHORS / ANCHOR}; "
@@ -177,7 +178,7 @@ def install(step: Step) -> dict[str, str]:
                         "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, group)], check=True)
     sites = [str(target) for target, _ in chosen]
     sys.path[:0] = sites  # for the versions in the summary
-    path = os.pathsep.join(filter(None, [*sites, os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [*sites, str(ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
 
 
