@@ -39,14 +39,6 @@ if TYPE_CHECKING:
     from supervisor.control import ControlChannel
 
 
-def interrupt_once(signum: int, frame: Any) -> None:
-    """SIGINT while the dataset is prepared: the first interrupts it (KeyboardInterrupt); any later one is ignored, so
-    that an impatient second Ctrl-C cannot cut short what follows (the build's clean-up, which waits for the batch
-    being encoded, the sentinel's dismissal, the exit) and print a traceback from the middle of it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt
-
-
 class Launcher:
     def __init__(self, plan: Plan, cfg: Config, console: Console) -> None:
         self.plan, self.cfg, self.console = plan, cfg, console
@@ -194,3 +186,11 @@ class Launcher:
         else:
             self.console.say(failure_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total),
                              style="bold red")
+
+
+def interrupt_once(signum: int, frame: Any) -> None:
+    """SIGINT while the dataset is prepared: the first interrupts it (KeyboardInterrupt); any later one is ignored, so
+    that an impatient second Ctrl-C cannot cut short what follows (the build's clean-up, which waits for the batch
+    being encoded, the sentinel's dismissal, the exit) and print a traceback from the middle of it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
