@@ -82,7 +82,7 @@ def test_a_stage_stops_at_its_deadline_and_keeps_what_the_parts_wrote(tmp_path: 
     stuck = gpu_session.Part("stuck", ("{python}", "-c", "import signal, time; signal.signal(signal.SIGINT, "
                                        "signal.SIG_IGN); print('started', flush=True); time.sleep(60)"))
     began = time.monotonic()
-    outcomes = gpu_session.run_stage("check", (quick, stuck), tmp_path, clean_env(), began + 3.0, grace=1.0)
+    outcomes = gpu_session.run_stage("check", (quick, stuck), tmp_path, clean_env(), began + 2.0, grace=0.5)
     assert time.monotonic() - began < 15
     assert [(o.part.name, o.code) for o in outcomes] == [("quick", 3), ("stuck", None)]
     assert (tmp_path / "check-quick.txt").read_text() == "done\n"
