@@ -32,6 +32,7 @@ from textbook_loop import parse_anchor_line  # noqa: E402  (beside this file)
 GIB = 2**30
 RUN_KINDS = ("eager", "compiled", "shipped")  # the rank's rows, the choices of --runs
 ANCHOR_LABEL = "textbook loop (anchors/gpu_textbook_loop.py)"
+CONSOLES = "bench_gpu_consoles.txt"  # with --out: every rank run's console, appended
 
 
 @dataclass(frozen=True)
@@ -258,6 +259,10 @@ def rank_throughput(job: RankJob, shape: Shape, opts: Options) -> Result:
            *job.flags]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
+    if opts.out is not None:  # the console as a user sees it (rank 0's MFU lines, the compile time), beside the tables
+        opts.out.mkdir(parents=True, exist_ok=True)
+        with (opts.out / CONSOLES).open("a") as consoles:
+            consoles.write(f"== {run.shape} {run.name}: {' '.join(cmd[1:])}\n{done.stdout}{done.stderr}\n")
     if not Path(job.cfg.checkpoint.dir).is_absolute():  # under `work`: gone, while the next run needs the disk
         shutil.rmtree(work / job.cfg.checkpoint.dir, ignore_errors=True)
     if done.returncode != 0:

@@ -2,7 +2,8 @@
 
 Order matters in `run`: the sentinel (`Reaper`) is forked first, while the supervisor has no other thread; then
 the supervisor makes itself a child subreaper; then the dataset is prepared (Ctrl-C there is an ordinary
-KeyboardInterrupt, no rank exists yet); only then do signals become loop events.
+KeyboardInterrupt, no rank exists yet, and a second Ctrl-C is ignored while it unwinds); only then do signals become
+loop events.
 
 Restarts (``--max-restarts N``): after a failure or a hang, and once every process of the group is gone, the group
 starts again with a config that says ``checkpoint.resume=auto`` (``config.restart<n>.json`` beside
@@ -78,6 +79,7 @@ class Launcher:
         started = time.monotonic()
         try:
             become_subreaper()
+            signal.signal(signal.SIGINT, interrupt_once)
             try:
                 self.prepare()
             except KeyboardInterrupt:
@@ -259,3 +261,11 @@ class Launcher:
         else:
             self.console.say(failure_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total,
                                             self.verdict, self.exclusions), style="bold red")
+
+
+def interrupt_once(signum: int, frame: Any) -> None:
+    """SIGINT while the dataset is prepared: the first interrupts it (KeyboardInterrupt); any later one is ignored, so
+    that an impatient second Ctrl-C cannot cut short what follows (the build's clean-up, which waits for the batch
+    being encoded, the sentinel's dismissal, the exit) and print a traceback from the middle of it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt

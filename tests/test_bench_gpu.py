@@ -72,7 +72,9 @@ def test_smoke_mode_writes_the_tables(tmp_path: Path, token_cache_dir: Path) -> 
                  "--cache-dir", str(token_cache_dir), cwd=tmp_path)
     pieces = [out / "bench_gpu_training_smoke_eager-shipped.md", out / "bench_gpu_ablation_smoke.md",
               out / "bench_gpu_cache.md"]
-    assert sorted(out.iterdir()) == sorted([out / "bench_gpu.md", *pieces])
+    assert sorted(out.iterdir()) == sorted([out / "bench_gpu.md", out / gpu_runs.CONSOLES, *pieces])
+    consoles = (out / gpu_runs.CONSOLES).read_text()  # the 4 rank runs' consoles: 2 training rows, 2 ablation rows
+    assert len(re.findall(r"^== smoke rank", consoles, re.M)) == 4 and "Step [" in consoles, consoles[-2000:]
     text = (out / "bench_gpu.md").read_text()
     assert text.strip() == done.stdout.strip() == "\n\n".join(p.read_text().strip() for p in pieces)
     assert "| run | tokens/s | MFU | peak memory | rank / loop |" in text

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,18 @@ def test_allocation_failures_outside_the_caching_allocator_count_as_out_of_memor
     assert is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
     assert not is_out_of_memory(RuntimeError("Connection closed by peer [127.0.0.1]:61328"))
     assert not is_out_of_memory(ValueError("CUDA out of memory"))
+
+
+def test_host_memory_refused_to_a_cpu_rank_is_out_of_memory() -> None:
+    """A real refusal by torch's CPU allocator (4 EiB: refused at once, nothing is touched), and its headline."""
+    import torch
+
+    with pytest.raises(RuntimeError) as refused:
+        torch.empty(2**62, dtype=torch.uint8)
+    assert is_out_of_memory(refused.value)
+    assert is_out_of_memory(MemoryError())
+    report = replace(oom_report("ddp", "none"), label="CPU1", rank=1, allocated=None, reserved=None, peak=None,
+                     total=None, message=str(refused.value).splitlines()[0])
+    assert oom.headline(report).startswith("CPU1 (rank 1) ran out of memory at step 0: host memory, 4294967296.00 GiB "
+                                           "asked for at once; the dry run estimated 61.00 GiB per GPU. Fixes, in "
+                                           "order: 1) lower --batch-size")

@@ -3,7 +3,7 @@
 * a hang on rank 1: the headline names GPU1 and says GPU0 waits for it (flight recorder), and every rank is gone
   within 3 s of the stall being detected (stalled ranks are SIGKILLed, not given the grace period);
 * an out-of-memory error on rank 1: one headline with the GPU, the step and the fixes, exit code 99, no traceback on
-  the console (it is in the rank's report file);
+  the console (it is in the rank's report file); a plain CPU rank refused host memory, the same;
 * a rank slowed down from step 5 is named as a straggler, and a normal run names none.
 """
 
@@ -16,6 +16,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from process_tree import watching
 from rank_scripts.harness import clean_env
@@ -36,7 +38,7 @@ class Outcome:
 
 
 def supervise(tmp_path: Path, cache_dir: Path, debug: dict[str, object], steps: int, *extra: str,
-              env: dict[str, str] | None = None) -> Outcome:
+              env: dict[str, str] | None = None, fake_gpus: str = "0,1") -> Outcome:
     layer = merged(TINY, {"system": {"device": "auto"}, "data": {"cache_dir": str(cache_dir)},
                           "training": {"max_steps": steps}, "checkpoint": {"dir": str(tmp_path / "ckpt")},
                           "debug": debug})
@@ -45,7 +47,7 @@ def supervise(tmp_path: Path, cache_dir: Path, debug: dict[str, object], steps: 
             *set_flags(layer), *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "supervisor", *args], cwd=tmp_path,
-                                env=clean_env(SUPERVISOR_FAKE_GPUS="0,1", **(env or {})), stdout=out,
+                                env=clean_env(SUPERVISOR_FAKE_GPUS=fake_gpus, **(env or {})), stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     with watching(proc) as tree:
         deadline, detected = time.monotonic() + RUN_TIMEOUT, None
@@ -94,6 +96,22 @@ def test_oom_headline_and_exit_code(tmp_path: Path, token_cache_dir: Path) -> No
     report = OomReport.load(run.run_dir, "GPU1")
     assert report is not None and report.step == 2 and "OutOfMemoryError" in report.traceback
     assert f"exit code {OOM_EXIT_CODE}; logs in" in out
+
+
+@pytest.mark.slow
+def test_a_cpu_rank_out_of_host_memory_is_an_oom(tmp_path: Path, token_cache_dir: Path) -> None:
+    """A real allocation failure on a plain CPU rank: a feed-forward layer 2^34 wide asks torch's CPU allocator for
+    2 TiB at once (refused at once, nothing touched)."""
+    run = supervise(tmp_path, token_cache_dir, {}, 2, "--nproc", "1", "--set", "system.device=cpu",
+                    "--set", f"model.ffn_hidden_size={2**34}", fake_gpus="")
+    out = run.output
+    assert run.code == OOM_EXIT_CODE, out[-4000:]
+    assert re.search(r"run failed after .*: CPU0 \(rank 0\) ran out of memory before the first step: host memory, "
+                     r"2048\.00 GiB asked for at once; the dry run estimated [\d.]+ GiB per GPU\. Fixes, in order: "
+                     r"1\) lower --batch-size", out), out[-4000:]
+    assert "Traceback" not in out
+    report = OomReport.load(run.run_dir, "CPU0")
+    assert report is not None and "DefaultCPUAllocator: can't allocate memory" in report.message
 
 
 def test_straggler_named(tmp_path: Path, token_cache_dir: Path) -> None:

@@ -1,14 +1,20 @@
-"""Signals to the supervisor: Ctrl-C, SIGTERM, SIGHUP, a second Ctrl-C, SIGKILL. Nothing may survive any of them."""
+"""Signals to the supervisor: Ctrl-C, SIGTERM, SIGHUP, a second Ctrl-C, SIGKILL, Ctrl-C again and again while the
+dataset is built. Nothing may survive any of them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from rank_scripts.harness import start, survivors
+from process_tree import watching
+from rank_scripts.harness import clean_env, start, survivors
+from trainer.data.staging import BUILD_PREFIX
 
 CHILDREN = ("--children", "2", "--escaped-child")
 
@@ -92,3 +98,35 @@ def test_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
     assert time.monotonic() - stopped >= 0.5, "SIGKILL came before the grace period ended"
     assert r.stderr.count("killed (SIGKILL)") == 2
     assert survivors(pids, timeout=0.5) == []
+
+
+def test_ctrl_c_again_and_again_while_the_dataset_is_built(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) every 2 ms from the start of tokenizing until the supervisor
+    is gone: the first interrupts the build, the others must not cut its clean-up short (it waits for the batch being
+    encoded, then dismisses the sentinel): exit 130, one line saying so, no traceback, nothing left behind."""
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "--debug", "--no-footer", "--log-dir", str(tmp_path / "logs"),
+         "--set", f"data.cache_dir={cache}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"],
+        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        start_new_session=True)
+    with watching(proc) as tree:
+        seen = b""
+        while b"tokenizing" not in seen and (chunk := os.read(proc.stdout.fileno(), 4096)):
+            seen += chunk
+        assert b"tokenizing" in seen, seen.decode()
+        interrupts = 0
+        while proc.poll() is None and interrupts < 10_000:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            interrupts += 1
+            time.sleep(0.002)
+        out = (seen + proc.stdout.read()).decode(errors="replace")
+        code = proc.wait(timeout=10)
+        tree.stop()
+        assert tree.survivors(timeout=2.0) == []
+    assert interrupts > 1, out  # the clean-up took longer than one interval: later Ctrl-Cs arrived during it
+    assert code == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    assert out.count("interrupted during dataset preparation; no rank was started") == 1, out
+    assert not list(cache.rglob(f"{BUILD_PREFIX}*")), "a cache build was left half-way"

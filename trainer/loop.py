@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, checkpoint_layout
+from trainer import checkpoint, checkpoint_layout, compile_check
 from trainer.choices import compile_enabled
 from trainer.config import Config, check_world_size
 from trainer.data.batches import BatchSampler, StepLoader
@@ -158,7 +158,7 @@ class Trainer:
         self.model = wrap_model(CausalLMLoss(module, self.loss.kind), cfg, ctx, self.precision.dtype)
         self.loss_module = unwrap(self.model)  # evaluation skips DDP (no gradients to synchronise)
         self.module = module  # the transformers model: checkpoints, the NaN guard, save_pretrained
-        self.first_step: tuple[int, float] | None = None  # with torch.compile: (the first step, its seconds)
+        self.first_step: tuple[int, float] | None = None  # with torch.compile: (the first step, its compile trial's s)
         self.compile_reported = False
         self.parameters = count_parameters(self.module)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -273,6 +273,28 @@ class Trainer:
             return host, host
         host = host.pin_memory()  # a no-op for a batch the loader's workers delivered already pinned
         return host, host.to(self.device, non_blocking=True)
+
+    def compile_trial(self, step: int) -> None:
+        """Where torch.compile compiles, apart from any step (trainer.compile_check): the first micro-batch of `step`
+        forward and backward without gradient synchronisation, its gradients dropped. Decides `self.compiled` for the
+        run alike on every rank and times the compilation for the log."""
+        self.progress.phase("compile")
+        started = time.perf_counter()
+
+        def trial() -> None:
+            batch = torch.from_numpy(self.sampler.get(step, 0)).to(self.device)
+            try:
+                with gradient_sync(self.model, enabled=False), self.attention_context():
+                    with self.precision.autocast(self.device):
+                        loss = self.model(batch)
+                    loss.backward()
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+
+        self.compiled = compile_check.check(trial, self.cfg, self.ctx, self.module, self.log)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.first_step = (step, time.perf_counter() - started)
 
     def train_step(self, step: int) -> StepOutput:
         self.timer.start()
@@ -402,13 +424,10 @@ class Trainer:
         """One turn of the loop: the step, evaluation, logging, an interval checkpoint, and the stop vote (cast at the
         start, read at the end). True when every rank agreed to stop now."""
         cfg = self.cfg
+        if self.compiled and self.first_step is None:
+            self.compile_trial(step)
         vote.cast(self.stop.requested)
-        started = time.perf_counter()
         out = self.train_step(step)
-        if self.compiled and self.first_step is None:  # this run's first step also compiled the layers
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self.first_step = (step, time.perf_counter() - started)
         val_loss = None
         last = self.completed == self.total
         if self.val_sampler is not None and (self.completed % cfg.training.eval_interval == 0 or last):
@@ -451,11 +470,12 @@ class Trainer:
         if (memory := peak_memory(self.device)) is not None:
             parts.append(memory_part(*memory))
         self.log.info(" | ".join(parts))
-        if self.first_step is not None and not self.compile_reported and step > self.first_step[0] and tok_s:
-            first, seconds = self.first_step
-            extra = seconds - self.tokens_per_step / tok_s
-            self.log.info(f"torch.compile: step {first} took {seconds:.1f} s, {extra:.1f} s more than a compiled step "
-                          f"(the compilation)")
+        trial = self.first_step
+        if self.compiled and trial is not None and step > trial[0] and tok_s and not self.compile_reported:
+            first, seconds = trial
+            extra = seconds - self.tokens_per_step / self.accum / tok_s  # a compiled micro-step's time
+            self.log.info(f"torch.compile: the first forward and backward (step {first}) took {seconds:.1f} s, "
+                          f"{extra:.1f} s more than a compiled one (the compilation)")
             self.compile_reported = True
         self.history.add(StepRecord(step=step, loss=global_loss, lr=out.lr, grad_norm=grad_norm, tokens_per_s=tok_s,
                                     val_loss=val_loss, peak_mem_gib=memory[0] / GiB if memory else None))

@@ -6,11 +6,13 @@ watcher calls `headline` with it and uses the result as the failure's one-line r
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from trainer.diagnosis.oom_report import OomReport
 
 GIB = 1 << 30
+HOST_REQUEST = re.compile(r"tried to allocate (\d+) bytes")  # torch's CPU allocator names the request it refused
 
 SMALLER_BATCH = "lower --batch-size and raise training.grad_accum_nums by the same factor (same tokens per step)"
 MORE_CHECKPOINTING = {  # the policy in force → the next one to try
@@ -37,7 +39,9 @@ def gib(n: int | None) -> str:
 def headline(report: OomReport) -> str:
     when = "before the first step" if report.step is None else f"at step {report.step}"
     if report.allocated is None:
-        figures = "no allocator figures (not a CUDA device)"
+        asked = HOST_REQUEST.search(report.message)
+        figures = (f"host memory, {gib(int(asked[1]))} asked for at once" if asked
+                   else "no allocator figures (not a CUDA device)")
     else:
         figures = (f"{gib(report.allocated)} allocated, {gib(report.reserved)} reserved, peak {gib(report.peak)} "
                    f"of {gib(report.total)}")

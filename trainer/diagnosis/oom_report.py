@@ -54,15 +54,17 @@ def report_path(run_dir: Path, label: str) -> Path:
     return run_dir / f"oom-{label.lower()}.json"
 
 
-OOM_MARKERS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDA out of memory", "CUDA error: out of memory")
+OOM_MARKERS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDA out of memory", "CUDA error: out of memory",
+               "DefaultCPUAllocator: can't allocate memory")
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """`torch.OutOfMemoryError`, or an allocation failing outside the caching allocator (cuBLAS's workspace, a CUDA
-    call), which reaches Python as a plain RuntimeError naming it."""
+    """`torch.OutOfMemoryError`; an allocation failing outside the caching allocator (cuBLAS's workspace, a CUDA
+    call) or in host memory (a CPU rank's tensors: torch's CPU allocator), which reach Python as a plain RuntimeError
+    naming it; or Python's own MemoryError (numpy's arrays)."""
     import torch
 
-    return isinstance(error, torch.OutOfMemoryError) or (
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError)) or (
         isinstance(error, RuntimeError) and any(marker in str(error) for marker in OOM_MARKERS))
 
 

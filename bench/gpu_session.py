@@ -1,0 +1,295 @@
+"""The GPU checks in three commands of under 10 minutes each, for a GPU machine that gets a copy of the working tree
+(no network there) and hands back what the commands write under `$OUT`.
+
+Here, in the checkout whose copy the GPU machine gets (pip's network and the textbook loop are here, not there):
+
+    python bench/gpu_session.py prepare [--anchor PATH]   # .whl/: the wheels the GPU image lacks; .anchors/: the
+                                                          # textbook loop; both git-ignored; prints the three calls
+    python bench/gpu_session.py calls                     # the three calls again (runs nothing)
+
+There, one call per step, each `bash bench/gpu_session.sh STEP` with `.whl` and `.anchors` carried, `timeout_s` 600:
+
+    tests      the default suite (CPU ranks: it hides the GPU) and the GPU tier side by side; the memory-estimate test
+               waits for the third step
+    presets    `1b`, then `small`, as shipped through the supervisor, each against the textbook loop compiled
+               (bench_gpu.py's training section, `--runs shipped`), the ranks' consoles (their MFU lines) kept
+    ablation   the memory-estimate test (the dry run's estimate against the measured peak), then the 1.1B ablation
+               rows (eager layers, the full logits, chunked against liger's loss), liger-kernel installed
+
+A step installs the wheels into /tmp/site (liger-kernel, for the ablation step only, into a folder of its own: with
+it `training.loss=auto` is liger, which `pip install .` does not give), runs its parts, one stage after another, the
+parts of a stage side by side, with a deadline inside the command's 10 minutes (a part still running then gets
+SIGINT, then SIGKILL; what it wrote stays), and writes `$OUT/<step>.md`, which it prints last: the GPU, the versions,
+each part's exit status and time, and the end of each part's output. Each part's whole output is `$OUT/<step>-<part>
+.txt`; bench_gpu.py's tables are its pieces in `$OUT` (`python bench/run_all.py gpu --collect DIR` makes the page).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS, ANCHORS = ".whl", ".anchors"  # git-ignored folders that travel with the working tree
+ANCHOR = "gpu_textbook_loop.py"
+DEFAULT_ANCHOR = ROOT.parent / "shared" / "anchors" / ANCHOR
+PROJECT_WHEELS = ("datasets", "dill", "multiprocess", "python-hostlist")  # the project's needs the GPU image lacks
+BUILT_HERE = ("python-hostlist",)  # no wheel on PyPI: built from its (pure Python) sdist
+LIGER = "liger-kernel==0.8.5"
+LIGER_PREFIX = "liger_kernel-"
+PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"] + [
+    arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+    for arg in ("--platform", tag)]  # the GPU image's Python
+SITE, LIGER_SITE = Path("/tmp/site"), Path("/tmp/site-liger")
+CALL_LIMIT_S = 600  # one command on the GPU machine
+BUDGET_S = 560.0  # a step's parts end by then, its set-up and summary included in the rest
+GRACE_S = 15.0  # after SIGINT, before SIGKILL: pytest prints its summary, the supervisor stops its ranks
+TAIL_LINES = 14
+VERSIONS = ("torch", "triton", "transformers", "tokenizers", "datasets", "pyarrow", "fsspec", "liger-kernel")
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    argv: tuple[str, ...]  # run in the checkout; "{python}" and "{out}" are filled in
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    stages: tuple[tuple[Part, ...], ...]  # one after another; a stage's parts side by side
+    liger: bool = False
+
+
+MEMORY_TEST = "tests/gpu/test_memory_estimate.py"
+
+
+def tests(name: str, *args: str) -> Part:
+    return Part(name, ("bash", "run_tests.sh", "-q", f"--basetemp=/tmp/gpu-session-{name}", *args))
+
+
+def bench(name: str, *args: str) -> Part:
+    return Part(name, ("{python}", "bench/bench_gpu.py", *args, "--out", "{out}"))
+
+
+STEPS = {step.name: step for step in (
+    Step("tests", ((tests("default"), tests("gpu", "-m", "gpu", f"--ignore={MEMORY_TEST}")),)),
+    Step("presets", tuple((bench(shape, "--sections", "training", "--shapes", shape, "--runs", "shipped",
+                                 "--anchor", f"{ANCHORS}/{ANCHOR}"),) for shape in ("1.1B", "125M"))),
+    Step("ablation", ((tests("memory", "-m", "gpu", MEMORY_TEST),),
+                      (bench("1.1B", "--sections", "ablation", "--shapes", "1.1B",
+                             "--ablations", "eager,full_loss,chunked_loss"),)), liger=True),
+)}
+
+
+def calls() -> list[dict[str, object]]:
+    """The three calls, as the GPU machine's command runner takes them."""
+    return [{"command": f"bash bench/gpu_session.sh {name}", "carry": [WHEELS, ANCHORS], "timeout_s": CALL_LIMIT_S}
+            for name in STEPS]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Here: what the GPU machine needs
+
+
+def ignore_locally(root: Path, folders: tuple[str, ...] = (WHEELS, ANCHORS)) -> Path:
+    """List `folders` in the checkout's own exclude file (never committed, shared by its worktrees)."""
+    where = subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], cwd=root, check=True,
+                           capture_output=True, text=True).stdout.strip()
+    exclude = (root / where).resolve()
+    lines = exclude.read_text().splitlines() if exclude.exists() else []
+    missing = [f"/{folder}/" for folder in folders if f"/{folder}/" not in lines]
+    if missing:
+        exclude.parent.mkdir(parents=True, exist_ok=True)
+        exclude.write_text("".join(f"{line}\n" for line in lines + missing))
+    return exclude
+
+
+def prepare(anchor: Path) -> None:
+    """The wheels (this environment's versions, for the GPU image's Python) and the textbook loop, into the folders
+    the calls carry."""
+    if not anchor.is_file():
+        raise SystemExit(f"error: the textbook loop {anchor} does not exist; give its path with --anchor PATH")
+    pinned = {name: f"{name}=={metadata.version(name)}" for name in PROJECT_WHEELS}
+    wheels = ROOT / WHEELS
+    shutil.rmtree(wheels, ignore_errors=True)  # one version of each: two would stop the install there
+    pip = [sys.executable, "-m", "pip", "-q"]
+    subprocess.run([*pip, "download", "--no-deps", *PLATFORM, "-d", str(wheels), LIGER,
+                    *(pin for name, pin in pinned.items() if name not in BUILT_HERE)], check=True)
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), *(pinned[name] for name in BUILT_HERE)], check=True)
+    (ROOT / ANCHORS).mkdir(exist_ok=True)
+    (ROOT / ANCHORS / ANCHOR).unlink(missing_ok=True)  # an earlier copy may be read-only, as its source is
+    shutil.copy2(anchor, ROOT / ANCHORS / ANCHOR)
+    exclude = ignore_locally(ROOT)
+    print(f"wrote {wheels} ({', '.join(sorted(p.name for p in wheels.glob('*.whl')))}) and {ROOT / ANCHORS / ANCHOR}; "
+          f"both ignored in {exclude}")
+    print_calls()
+
+
+def print_calls() -> None:
+    print("On the GPU machine, one call per step (each under 10 minutes; results under $OUT):")
+    for call in calls():
+        print(json.dumps(call))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# There: a step
+
+
+@dataclass(eq=False)
+class Outcome:
+    part: Part
+    log: Path
+    code: int | None = None  # None: still running at the deadline, interrupted
+    seconds: float = 0.0
+
+
+def missing_inputs(root: Path, step: Step) -> str | None:
+    """Why `step` cannot start from `root` (None: it can): the carried folders `prepare` fills."""
+    wheels = sorted((root / WHEELS).glob("*.whl"))
+    if not wheels:
+        return f"no wheels in {WHEELS}/: run `python bench/gpu_session.py prepare` in the checkout first, and carry {WHEELS}"
+    if step.liger and not any(w.name.startswith(LIGER_PREFIX) for w in wheels):
+        return f"no liger-kernel wheel in {WHEELS}/: run `python bench/gpu_session.py prepare` again"
+    uses_anchor = any(f"{ANCHORS}/{ANCHOR}" in part.argv for stage in step.stages for part in stage)
+    if uses_anchor and not (root / ANCHORS / ANCHOR).is_file():
+        return f"no {ANCHORS}/{ANCHOR}: run `python bench/gpu_session.py prepare` in the checkout first, and carry {ANCHORS}"
+    return None
+
+
+def install(step: Step) -> dict[str, str]:
+    """The wheels into the step's site folders; the environment its parts run in."""
+    wheels = sorted((ROOT / WHEELS).glob("*.whl"))
+    chosen = [(SITE, [w for w in wheels if not w.name.startswith(LIGER_PREFIX)])]
+    if step.liger:
+        chosen.append((LIGER_SITE, [w for w in wheels if w.name.startswith(LIGER_PREFIX)]))
+    for target, group in chosen:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, group)], check=True)
+    sites = [str(target) for target, _ in chosen]
+    sys.path[:0] = sites  # for the versions in the summary
+    path = os.pathsep.join(filter(None, [*sites, str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+
+
+def run_stage(step: str, parts: tuple[Part, ...], out: Path, env: dict[str, str], deadline: float,
+              grace: float = GRACE_S) -> list[Outcome]:
+    """The parts side by side, each in a process group of its own writing `out/<step>-<part>.txt`; whatever still
+    runs at `deadline` (time.monotonic) gets SIGINT, and SIGKILL `grace` seconds later."""
+    started = time.monotonic()
+    running: dict[Outcome, subprocess.Popen[bytes]] = {}
+    for part in parts:
+        outcome = Outcome(part, out / f"{step}-{part.name}.txt")
+        argv = [sys.executable if a == "{python}" else a.replace("{out}", str(out)) for a in part.argv]
+        with outcome.log.open("wb") as sink:
+            running[outcome] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, start_new_session=True)
+    while time.monotonic() < deadline:
+        for outcome, proc in running.items():
+            if outcome.code is None and proc.poll() is not None:
+                outcome.code, outcome.seconds = proc.returncode, time.monotonic() - started
+        if all(outcome.code is not None for outcome in running):
+            break
+        time.sleep(0.2)
+    late = [proc for outcome, proc in running.items() if outcome.code is None]
+    for signum, wait in ((signal.SIGINT, grace), (signal.SIGKILL, 5.0)):
+        for proc in late:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
+        for proc in late:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(wait)
+    for outcome, proc in running.items():
+        if proc in late:
+            outcome.seconds = time.monotonic() - started
+    return list(running)
+
+
+def gpu_line() -> str:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"no nvidia-smi ({e})"
+    return done.stdout.strip() or done.stderr.strip()
+
+
+def versions() -> str:
+    found = []
+    for name in VERSIONS:
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return ", ".join(found)
+
+
+def summary(step: str, outcomes: list[Outcome], head: list[str]) -> str:
+    lines = [f"# bench/gpu_session.sh {step}", "", *head, "", "| part | command | exit | seconds |", "|---|---|---|---|"]
+    for o in outcomes:
+        status = "interrupted at the deadline" if o.code is None else str(o.code)
+        lines.append(f"| {o.part.name} | `{' '.join(o.part.argv)}` | {status} | {o.seconds:.0f} |")
+    for o in outcomes:
+        text = o.log.read_text(errors="replace").splitlines()
+        failed = [line for line in text if line.startswith(("FAILED ", "ERROR "))]
+        tail = text[-TAIL_LINES:]
+        lines += ["", f"## {o.part.name}: {o.log.name}", "", "```text",
+                  *[line for line in failed[:20] if line not in tail], *tail, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def run_step(step: Step, out: Path, budget: float) -> int:
+    started = time.monotonic()
+    if (why := missing_inputs(ROOT, step)) is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    env = install(step)
+    head = [f"GPU: {gpu_line()}", f"Python {sys.version.split()[0]}: {versions()}",
+            f"deadline: {budget:.0f} s after the start"]
+    outcomes: list[Outcome] = []
+    for stage in step.stages:
+        if time.monotonic() >= started + budget:
+            head.append(f"not started (no time left): {', '.join(p.name for p in stage)}")
+            continue
+        outcomes += run_stage(step.name, stage, out, env, started + budget)
+    text = summary(step.name, outcomes, head)
+    (out / f"{step.name}.md").write_text(text)
+    print(text, flush=True)
+    return 0 if all(o.code == 0 for o in outcomes) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    prep = sub.add_parser("prepare", help="here: the wheels and the textbook loop the calls carry; prints the calls")
+    prep.add_argument("--anchor", type=Path, default=DEFAULT_ANCHOR, help=f"the textbook loop ({ANCHOR})")
+    sub.add_parser("calls", help="print the three calls (runs nothing)")
+    for name in STEPS:
+        one = sub.add_parser(name, help=f"on the GPU machine: the {name} step")
+        one.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="results (default: $OUT)")
+        one.add_argument("--budget", type=float, default=BUDGET_S, help="seconds until its parts are stopped")
+    args = parser.parse_args(argv)
+    if args.what == "prepare":
+        prepare(args.anchor)
+        return 0
+    if args.what == "calls":
+        print_calls()
+        return 0
+    if args.out is None:
+        parser.error("--out DIR (or OUT in the environment) is where the results go")
+    return run_step(STEPS[args.what], args.out, args.budget)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
