@@ -8,8 +8,11 @@ the world size (`trainer.checkpoint`), and since a step's samples depend only on
 (`trainer.data.batches`), the training continues as it would have without the fault.
 
 Fewer GPUs than the minimum (``--min-gpus``, default half the run's GPUs, rounded up) is not worth going on with: the
-run stops, saying why. Every exclusion is kept in ``<run>/exclusions.json`` (`Exclusion`), for the final report and
-for a job script that wants to leave the node or the GPU out of its next allocation.
+run stops, saying why. Every exclusion is kept in ``<run>/exclusions.json`` (`Exclusion`), for the final report.
+
+A run that ends on a GPU fault (no restart left, exclusion off, too few GPUs left, or a multi-node run, which never
+restarts) leaves ``<run>/gpu_fault.json`` (`NodeFault`): which node's GPUs failed, so that a job script can leave the
+node out of the job's next allocation (`supervisor.slurm_job`).
 """
 
 from __future__ import annotations
@@ -17,14 +20,24 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trainer.config import Config
 
 EXCLUSIONS_FILE = "exclusions.json"
+GPU_FAULT_FILE = "gpu_fault.json"
+
+
+def node_name(environ: Mapping[str, str] = os.environ) -> str:
+    """This machine as the scheduler names it (Slurm's node name, what a job's excluded nodes list), else its host
+    name."""
+    return environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def default_min_gpus(gpus: int) -> int:
@@ -69,7 +82,7 @@ class Exclusion:
     gpus_after: list[int]  # the new layout: rank i on gpus_after[i]
     grad_accum_after: int
     global_batch_after: int
-    host: str = field(default_factory=socket.gethostname)  # where the GPU is: what a job script leaves out next time
+    host: str = field(default_factory=node_name)  # where the GPU is
 
     def line(self) -> str:
         return (f"GPU {self.gpu} excluded at {self.time} ({', '.join(self.evidence)}); restart {self.restart} on "
@@ -87,10 +100,38 @@ def gpus_phrase(gpus: list[int]) -> str:
 
 
 def record(run_dir: Path, exclusions: list[Exclusion]) -> None:
-    """Write every exclusion so far to <run>/exclusions.json (replaced atomically)."""
-    path = run_dir / EXCLUSIONS_FILE
+    """Write every exclusion so far to <run>/exclusions.json."""
+    write_json(run_dir / EXCLUSIONS_FILE, {"excluded": [asdict(e) for e in exclusions]})
+
+
+@dataclass(frozen=True)
+class NodeFault:
+    """The GPU fault that ended a run, as gpu_fault.json records it. The Slurm job and allocation it happened in let
+    the job script tell this allocation's record from those of earlier runs in the same log folder."""
+
+    node: str  # `node_name`: what the job's next allocation leaves out
+    gpus: dict[str, list[str]]  # GPU id → evidence (`gpu_fault.Verdict.faulty`)
+    time: str
+    slurm_job_id: str | None  # SLURM_JOB_ID; None outside Slurm
+    slurm_restart_count: int  # SLURM_RESTART_COUNT: which allocation of the job (0: the first)
+
+    @classmethod
+    def here(cls, faulty: Mapping[int, list[str]], environ: Mapping[str, str] = os.environ) -> NodeFault:
+        return cls(node_name(environ), {str(gpu): list(evidence) for gpu, evidence in faulty.items()}, now(),
+                   environ.get("SLURM_JOB_ID"), int(environ.get("SLURM_RESTART_COUNT") or 0))
+
+    def write(self, run_dir: Path) -> None:
+        write_json(run_dir / GPU_FAULT_FILE, asdict(self))
+
+    def line(self) -> str:
+        return f"node {self.node}: " + "; ".join(f"GPU {gpu} ({', '.join(evidence)})"
+                                                for gpu, evidence in self.gpus.items())
+
+
+def write_json(path: Path, content: Any) -> None:
+    """Replaced atomically: a job script or a report may read it at any moment."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"excluded": [asdict(e) for e in exclusions]}, indent=1) + "\n")
+    tmp.write_text(json.dumps(content, indent=1) + "\n")
     tmp.replace(path)
 
 

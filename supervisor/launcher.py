@@ -13,7 +13,8 @@ starts again as it first did (an earlier run's checkpoints in the folder are not
 
 After a failure on GPUs, `supervisor.diagnosis.gpu_fault` says whether a GPU or the program was at fault (console,
 supervisor.log, the report); a restart after a GPU fault leaves that GPU out (`supervisor.exclusion`), or stops when
-too few GPUs would be left.
+too few GPUs would be left. A run that ends on a GPU fault records the node in ``<run>/gpu_fault.json``, for a job
+script that leaves the node out of its next allocation.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ class Launcher:
                                     "no checkpoint of this run yet: the ranks start again as the first time")
                                  + layout, style="bold yellow")
             self.console.stop_footer()
+            if result.exit_code != 0 and self.verdict is not None and self.verdict.gpu_fault:
+                self.record_node_fault(self.verdict)
             self.report(result, restarts, time.monotonic() - started)
             if control is not None and result.exit_code == 0:
                 control.done()
@@ -186,6 +189,14 @@ class Launcher:
         self.console.say(change.note or f"the global batch stays {global_batch} sequences: accumulation {accum} on "
                                         f"{ranks}", style="bold yellow")
         return None
+
+    def record_node_fault(self, verdict: gpu_fault.Verdict) -> None:
+        """gpu_fault.json, for the job script; a folder that cannot take it any more is said, not a new failure."""
+        try:
+            exclusion.NodeFault.here(verdict.faulty).write(self.plan.run_dir)
+        except OSError as e:
+            self.console.say(f"cannot record the GPU fault in {self.plan.run_dir} ({e.strerror or e}): a job script "
+                             f"will not leave this node out")
 
     def checkpoints(self) -> dict[Path, int]:
         """The published checkpoints in checkpoint.dir, each with its meta.json's modification time: what changed

@@ -14,22 +14,38 @@ Usage (inside an allocation): ``python -m supervisor.slurm_job [training flags..
 - `SUPERVISOR_CONTROL_SECRET` is generated here unless already set: srun hands the job's environment to every node's
   supervisor, so they share a secret that nobody outside the job has (supervisor/control_wire.py).
 - Exit code 138 (every rank checkpointed after SIGUSR1): ``scontrol requeue``, and the job starts again in a new
-  allocation. Any other code is the job's.
+  allocation.
+- A step that ended on a GPU fault (the supervisor's verdict, recorded in ``<run>/gpu_fault.json`` with the node's
+  Slurm name, `supervisor.exclusion.NodeFault`): ``scontrol requeue``, then ``scontrol update ExcNodeList=`` with the
+  job's excluded nodes and this one (Slurm changes a job's excluded nodes only once it is pending again), so the next
+  allocation lands on other nodes and resumes from the latest checkpoint. It does not requeue when the partition
+  would have too few nodes left for the job, or when Slurm refuses (``--no-requeue``, its requeue limit); each
+  allocation excludes one more node, so the requeues end. ``SUPERVISOR_NODE_EXCLUSION=0`` turns it off. A program
+  fault leaves no record: the job fails with the step's exit code, as any other code does.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import secrets
+import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
+import hostlist
+
+from supervisor.cli import build_parser, split_entry_args
 from supervisor.control_wire import SECRET_ENV
+from supervisor.exclusion import GPU_FAULT_FILE, NodeFault
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUEUE_EXIT_CODE = 128 + 10  # SIGUSR1: the time-limit warning, answered with a checkpoint
+NODE_EXCLUSION_ENV = "SUPERVISOR_NODE_EXCLUSION"
 
 
 def step_command(env: dict[str, str], flags: list[str]) -> list[str]:
@@ -37,11 +53,86 @@ def step_command(env: dict[str, str], flags: list[str]) -> list[str]:
     return ["srun", "--ntasks-per-node=1", *cpus, "bash", str(ROOT / "run_training.sh"), "--resume", "auto", *flags]
 
 
+def node_exclusion(env: Mapping[str, str]) -> bool:
+    value = env.get(NODE_EXCLUSION_ENV, "1")
+    if value not in ("0", "1"):
+        raise UserError(f"{NODE_EXCLUSION_ENV}={value!r} must be 1 (the default: a node whose GPU failed is left out "
+                        f"of the job's next allocation) or 0 (the job fails instead)")
+    return value == "1"
+
+
+def node_faults(flags: list[str], job_id: str, allocation: int) -> list[NodeFault]:
+    """The GPU faults recorded in this allocation of the job: gpu_fault.json in the run folders under the step's
+    --log-dir (shared by the nodes, as the checkpoints are), told from other runs' by the job id and restart count."""
+    log_dir = Path(build_parser().parse_known_args(split_entry_args(flags)[0])[0].log_dir)
+    found = []
+    for path in sorted(log_dir.glob(f"*/{GPU_FAULT_FILE}")):
+        try:
+            fault = NodeFault(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # not a record this job could have written
+        if fault.slurm_job_id == job_id and fault.slurm_restart_count == allocation:
+            found.append(fault)
+    return found
+
+
+def scontrol_job(job_id: str) -> dict[str, str]:
+    """``scontrol show job`` as a dict (ExcNodeList, Partition, ...); empty where scontrol cannot say."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    return dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+
+
+def hosts(listed: str | None) -> set[str]:
+    """A Slurm host list ("n[2-3]", "(null)" for none) as names."""
+    return set(hostlist.expand_hostlist(listed)) if listed and listed != "(null)" else set()
+
+
+def partition_nodes(partition: str) -> set[str] | None:
+    """The nodes of the job's partitions (a comma list), None where sinfo cannot say."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N", "-p", partition], capture_output=True, text=True)
+    nodes = set(out.stdout.split()) if out.returncode == 0 else set()
+    return nodes or None
+
+
+def leave_out(job_id: str, faults: list[NodeFault], nodes_needed: int) -> None:
+    """Requeue the job without the nodes whose GPUs failed, or say in one line why not."""
+    faulty = {fault.node for fault in faults}
+    named = hostlist.collect_hostlist(sorted(faulty))
+    info = scontrol_job(job_id)
+    before = hosts(info.get("ExcNodeList"))
+    excluded = hostlist.collect_hostlist(sorted(before | faulty))
+    if faulty <= before:  # Slurm placed the job there anyway: another requeue would end the same way
+        print(f"not requeueing job {job_id}: node {named} was excluded already (ExcNodeList={excluded})", flush=True)
+        return
+    partition = info.get("Partition", "")
+    left = partition_nodes(partition) if partition else None
+    if left is not None and len(left - before - faulty) < nodes_needed:
+        print(f"not requeueing job {job_id}: without node {named} partition {partition} has "
+              f"{len(left - before - faulty)} node(s) left, fewer than the job's {nodes_needed}", flush=True)
+        return
+    # Slurm stops the job's processes once it is requeued; this one still has the excluded nodes to set
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if requeue.returncode != 0:
+        print(f"not requeueing job {job_id}: scontrol requeue refused ({requeue.stderr.strip() or 'no reason'})",
+              flush=True)
+        return
+    update = subprocess.run(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={excluded}"],
+                            capture_output=True, text=True)
+    if update.returncode != 0:
+        print(f"requeued job {job_id}, but Slurm did not take ExcNodeList={excluded} "
+              f"({update.stderr.strip() or 'no reason'}): the next allocation may include node {named}", flush=True)
+        return
+    print(f"requeued job {job_id} without node {named} (ExcNodeList={excluded}); its next allocation resumes from "
+          f"the latest checkpoint", flush=True)
+
+
 def run_job(env: dict[str, str], flags: list[str]) -> int:
     job_id = env.get("SLURM_JOB_ID")
     if not job_id:
         raise UserError("train_slurm.sbatch is a Slurm job script and SLURM_JOB_ID is not set; submit it with sbatch "
                         "train_slurm.sbatch [flags...] (or start run_training.sh yourself)")
+    exclude = node_exclusion(env)
     if not env.get(SECRET_ENV):
         env[SECRET_ENV] = secrets.token_hex(32)
     code = subprocess.run(step_command(env, flags), env=env).returncode
@@ -50,6 +141,14 @@ def run_job(env: dict[str, str], flags: list[str]) -> int:
         print(f"stopped by the time-limit warning (exit {code}): requeueing job {job_id}; its next allocation "
               f"resumes from the latest checkpoint", flush=True)
         subprocess.run(["scontrol", "requeue", job_id])
+    elif code not in (0, USER_ERROR_EXIT_CODE):
+        faults = node_faults(flags, job_id, int(env.get("SLURM_RESTART_COUNT") or 0))
+        for fault in faults:
+            print(f"GPU fault on {fault.line()}", flush=True)
+        if faults and not exclude:
+            print(f"not requeueing job {job_id}: node exclusion is off ({NODE_EXCLUSION_ENV}=0)", flush=True)
+        elif faults:
+            leave_out(job_id, faults, int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1))
     return code
 
 

@@ -128,6 +128,10 @@ def test_each_gpu_fault_excludes_its_gpu_until_the_minimum_stops_the_run(tmp_pat
                      report)
     log = (r.run_dir() / "supervisor.log").read_text()
     assert "GPU 2 excluded at" in log and "not restarting: without GPU 3" in log
+    # the fault that ended the run, for a job script that leaves this node out of its next allocation
+    ended = json.loads((r.run_dir() / "gpu_fault.json").read_text())
+    assert (ended["node"], list(ended["gpus"]), ended["slurm_job_id"]) == (socket.gethostname(), ["3"], None)
+    assert ended["gpus"]["3"][0] == "NVML: lost"
 
 
 def test_a_program_fault_restarts_on_the_same_gpus(tmp_path: Path) -> None:
@@ -137,7 +141,7 @@ def test_a_program_fault_restarts_on_the_same_gpus(tmp_path: Path) -> None:
     assert "restart 1 of 1 after GPU1 (rank 1) failed: exit 1; the ranks resume from this run's latest checkpoint\n" \
            in r.stderr
     assert r.stderr.count("GPU1 (rank 1") >= 2  # the restarted group had GPU 1 again
-    assert not (r.run_dir() / "exclusions.json").exists()
+    assert not (r.run_dir() / "exclusions.json").exists() and not (r.run_dir() / "gpu_fault.json").exists()
 
 
 def test_exclusion_turned_off_restarts_on_the_same_gpus(tmp_path: Path) -> None:

@@ -13,14 +13,17 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import hostlist
 import pytest
 
 from rank_scripts.harness import CONTROL_SECRET, ROOT, clean_env, Run, start
 from rank_support import TINY, merged, set_flags
 from supervisor import slurm
 from supervisor.control_wire import SECRET_ENV
+from supervisor.exclusion import GPU_FAULT_FILE, NodeFault
 from trainer import checkpoint_layout
 from trainer.errors import UserError
 
@@ -110,29 +113,57 @@ def test_a_job_the_supervisor_cannot_read_is_a_user_error(env: dict[str, str], m
 # The job script's side (supervisor/slurm_job.py), with srun and scontrol stood in for by scripts that record their call
 
 
-def fake_slurm_commands(folder: Path, srun_exit: int) -> dict[str, str]:
-    """`srun` and `scontrol` on PATH that write their arguments and environment to <folder>/<name>.json."""
+@dataclass
+class StandIn:
+    """What a stand-in command does on every call: writes `files` (what the real command's work leaves behind),
+    prints, and exits."""
+
+    code: int = 0
+    stdout: str = ""
+    stderr: str = ""
+    files: dict[str, str] = field(default_factory=dict)
+
+
+STAND_IN = """\
+import json, os, sys
+with open({log!r}, "a") as f:
+    f.write(json.dumps([sys.argv[1:], dict(os.environ)]) + "\\n")
+for path, text in {files!r}.items():
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    open(path, "w").write(text)
+print({stdout!r}, end="")
+print({stderr!r}, end="", file=sys.stderr)
+sys.exit({code})
+"""
+
+
+def fake_slurm_commands(folder: Path, srun_exit: int, **others: StandIn) -> dict[str, str]:
+    """`srun`, `scontrol` and `sinfo` on PATH that append their arguments and environment to <folder>/<name>.jsonl."""
     folder.mkdir()
-    for name, code in (("srun", srun_exit), ("scontrol", 0)):
+    for name, does in {"srun": StandIn(srun_exit), "scontrol": StandIn(), "sinfo": StandIn(), **others}.items():
         path = folder / name
-        path.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
-                        f"open({str(folder / (name + '.json'))!r}, 'w').write(json.dumps([sys.argv[1:], dict(os.environ)]))\n"
-                        f"sys.exit({code})\n")
+        path.write_text(f"#!{sys.executable}\n" + STAND_IN.format(log=str(folder / f"{name}.jsonl"), **asdict(does)))
         path.chmod(0o755)
     return {"PATH": f"{folder}{os.pathsep}{os.environ['PATH']}"}
 
 
-def run_job_script(tmp_path: Path, srun_exit: int, *flags: str, **env: str) -> subprocess.CompletedProcess:
+def run_job_script(tmp_path: Path, srun_exit: int, *flags: str, stand_ins: dict[str, StandIn] | None = None,
+                   **env: str) -> subprocess.CompletedProcess:
     """`sbatch train_slurm.sbatch FLAGS` as the batch step runs it: the script itself, in the project folder."""
     full = clean_env(**{"PYTHON": sys.executable, "SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "16",
-                        **fake_slurm_commands(tmp_path / "bin", srun_exit), **env})
+                        **fake_slurm_commands(tmp_path / "bin", srun_exit, **(stand_ins or {})), **env})
     return subprocess.run(["bash", str(ROOT / "train_slurm.sbatch"), *flags], cwd=ROOT, env=full,
                           capture_output=True, text=True, timeout=60)
 
 
+def calls(tmp_path: Path, name: str) -> list[tuple[list[str], dict[str, str]]]:
+    path = tmp_path / "bin" / f"{name}.jsonl"
+    return [tuple(json.loads(line)) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def recorded(tmp_path: Path, name: str) -> tuple[list[str], dict[str, str]]:
-    argv, env = json.loads((tmp_path / "bin" / f"{name}.json").read_text())
-    return argv, env
+    """The command's last call."""
+    return calls(tmp_path, name)[-1]
 
 
 def test_the_job_script_passes_the_users_flags_and_a_fresh_secret(tmp_path: Path) -> None:
@@ -142,7 +173,7 @@ def test_the_job_script_passes_the_users_flags_and_a_fresh_secret(tmp_path: Path
     assert argv == ["--ntasks-per-node=1", "--cpus-per-task=16", "bash", str(ROOT / "run_training.sh"),
                     "--resume", "auto", "--debug", "--max-steps", "5"]  # no preset of its own: --debug works
     assert re.fullmatch(r"[0-9a-f]{64}", env[SECRET_ENV])
-    assert not (tmp_path / "bin" / "scontrol.json").exists()
+    assert calls(tmp_path, "scontrol") == []
 
 
 def test_the_job_script_keeps_a_given_secret_and_requeues_after_the_time_limit_warning(tmp_path: Path) -> None:
@@ -151,6 +182,75 @@ def test_the_job_script_keeps_a_given_secret_and_requeues_after_the_time_limit_w
     assert "requeueing job 4242" in out.stdout
     assert recorded(tmp_path, "srun")[1][SECRET_ENV] == CONTROL_SECRET
     assert recorded(tmp_path, "scontrol")[0] == ["requeue", "4242"]
+
+
+SHOW_JOB = "JobId=4242 JobName=pretrain JobState=RUNNING Restarts=0 Partition=gpu ExcNodeList={excluded} NumNodes=2"
+
+
+def gpu_fault_stand_ins(tmp_path: Path, *, job_id: str = "4242", allocation: int = 1, partition: str = "n[1-6]",
+                        excluded: str = "n5", requeue: StandIn = StandIn()) -> dict[str, StandIn]:
+    """srun leaves the record of a GPU fault on node n2, as its supervisor does (gpu_fault.json in its run folder);
+    scontrol describes the job (n5 excluded already), sinfo lists the partition's nodes."""
+    fault = NodeFault("n2", {"1": ["NVML: lost"]}, "2026-01-01T00:00:00", job_id, allocation)
+    record = {str(tmp_path / "logs" / "20260101-000000-debug" / GPU_FAULT_FILE): json.dumps(asdict(fault))}
+    show = SHOW_JOB.format(excluded=excluded)
+    return {"srun": StandIn(1, files=record), "scontrol": replace(requeue, stdout=show),
+            "sinfo": StandIn(stdout="\n".join(hostlist.expand_hostlist(partition)))}
+
+
+def gpu_fault_job(tmp_path: Path, **kwargs: object) -> subprocess.CompletedProcess:
+    env = {k: kwargs.pop(k) for k in list(kwargs) if k.isupper()}
+    return run_job_script(tmp_path, 1, "--log-dir", str(tmp_path / "logs"),
+                          stand_ins=gpu_fault_stand_ins(tmp_path, **kwargs), SLURM_JOB_NUM_NODES="2",
+                          SLURM_RESTART_COUNT="1", **env)
+
+
+def test_a_gpu_fault_requeues_the_job_without_its_node(tmp_path: Path) -> None:
+    """The step's exit code stays the job's; Slurm takes a job's excluded nodes only once it is pending again, so the
+    requeue comes first."""
+    out = gpu_fault_job(tmp_path)
+    assert out.returncode == 1, out.stderr
+    assert [argv for argv, _ in calls(tmp_path, "scontrol")] == [
+        ["show", "job", "-o", "4242"], ["requeue", "4242"], ["update", "JobId=4242", "ExcNodeList=n[2,5]"]]
+    assert [argv for argv, _ in calls(tmp_path, "sinfo")] == [["-h", "-N", "-o", "%N", "-p", "gpu"]]
+    assert out.stdout.splitlines() == [
+        "GPU fault on node n2: GPU 1 (NVML: lost)",
+        "requeued job 4242 without node n2 (ExcNodeList=n[2,5]); its next allocation resumes from the latest "
+        "checkpoint"]
+
+
+@pytest.mark.parametrize("kwargs, line", [
+    ({"SUPERVISOR_NODE_EXCLUSION": "0"},
+     "not requeueing job 4242: node exclusion is off (SUPERVISOR_NODE_EXCLUSION=0)"),
+    ({"partition": "n[1-3]", "excluded": "n3"},
+     "not requeueing job 4242: without node n2 partition gpu has 1 node(s) left, fewer than the job's 2"),
+    ({"excluded": "n2"}, "not requeueing job 4242: node n2 was excluded already (ExcNodeList=n2)"),
+    ({"requeue": StandIn(1, stderr="Requeue of JobId=4242 is not allowed\n")},
+     "not requeueing job 4242: scontrol requeue refused (Requeue of JobId=4242 is not allowed)"),
+], ids=["switched-off", "no-node-left", "excluded-already", "slurm-refuses"])
+def test_a_gpu_fault_that_cannot_requeue_says_why_in_one_line(tmp_path: Path, kwargs: dict[str, object],
+                                                             line: str) -> None:
+    out = gpu_fault_job(tmp_path, **kwargs)
+    assert out.returncode == 1, out.stderr
+    assert out.stdout.splitlines() == ["GPU fault on node n2: GPU 1 (NVML: lost)", line]
+    assert ["update", "JobId=4242", "ExcNodeList=n[2,5]"] not in [argv for argv, _ in calls(tmp_path, "scontrol")]
+
+
+@pytest.mark.parametrize("kwargs", [{"job_id": "4241"}, {"allocation": 0}], ids=["another-job", "earlier-allocation"])
+def test_a_program_fault_neither_excludes_nor_requeues(tmp_path: Path, kwargs: dict[str, object]) -> None:
+    """No record of this allocation (those of another job or of this job's earlier allocation do not count): the
+    job fails with the step's exit code, as before."""
+    out = gpu_fault_job(tmp_path, **kwargs)
+    assert (out.returncode, out.stdout) == (1, "")
+    assert calls(tmp_path, "scontrol") == []
+
+
+def test_the_node_exclusion_switch_is_checked_before_the_step(tmp_path: Path) -> None:
+    out = run_job_script(tmp_path, 0, SUPERVISOR_NODE_EXCLUSION="no")
+    assert out.returncode == 2 and out.stderr == (
+        "error: SUPERVISOR_NODE_EXCLUSION='no' must be 1 (the default: a node whose GPU failed is left out of the "
+        "job's next allocation) or 0 (the job fails instead)\n")
+    assert calls(tmp_path, "srun") == []
 
 
 def test_the_job_script_outside_a_job_is_one_line(tmp_path: Path) -> None:

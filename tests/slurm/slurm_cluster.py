@@ -2,10 +2,15 @@
 
 Debian's ``slurm-wlm`` (22.05) and ``munge`` (``apt-get install -y slurm-wlm munge``, as root). Every daemon runs in
 the foreground as a child of the test session, with its own key, socket, ports, state and logs under the folder, so
-nothing of the machine's own Slurm (if any) is touched. Two nodes come from two ``slurmd -N <name>`` on this host
-(Debian builds Slurm with multiple-slurmd support); both have this machine's CPUs, and their names are not resolvable
-hosts, so a two-node job is told ``--master-addr 127.0.0.1``. Job credentials last 10 s (``cred_expire``) instead of
-120: Slurm holds a requeued job that long before it may start again.
+nothing of the machine's own Slurm (if any) is touched. Three nodes come from three ``slurmd -N <name>`` on this host
+(Debian builds Slurm with multiple-slurmd support); each has this machine's CPUs, and their names are not resolvable
+hosts, so a two-node job is told ``--master-addr 127.0.0.1``; the third is where a job goes when it leaves a node out.
+Job credentials last 10 s (``cred_expire``) instead of 120: Slurm holds a requeued job that long before it may start
+again.
+
+Fake GPUs on one node: a job with ``FAKE_GPU_NODE=<node>`` and ``FAKE_GPU_STATE=<file>`` in its environment gets
+``SUPERVISOR_FAKE_GPUS=0`` and that fake NVML state (and no ``CUDA_VISIBLE_DEVICES``) in its tasks on that node only
+(Slurm's TaskProlog, which runs before every task and may change its environment); its other nodes have CPU ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,8 +30,17 @@ from pathlib import Path
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "scancel", "sinfo")
 INSTALL = "apt-get install -y slurm-wlm munge"
-NODES = ("n1", "n2")
+NODES = ("n1", "n2", "n3")
 STARTUP_TIMEOUT = 60.0
+# What TaskProlog runs: its "export NAME=value" lines join the task's environment
+TASK_PROLOG = """\
+import os
+
+if os.environ.get("FAKE_GPU_NODE") == os.environ.get("SLURMD_NODENAME"):
+    print("unset CUDA_VISIBLE_DEVICES")  # the tests' empty one hides every GPU, the fake ones too
+    print("export SUPERVISOR_FAKE_GPUS=0")
+    print("export SUPERVISOR_FAKE_GPU_STATE=" + os.environ["FAKE_GPU_STATE"])
+"""
 
 
 def missing() -> str | None:
@@ -71,6 +86,7 @@ SchedulerType=sched/backfill
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none
+TaskProlog={folder}/task_prolog
 MailProg=/bin/true
 ReturnToService=2
 KillWait=10
@@ -104,6 +120,9 @@ class Cluster:
         key = self.folder / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
+        prolog = self.folder / "task_prolog"
+        prolog.write_text(f"#!{sys.executable}\n{TASK_PROLOG}")
+        prolog.chmod(0o755)
         ports = {name: free_port() for name in ("slurmctld", *NODES)}
         conf = self.folder / "slurm.conf"
         conf.write_text(slurm_conf(self.folder, socket.gethostname(), ports))
@@ -116,7 +135,7 @@ class Cluster:
         self.wait_for(lambda: self.run("sinfo", check=False).returncode == 0, "slurmctld")
         for name in NODES:
             self.daemon("slurmd", "-D", "-N", name)
-        self.wait_for(lambda: self.idle_nodes() == len(NODES), "both slurmd idle")
+        self.wait_for(lambda: self.idle_nodes() == len(NODES), "every slurmd idle")
 
     def daemon(self, *argv: str) -> None:
         with open(self.folder / f"{argv[0]}-{len(self.daemons)}.out", "wb") as log:

@@ -1,13 +1,15 @@
 """The shipped `train_slurm.sbatch` under a real Slurm (tier `slurm`: ``bash run_tests.sh -m slurm``).
 
-munged, slurmctld and two slurmd (nodes n1 and n2, both this host) on loopback (tests/slurm/slurm_cluster.py); every job
-is the job script as a user submits it, with CPU ranks of the debug preset: ``sbatch --nodes=2 --gpus-per-node=0
---cpus-per-task=1 train_slurm.sbatch --debug ...`` (one rank per node, one thread per rank: the two nodes share this
-machine's cores). Skipped, with the reason, where Slurm is not installed or cannot start.
+munged, slurmctld and three slurmd (nodes n1, n2 and n3, all this host) on loopback (tests/slurm/slurm_cluster.py);
+every job is the job script as a user submits it, with CPU ranks of the debug preset: ``sbatch --nodes=2
+--gpus-per-node=0 --cpus-per-task=1 train_slurm.sbatch --debug ...`` (one rank per node, one thread per rank: the nodes
+share this machine's cores), on n1 and n2 unless one is left out. Skipped, with the reason, where Slurm is not
+installed or cannot start.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -41,13 +43,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     found.stop()
 
 
-def submit(cluster: Cluster, tmp: Path, cache: Path, *flags: str, options: tuple[str, ...] = ()) -> Job:
-    """The job script on both nodes, as a user submits it; the run's folders in `tmp`, the token cache shared."""
+def submit(cluster: Cluster, tmp: Path, cache: Path, *flags: str, options: tuple[str, ...] = (),
+           **env: str) -> Job:
+    """The job script on two nodes, as a user submits it; the run's folders in `tmp`, the token cache shared."""
     return cluster.sbatch(
         SCRIPT, ["--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1", *options],
         ["--debug", "--nproc", "1", "--master-addr", "127.0.0.1", "--log-dir", str(tmp / "logs"),
          "--set", f"checkpoint.dir={tmp / 'ckpt'}", "--set", f"data.cache_dir={cache}", *flags],
-        output=tmp / "job.out", cwd=ROOT, env=clean_env(PYTHON=sys.executable, OMP_NUM_THREADS="1"))
+        output=tmp / "job.out", cwd=ROOT, env=clean_env(PYTHON=sys.executable, OMP_NUM_THREADS="1", **env))
 
 
 def job_processes(job: Job) -> list[psutil.Process]:
@@ -138,3 +141,34 @@ def test_a_failing_rank_fails_the_job_naming_it(cluster: Cluster, tmp_path: Path
     failed = said_at(logs[1], "failed with exit 7; stopping the other ranks")
     heard = said_at(logs[0], "node 1: CPU0 failed with exit 7")
     assert (heard - failed).total_seconds() <= 2
+
+
+def test_a_gpu_fault_requeues_the_job_without_its_node(cluster: Cluster, tmp_path: Path,
+                                                       token_cache_dir: Path) -> None:
+    """n2 has a fake GPU (the others CPU ranks); its rank (rank 1) loses it at step 3, after the checkpoint of step 2.
+    n2's supervisor finds the GPU lost and records the fault; the job script requeues the job with n2 in ExcNodeList.
+    The test then takes the fault out of the job's --config file (the next allocation's ranks would fire it again on
+    a CPU rank), and the job runs again on n1 and n3, resumes from step 2 and trains to the end."""
+    fault = tmp_path / "fault.json"
+    fault.write_text(json.dumps({"debug": {"inject_fault": "gpu_lost", "inject_fault_step": 3,
+                                           "inject_fault_rank": 1}}))
+    job = submit(cluster, tmp_path, token_cache_dir, "--max-steps", "6", "--set", "checkpoint.interval=2",
+                 "--config", str(fault), FAKE_GPU_NODE="n2", FAKE_GPU_STATE=str(tmp_path / "gpu_state.json"))
+    cluster.wait(job, ("PENDING",), JOB_TIMEOUT, restarts=1)
+    fault.write_text("{}")
+    assert cluster.job(job)["ExcNodeList"] == "n2"
+    assert psutil.wait_procs(job_processes(job), timeout=60)[1] == []  # the first allocation is over
+    first = job.text()
+    assert "GPU0 (rank 1" in first and "GPU fault: GPU 0 (NVML: lost, its error: " in first, first[-4000:]
+    assert f"GPU fault on node n2: GPU 0 (NVML: lost, its error: " in first
+    assert f"requeued job {job.id} without node n2 (ExcNodeList=n2); its next allocation resumes from the latest " \
+           f"checkpoint" in first
+    [record] = [json.loads(path.read_text()) for path in (tmp_path / "logs").glob("*/gpu_fault.json")]
+    assert (record["node"], list(record["gpus"]), record["slurm_job_id"], record["slurm_restart_count"]) == \
+           ("n2", ["0"], job.id, 0)
+    info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_TIMEOUT)
+    second = job.text()[len(first):]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (info, second[-4000:])
+    assert "SLURM_JOB_NODELIST=n[1,3]" in second
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_000002'} at step 2" in second
+    assert "step 6/6" in second
