@@ -57,6 +57,7 @@ class ModelConfig:
 class DataConfig:
     source: str = "stdlib"  # "stdlib" | a local file, folder or glob | a hub dataset name
     text_field: str = "text"
+    sample_by: str = "document"  # how a .txt file becomes documents: document | paragraph | line | a separator string
     hub_config: str | None = None
     split: str = "train"
     revision: str | None = None
@@ -351,6 +352,8 @@ def validate(cfg: Config) -> None:
         (t.max_grad_norm > 0, f"training.max_grad_norm must be positive, got {t.max_grad_norm}"),
         (0 <= d.val_fraction < 1, f"data.val_fraction must be within [0, 1), got {d.val_fraction}"),
         (d.max_samples is None or d.max_samples > 0, f"data.max_samples must be positive, got {d.max_samples}"),
+        (bool(d.sample_by), "data.sample_by is empty; use document, paragraph, line or a separator string such as "
+                            "'<|endoftext|>'"),
         (d.vocab_size >= 256 + 1, f"data.vocab_size must be at least 257 for a byte-level BPE, got {d.vocab_size}"),
         (cfg.logging.log_interval > 0, f"logging.log_interval must be positive, got {cfg.logging.log_interval}"),
         (cfg.checkpoint.keep > 0, f"checkpoint.keep must be positive, got {cfg.checkpoint.keep}"),
