@@ -1,6 +1,7 @@
 """Token cache benchmark: figures measured side by side in one run, printed as ratios against the anchors.
 
     python bench/bench_cache.py [--rounds 3] [--vocab-size 8192] [--skip-large]
+    python bench/bench_cache.py --scale [--scale-mb 1024] [--hit-mb 100]
 
 1. Throughput on the default corpus (every stdlib `*.py` file, byte-level BPE trained once on it; training time is
    reported apart and excluded, as the anchor does), each method in its own fresh process, interleaved over rounds:
@@ -14,6 +15,15 @@
 3. Cache-hit wall time of `python prepare_dataset.py` (target <= 1 s).
 4. Reading: 2 processes memory-map a large cache and read all of it through BatchSampler; their private memory (USS)
    and anonymous memory growth against the file size, next to a reader that loads a private copy (np.fromfile).
+
+--scale, instead: corpora of the size users bring, generated (the standard library's text repeated; nothing is
+downloaded) in a temporary folder: `--scale-mb` of JSONL (one document per row) and the same text as ONE .txt document.
+Each is built by `prepare_dataset.py` (the BPE trained once on the standard library, given by path) and, on the same
+files, by `datasets.map(num_proc=<cores>)`: tokens/s and peak RSS. A single-document .txt cannot go through
+`datasets` at all (one row of the whole file), so its map baseline reads the file with `sample_by="paragraph"`. At
+`--hit-mb` the same pair is built, plus the .txt cut by paragraphs (one huge document against many small ones, same
+text); then the wall time of a cache hit (`python prepare_dataset.py`, a fresh process) at both sizes, next to a hit
+that must re-read the sources (digest memo removed).
 """
 
 from __future__ import annotations
@@ -124,6 +134,34 @@ def child_map(tokenizer_folder: str) -> dict:
         mapped.save_to_disk(str(work / "saved"))
         seconds = time.perf_counter() - started
         return {"tokens": int(sum(mapped["len"])), "seconds": seconds, "cpu": cpu_seconds() - cpu}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def child_map_files(tokenizer_folder: str, path: str) -> dict:
+    """datasets' own way on the files: load (Arrow conversion), map(num_proc=cores), save_to_disk."""
+    import datasets
+    from transformers import PreTrainedTokenizerFast
+
+    datasets.disable_progress_bars()
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(Path(tokenizer_folder) / "tokenizer.json"),
+                                 eos_token="<|endoftext|>")
+    work = Path(tempfile.mkdtemp(prefix="bench-map-", dir=Path(path).parent))
+    try:
+        cpu, started = cpu_seconds(), time.perf_counter()
+        builder, options = ("json", {}) if path.endswith(".jsonl") else ("text", {"sample_by": "paragraph"})
+        dataset = datasets.load_dataset(builder, data_files=[path], split="train", cache_dir=str(work / "hf"),
+                                        **options)
+
+        def tokenize(batch: dict) -> dict:
+            ids = hf(batch["text"])["input_ids"]
+            return {"ids": [x + [hf.eos_token_id] for x in ids], "len": [len(x) + 1 for x in ids]}
+
+        mapped = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, num_proc=os.cpu_count())
+        mapped.save_to_disk(str(work / "saved"))
+        seconds = time.perf_counter() - started
+        tokens = int(np.sum(mapped.with_format("numpy")["len"]))
+        return {"tokens": tokens, "seconds": seconds, "cpu": cpu_seconds() - cpu, "rss_peak_mb": max_rss_mb()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -296,6 +334,87 @@ def reading_memory(work: Path, cfg: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Scale: generated corpora of the size users bring
+
+
+def generate_corpus(folder: Path, megabytes: int) -> tuple[Path, Path]:
+    """The standard library's text repeated to `megabytes`: as JSONL rows, and as one .txt document (files joined by
+    blank lines). Written in streaming fashion; the same characters either way."""
+    documents = [d for d in StdlibCorpus().documents() if "\0" not in d]
+    jsonl, txt = folder / f"corpus_{megabytes}mb.jsonl", folder / f"corpus_{megabytes}mb.txt"
+    written = 0
+    with open(jsonl, "w") as rows, open(txt, "w") as text:
+        while written < megabytes * 1_000_000:
+            for document in documents:
+                rows.write(json.dumps({"text": document}) + "\n")
+                text.write(document + "\n\n")
+                written += len(document.encode()) + 2
+                if written >= megabytes * 1_000_000:
+                    break
+    return jsonl, txt
+
+
+def build_ours(work: Path, tokenizer: Path, source: Path, sample_by: str = "document") -> tuple[dict, Path]:
+    config = work / f"{source.stem}-{sample_by}.json"
+    config_for(work / "scale-cache", source=str(source), tokenizer=str(tokenizer), sample_by=sample_by).save(config)
+    return child("ours", str(config)), config
+
+
+def hit_seconds(config: Path, runs: int = 5) -> float:
+    walls = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--config", str(config)], check=True,
+                       capture_output=True, cwd=ROOT)
+        walls.append(time.perf_counter() - started)
+    return statistics.median(walls)
+
+
+def scale(work: Path, megabytes: int, hit_megabytes: int) -> None:
+    tokenizer = prepare(config_for(work / "scale-cache"), show_progress=False).path  # BPE 8192 on the stdlib
+    rows = []
+    hits = {}
+
+    def report(label: str, result: dict, size: int) -> None:
+        rate = result["tokens"] / result["seconds"]
+        rows.append((label, size, result["tokens"], rate, result["rss_peak_mb"]))
+        print(f"  {label:<46} {size:>6} MB  {result['tokens']:>13,} tokens  {rate / 1e6:6.2f} M tok/s  "
+              f"peak RSS {result['rss_peak_mb']:>6.0f} MB  ({result['seconds']:.0f} s)", flush=True)
+
+    for size in (hit_megabytes, megabytes):
+        jsonl, txt = generate_corpus(work, size)
+        print(f"{size} MB corpus: {jsonl.stat().st_size / 1e6:,.0f} MB JSONL, {txt.stat().st_size / 1e6:,.0f} MB .txt",
+              flush=True)
+        ours_jsonl, config = build_ours(work, tokenizer, jsonl)
+        report("ours, JSONL", ours_jsonl, size)
+        ours_txt, _ = build_ours(work, tokenizer, txt)
+        report("ours, .txt as one document", ours_txt, size)
+        if size == hit_megabytes:
+            paragraphs, _ = build_ours(work, tokenizer, txt, "paragraph")
+            report("ours, the same .txt cut by paragraphs", paragraphs, size)
+            one, many = ours_txt["tokens"] / ours_txt["seconds"], paragraphs["tokens"] / paragraphs["seconds"]
+            print(f"  one huge document / many small ones (same text): {one / many:.2f}x tokens/s "
+                  f"(target: within 15 %)", flush=True)
+        if size == megabytes:
+            for label, path in (("datasets.map, JSONL", jsonl), ("datasets.map, .txt by paragraphs", txt)):
+                baseline = child("map_files", str(tokenizer), str(path))
+                report(label, baseline, size)
+            map_rates = {r[0]: r[3] for r in rows if r[1] == size}
+            print(f"  ours/map: JSONL {map_rates['ours, JSONL'] / map_rates['datasets.map, JSONL']:.2f}x, .txt "
+                  f"{map_rates['ours, .txt as one document'] / map_rates['datasets.map, .txt by paragraphs']:.2f}x "
+                  f"(target >= 1.5x)", flush=True)
+        hit_seconds(config, runs=1)  # the first launch after the build remembers the digests of the new files
+        hits[size] = hit_seconds(config)
+        memo = work / "scale-cache" / ".file-digests.json"
+        memo.unlink()
+        cold = hit_seconds(config, runs=1)
+        print(f"  cache hit, python prepare_dataset.py: median {hits[size]:.2f} s wall over 5 launches (target <= 1 s);"
+              f" {cold:.2f} s when the sources must be read again (digest memo removed)", flush=True)
+        for path in (jsonl, txt):
+            path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Scaling with cores: bench_gpu.py's cache section, for a machine with cores to spare
 
 
@@ -348,12 +467,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--skip-large", action="store_true", help="skip the 3x-source and 1 GB-cache memory runs")
+    parser.add_argument("--scale", action="store_true", help="only the scale section: generated corpora, see above")
+    parser.add_argument("--scale-mb", type=int, default=1024, help="the large generated corpus, in MB")
+    parser.add_argument("--hit-mb", type=int, default=100, help="the smaller one (hit time, one vs many documents)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         mode, *rest = args.child
         result = {"ours": child_ours, "raw": child_raw, "map": child_map, "reader": child_reader,
-                  "pinned": child_pinned}[mode](*rest)
+                  "pinned": child_pinned, "map_files": child_map_files}[mode](*rest)
         if result:
             print(json.dumps(result))
         return
@@ -363,11 +485,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     started = time.perf_counter()
     try:
-        cfg, config = throughput(work, args.rounds, args.vocab_size)
-        hit_wall(config)
-        if not args.skip_large:
-            large_source_rss(work, cfg)
-            reading_memory(work, cfg)
+        if args.scale:
+            scale(work, args.scale_mb, args.hit_mb)
+        else:
+            cfg, config = throughput(work, args.rounds, args.vocab_size)
+            hit_wall(config)
+            if not args.skip_large:
+                large_source_rss(work, cfg)
+                reading_memory(work, cfg)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"(benchmark wall time {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at the end)")
