@@ -235,14 +235,19 @@ def throughput(work: Path, rounds: int, vocab_size: int) -> tuple[Config, Path]:
     return cfg, config
 
 
-def hit_wall(config: Path, runs: int = 5) -> None:
+def hit_seconds(config: Path, runs: int = 5) -> float:
+    """Median wall time of `python prepare_dataset.py` (a fresh process) hitting the cache of `config`."""
     walls = []
     for _ in range(runs):
         started = time.perf_counter()
         subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--config", str(config)], check=True,
                        capture_output=True, cwd=ROOT)
         walls.append(time.perf_counter() - started)
-    print(f"cache hit, python prepare_dataset.py: median {statistics.median(walls):.2f} s wall over {runs} runs "
+    return statistics.median(walls)
+
+
+def hit_wall(config: Path, runs: int = 5) -> None:
+    print(f"cache hit, python prepare_dataset.py: median {hit_seconds(config, runs):.2f} s wall over {runs} runs "
           f"(target <= 1.0 s)")
 
 
@@ -358,16 +363,6 @@ def build_ours(work: Path, tokenizer: Path, source: Path, sample_by: str = "docu
     config = work / f"{source.stem}-{sample_by}.json"
     config_for(work / "scale-cache", source=str(source), tokenizer=str(tokenizer), sample_by=sample_by).save(config)
     return child("ours", str(config)), config
-
-
-def hit_seconds(config: Path, runs: int = 5) -> float:
-    walls = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--config", str(config)], check=True,
-                       capture_output=True, cwd=ROOT)
-        walls.append(time.perf_counter() - started)
-    return statistics.median(walls)
 
 
 def scale(work: Path, megabytes: int, hit_megabytes: int) -> None:

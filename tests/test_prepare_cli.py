@@ -93,7 +93,6 @@ def test_verify_passes_then_catches_corruption(built: tuple[str, dict[str, str],
         first = f.read(1)
         f.seek(unsampled)
         f.write(bytes([first[0] ^ 1]))
-    assert fields(run("--config", damaged).stdout)["status"].startswith("hit")
     assert_one_line_error(run("--config", damaged, "--verify"), "corrupt", "tokens.bin", "--force")
     with open(tokens, "r+b") as f:  # the first block is sampled: the hit itself sees it and rebuilds
         f.write(b"\0\0")
