@@ -132,9 +132,9 @@ class BatchSampler:
         starts = self.windows(step, micro_step) * self.context_length
         return np.asarray(self.tokens[starts[:, None] + self._span], dtype=np.int64)
 
-    def check(self, batch: np.ndarray | torch.Tensor) -> None:
+    def check(self, batch: np.ndarray) -> None:
         """Refuse ids beyond the vocabulary (a cache damaged after its build) before they index the embedding: one
-        vectorised max per batch, in the process that trains on it."""
+        vectorised max per batch on the host, in the process that trains on it."""
         if self.vocab_size is not None and len(batch) and int(batch.max()) >= self.vocab_size:
             raise UserError(f"token cache {self.origin} holds id {int(batch.max())}, beyond the vocabulary of "
                             f"{self.vocab_size:,}: it is damaged; check it with prepare_dataset.py --verify and "
@@ -300,7 +300,7 @@ class StepLoader:
             assert self.iterator is not None
             batch = next(self.iterator)
             self.next_step = step + 1
-        self.sampler.check(batch)
+        self.sampler.check(batch.numpy())  # a host tensor: numpy's max, no torch op, nothing read back from a device
         return batch
 
     def start(self, step: int) -> None:

@@ -105,7 +105,8 @@ class TokenCache:
 
     @classmethod
     def open(cls, path: Path) -> "TokenCache":
-        """Validate the manifest against the files (version, dtype, sizes, offsets) in O(1), then map the tokens."""
+        """Validate the manifest against the files (version, dtype, sizes, offsets, sampled blocks; a bounded read
+        whatever the cache's size), then map the tokens."""
         path = Path(path)
         manifest = read_manifest(path)
         problem = manifest_problem(path, manifest)
@@ -147,7 +148,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def manifest_problem(path: Path, manifest: dict[str, Any]) -> str | None:
-    """Why the folder does not match its manifest, or None. Only stats and two offsets are read: O(1)."""
+    """Why the folder does not match its manifest, or None. Stats, two offsets and at most `SAMPLED_BLOCKS` blocks of
+    each file are read: the same cost for any cache size."""
     try:
         if manifest.get("format_version") != FORMAT_VERSION:
             return f"format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}"

@@ -112,20 +112,23 @@ class LocalCorpus:
     description: str = field(init=False)
 
     def __post_init__(self) -> None:
-        has_text = any(BUILDERS[p.suffix.lower()] == "text" for p in self.files)
-        if self.sample_by != SAMPLE_BY_DOCUMENT and not has_text:
+        if self.sample_by != SAMPLE_BY_DOCUMENT and not self.text_files:
             raise UserError(f"data.sample_by {self.sample_by!r} applies to .txt files and {self.source} has none; "
                             f"leave data.sample_by at 'document'")
-        how = f", {describe_sample_by(self.sample_by)}" if has_text else ""
+        how = f", {describe_sample_by(self.sample_by)}" if self.text_files else ""
         self.description = f"{self.source} ({len(self.files)} file{'s' * (len(self.files) != 1)}{how})"
+
+    @property
+    def text_files(self) -> int:
+        return sum(BUILDERS[p.suffix.lower()] == "text" for p in self.files)
 
     def identity(self, digests: DigestMemo) -> dict[str, Any]:
         material: dict[str, Any] = {"kind": "local", "files": len(self.files),
                                     "content": fingerprint(self.files, self.root, digests.digest)}
-        if any(BUILDERS[p.suffix.lower()] != "text" for p in self.files):
+        if self.text_files < len(self.files):
             material["text_field"] = self.text_field  # a .txt file has no fields; elsewhere the field picks the text
-        if any(BUILDERS[p.suffix.lower()] == "text" for p in self.files):
-            material["sample_by"] = self.sample_by
+        if self.text_files:
+            material["sample_by"] = self.sample_by  # how a .txt file becomes documents
         return material
 
     def pieces(self) -> Iterator[Piece]:
@@ -153,9 +156,8 @@ class LocalCorpus:
                                 f"{first_line(e)}); check the files are valid {builder} data") from None
 
     def size_hint(self) -> int | None:
-        every_file_one_document = self.sample_by == SAMPLE_BY_DOCUMENT
-        return len(self.files) if every_file_one_document and all(BUILDERS[p.suffix.lower()] == "text"
-                                                                  for p in self.files) else None
+        one_document_per_file = self.sample_by == SAMPLE_BY_DOCUMENT and self.text_files == len(self.files)
+        return len(self.files) if one_document_per_file else None
 
 
 def read_text_file(path: Path, separator: re.Pattern[str] | None) -> Iterator[str | None]:
