@@ -126,7 +126,7 @@ class Launcher:
             if info is None:
                 raise UserError("prepare_dataset.py finished but its token cache does not open; run it by hand with "
                                 "the same flags to see why")
-        state = f"built in {info.build_seconds:.1f} s" if built else "ready"
+        state = f"built in {info.build_seconds:.1f} s, peak RSS {info.peak_rss_bytes / 1e9:.2f} GB" if built else "ready"
         self.console.say(f"dataset {state}: {info.tokens:,} training tokens in {info.path}")
         check_resume(self.cfg, info.key, info.vocab_size)  # other data or another model: refused before any rank
         return None

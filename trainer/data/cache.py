@@ -77,7 +77,8 @@ SAMPLED_BLOCKS = 8  # per file: first, last and evenly between (every block of a
 @dataclass
 class CacheInfo:
     """The outcome of `prepare`. `documents` counts both splits; `tokens` is the training split and `val_tokens` the
-    held-out one. `build_seconds` is this build's wall time, or on a hit (`built` False) the original build's."""
+    held-out one. `build_seconds` is this build's wall time, or on a hit (`built` False) the original build's;
+    `peak_rss_bytes` the building process's peak resident memory."""
 
     key: str
     path: Path
@@ -88,6 +89,7 @@ class CacheInfo:
     vocab_size: int
     built: bool
     build_seconds: float
+    peak_rss_bytes: int
 
 
 @dataclass
@@ -434,4 +436,5 @@ def cache_info(cache: TokenCache, built: bool, seconds: float | None = None) -> 
     return CacheInfo(key=cache.key, path=cache.path, documents=m["train"]["documents"] + m["val"]["documents"],
                      tokens=m["train"]["tokens"], val_tokens=m["val"]["tokens"], dtype=m["dtype"],
                      vocab_size=cache.vocab_size, built=built,
-                     build_seconds=m["build"]["seconds"] if seconds is None else seconds)
+                     build_seconds=m["build"]["seconds"] if seconds is None else seconds,
+                     peak_rss_bytes=m["build"]["peak_rss_bytes"])

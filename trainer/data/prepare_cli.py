@@ -80,7 +80,7 @@ def print_info(info: CacheInfo, cfg: Config, wall: float) -> None:
         ("dtype", info.dtype),
         ("build time", f"{info.build_seconds:.2f} s" + ("" if info.built else " (when built)")),
         ("tokens/s", f"{rate / 1e6:.2f} M (tokenizing and writing; tokenizer training excluded)"),
-        ("peak RSS", f"{manifest['build']['peak_rss_bytes'] / 1e9:.2f} GB" + ("" if info.built else " (when built)")),
+        ("peak RSS", f"{info.peak_rss_bytes / 1e9:.2f} GB" + ("" if info.built else " (when built)")),
     ]
     for label, value in lines:
         print(f"{label + ':':<11} {value}")
