@@ -366,45 +366,47 @@ def build_ours(work: Path, tokenizer: Path, source: Path, sample_by: str = "docu
 
 
 def scale(work: Path, megabytes: int, hit_megabytes: int) -> None:
+    """The figures as they come (a long run on a shared machine: each line is printed when measured). Rates are given
+    per second of wall time and per CPU-second (all threads and worker processes), the second barely moved by other
+    load on the machine."""
     tokenizer = prepare(config_for(work / "scale-cache"), show_progress=False).path  # BPE 8192 on the stdlib
-    rows = []
-    hits = {}
+    rates: dict[tuple[str, int], tuple[float, float]] = {}
 
-    def report(label: str, result: dict, size: int) -> None:
-        rate = result["tokens"] / result["seconds"]
-        rows.append((label, size, result["tokens"], rate, result["rss_peak_mb"]))
-        print(f"  {label:<46} {size:>6} MB  {result['tokens']:>13,} tokens  {rate / 1e6:6.2f} M tok/s  "
-              f"peak RSS {result['rss_peak_mb']:>6.0f} MB  ({result['seconds']:.0f} s)", flush=True)
+    def measure(label: str, size: int, result: dict) -> None:
+        rates[label, size] = result["tokens"] / result["seconds"], result["tokens"] / result["cpu"]
+        print(f"  {label:<38} {size:>5} MB {result['tokens']:>12,} tokens {rates[label, size][0] / 1e6:6.2f} M tok/s "
+              f"{rates[label, size][1] / 1e6:6.2f} M tok/CPU-s  peak RSS {result['rss_peak_mb']:>5.0f} MB "
+              f"({result['seconds']:.0f} s)", flush=True)
+
+    def ratio(a: str, b: str, size: int) -> str:
+        return (f"{rates[a, size][0] / rates[b, size][0]:.2f}x per second, "
+                f"{rates[a, size][1] / rates[b, size][1]:.2f}x per CPU-second")
 
     for size in (hit_megabytes, megabytes):
         jsonl, txt = generate_corpus(work, size)
         print(f"{size} MB corpus: {jsonl.stat().st_size / 1e6:,.0f} MB JSONL, {txt.stat().st_size / 1e6:,.0f} MB .txt",
               flush=True)
-        ours_jsonl, config = build_ours(work, tokenizer, jsonl)
-        report("ours, JSONL", ours_jsonl, size)
-        ours_txt, _ = build_ours(work, tokenizer, txt)
-        report("ours, .txt as one document", ours_txt, size)
+        measure("ours, .txt as one document", size, build_ours(work, tokenizer, txt)[0])
+        result, config = build_ours(work, tokenizer, jsonl)
+        measure("ours, JSONL", size, result)
         if size == hit_megabytes:
-            paragraphs, _ = build_ours(work, tokenizer, txt, "paragraph")
-            report("ours, the same .txt cut by paragraphs", paragraphs, size)
-            one, many = ours_txt["tokens"] / ours_txt["seconds"], paragraphs["tokens"] / paragraphs["seconds"]
-            print(f"  one huge document / many small ones (same text): {one / many:.2f}x tokens/s "
+            measure("ours, the same .txt cut by paragraphs", size, build_ours(work, tokenizer, txt, "paragraph")[0])
+            print(f"  one huge document / many small ones (same text): "
+                  f"{ratio('ours, .txt as one document', 'ours, the same .txt cut by paragraphs', size)} "
                   f"(target: within 15 %)", flush=True)
-        if size == megabytes:
-            for label, path in (("datasets.map, JSONL", jsonl), ("datasets.map, .txt by paragraphs", txt)):
-                baseline = child("map_files", str(tokenizer), str(path))
-                report(label, baseline, size)
-            map_rates = {r[0]: r[3] for r in rows if r[1] == size}
-            print(f"  ours/map: JSONL {map_rates['ours, JSONL'] / map_rates['datasets.map, JSONL']:.2f}x, .txt "
-                  f"{map_rates['ours, .txt as one document'] / map_rates['datasets.map, .txt by paragraphs']:.2f}x "
-                  f"(target >= 1.5x)", flush=True)
         hit_seconds(config, runs=1)  # the first launch after the build remembers the digests of the new files
-        hits[size] = hit_seconds(config)
-        memo = work / "scale-cache" / ".file-digests.json"
-        memo.unlink()
+        hit = hit_seconds(config)
+        (work / "scale-cache" / ".file-digests.json").unlink()
         cold = hit_seconds(config, runs=1)
-        print(f"  cache hit, python prepare_dataset.py: median {hits[size]:.2f} s wall over 5 launches (target <= 1 s);"
-              f" {cold:.2f} s when the sources must be read again (digest memo removed)", flush=True)
+        print(f"  cache hit, python prepare_dataset.py: median {hit:.2f} s wall over 5 launches (target <= 1 s); "
+              f"{cold:.2f} s when the sources must be read again (digest memo removed)", flush=True)
+        if size == megabytes:
+            measure("datasets.map, JSONL", size, child("map_files", str(tokenizer), str(jsonl)))
+            print(f"  ours/map, JSONL: {ratio('ours, JSONL', 'datasets.map, JSONL', size)} (target >= 1.5x)",
+                  flush=True)
+            measure("datasets.map, .txt by paragraphs", size, child("map_files", str(tokenizer), str(txt)))
+            print(f"  ours/map, .txt: {ratio('ours, .txt as one document', 'datasets.map, .txt by paragraphs', size)}"
+                  f" (target >= 1.5x)", flush=True)
         for path in (jsonl, txt):
             path.unlink()
 
