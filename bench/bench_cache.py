@@ -235,19 +235,22 @@ def throughput(work: Path, rounds: int, vocab_size: int) -> tuple[Config, Path]:
     return cfg, config
 
 
-def hit_seconds(config: Path, runs: int = 5) -> float:
-    """Median wall time of `python prepare_dataset.py` (a fresh process) hitting the cache of `config`."""
-    walls = []
+def hit_seconds(config: Path, runs: int = 5) -> tuple[float, float]:
+    """Median wall time and median CPU time (user + system: what other load on the machine does not inflate) of
+    `python prepare_dataset.py` (a fresh process) hitting the cache of `config`."""
+    walls, cpus = [], []
     for _ in range(runs):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), sum(os.times()[2:4])
         subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--config", str(config)], check=True,
                        capture_output=True, cwd=ROOT)
         walls.append(time.perf_counter() - started)
-    return statistics.median(walls)
+        cpus.append(sum(os.times()[2:4]) - cpu)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def hit_wall(config: Path, runs: int = 5) -> None:
-    print(f"cache hit, python prepare_dataset.py: median {hit_seconds(config, runs):.2f} s wall over {runs} runs "
+    wall, cpu = hit_seconds(config, runs)
+    print(f"cache hit, python prepare_dataset.py: median {wall:.2f} s wall ({cpu:.2f} s CPU) over {runs} runs "
           f"(target <= 1.0 s)")
 
 
@@ -398,8 +401,9 @@ def scale(work: Path, megabytes: int, hit_megabytes: int) -> None:
         hit = hit_seconds(config)
         (work / "scale-cache" / ".file-digests.json").unlink()
         cold = hit_seconds(config, runs=1)
-        print(f"  cache hit, python prepare_dataset.py: median {hit:.2f} s wall over 5 launches (target <= 1 s); "
-              f"{cold:.2f} s when the sources must be read again (digest memo removed)", flush=True)
+        print(f"  cache hit, python prepare_dataset.py: median {hit[0]:.2f} s wall, {hit[1]:.2f} s CPU over 5 launches "
+              f"(target <= 1 s); {cold[0]:.2f} s wall, {cold[1]:.2f} s CPU when the sources must be read again "
+              f"(digest memo removed)", flush=True)
         if size == megabytes:
             measure("datasets.map, JSONL", size, child("map_files", str(tokenizer), str(jsonl)))
             print(f"  ours/map, JSONL: {ratio('ours, JSONL', 'datasets.map, JSONL', size)} (target >= 1.5x)",
