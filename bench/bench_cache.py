@@ -363,7 +363,7 @@ def generate_corpus(folder: Path, megabytes: int) -> tuple[Path, Path]:
 
 
 def build_ours(work: Path, tokenizer: Path, source: Path, sample_by: str = "document") -> tuple[dict, Path]:
-    config = work / f"{source.stem}-{sample_by}.json"
+    config = work / f"{source.name}-{sample_by}.json"
     config_for(work / "scale-cache", source=str(source), tokenizer=str(tokenizer), sample_by=sample_by).save(config)
     return child("ours", str(config)), config
 
