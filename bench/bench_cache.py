@@ -1,6 +1,7 @@
 """Token cache benchmark: figures measured side by side in one run, printed as ratios against the anchors.
 
     python bench/bench_cache.py [--rounds 3] [--vocab-size 8192] [--skip-large]
+    python bench/bench_cache.py --scale [--scale-mb 1024] [--hit-mb 100]
 
 1. Throughput on the default corpus (every stdlib `*.py` file, byte-level BPE trained once on it; training time is
    reported apart and excluded, as the anchor does), each method in its own fresh process, interleaved over rounds:
@@ -14,6 +15,15 @@
 3. Cache-hit wall time of `python prepare_dataset.py` (target <= 1 s).
 4. Reading: 2 processes memory-map a large cache and read all of it through BatchSampler; their private memory (USS)
    and anonymous memory growth against the file size, next to a reader that loads a private copy (np.fromfile).
+
+--scale, instead: corpora of the size users bring, generated (the standard library's text repeated; nothing is
+downloaded) in a temporary folder: `--scale-mb` of JSONL (one document per row) and the same text as ONE .txt document.
+Each is built by `prepare_dataset.py` (the BPE trained once on the standard library, given by path) and, on the same
+files, by `datasets.map(num_proc=<cores>)`: tokens/s and peak RSS. A single-document .txt cannot go through
+`datasets` at all (one row of the whole file), so its map baseline reads the file with `sample_by="paragraph"`. At
+`--hit-mb` the same pair is built, plus the .txt cut by paragraphs (one huge document against many small ones, same
+text); then the wall time of a cache hit (`python prepare_dataset.py`, a fresh process) at both sizes, next to a hit
+that must re-read the sources (digest memo removed).
 """
 
 from __future__ import annotations
@@ -128,6 +138,34 @@ def child_map(tokenizer_folder: str) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def child_map_files(tokenizer_folder: str, path: str) -> dict:
+    """datasets' own way on the files: load (Arrow conversion), map(num_proc=cores), save_to_disk."""
+    import datasets
+    from transformers import PreTrainedTokenizerFast
+
+    datasets.disable_progress_bars()
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(Path(tokenizer_folder) / "tokenizer.json"),
+                                 eos_token="<|endoftext|>")
+    work = Path(tempfile.mkdtemp(prefix="bench-map-", dir=Path(path).parent))
+    try:
+        cpu, started = cpu_seconds(), time.perf_counter()
+        builder, options = ("json", {}) if path.endswith(".jsonl") else ("text", {"sample_by": "paragraph"})
+        dataset = datasets.load_dataset(builder, data_files=[path], split="train", cache_dir=str(work / "hf"),
+                                        **options)
+
+        def tokenize(batch: dict) -> dict:
+            ids = hf(batch["text"])["input_ids"]
+            return {"ids": [x + [hf.eos_token_id] for x in ids], "len": [len(x) + 1 for x in ids]}
+
+        mapped = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, num_proc=os.cpu_count())
+        mapped.save_to_disk(str(work / "saved"))
+        seconds = time.perf_counter() - started
+        tokens = int(np.sum(mapped.with_format("numpy")["len"]))
+        return {"tokens": tokens, "seconds": seconds, "cpu": cpu_seconds() - cpu, "rss_peak_mb": max_rss_mb()}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def child_reader(path: str, copy: str) -> dict:
     """Read the whole cache (one epoch of BatchSampler windows), say READ, wait for the parent, then measure."""
     from trainer.data.batches import BatchSampler  # here: that module also holds the torch DataLoader wrapper
@@ -197,14 +235,22 @@ def throughput(work: Path, rounds: int, vocab_size: int) -> tuple[Config, Path]:
     return cfg, config
 
 
-def hit_wall(config: Path, runs: int = 5) -> None:
-    walls = []
+def hit_seconds(config: Path, runs: int = 5) -> tuple[float, float]:
+    """Median wall time and median CPU time (user + system: what other load on the machine does not inflate) of
+    `python prepare_dataset.py` (a fresh process) hitting the cache of `config`."""
+    walls, cpus = [], []
     for _ in range(runs):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), sum(os.times()[2:4])
         subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--config", str(config)], check=True,
                        capture_output=True, cwd=ROOT)
         walls.append(time.perf_counter() - started)
-    print(f"cache hit, python prepare_dataset.py: median {statistics.median(walls):.2f} s wall over {runs} runs "
+        cpus.append(sum(os.times()[2:4]) - cpu)
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def hit_wall(config: Path, runs: int = 5) -> None:
+    wall, cpu = hit_seconds(config, runs)
+    print(f"cache hit, python prepare_dataset.py: median {wall:.2f} s wall ({cpu:.2f} s CPU) over {runs} runs "
           f"(target <= 1.0 s)")
 
 
@@ -296,6 +342,80 @@ def reading_memory(work: Path, cfg: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Scale: generated corpora of the size users bring
+
+
+def generate_corpus(folder: Path, megabytes: int) -> tuple[Path, Path]:
+    """The standard library's text repeated to `megabytes`: as JSONL rows, and as one .txt document (files joined by
+    blank lines). Written in streaming fashion; the same characters either way."""
+    documents = [d for d in StdlibCorpus().documents() if "\0" not in d]
+    jsonl, txt = folder / f"corpus_{megabytes}mb.jsonl", folder / f"corpus_{megabytes}mb.txt"
+    written = 0
+    with open(jsonl, "w") as rows, open(txt, "w") as text:
+        while written < megabytes * 1_000_000:
+            for document in documents:
+                rows.write(json.dumps({"text": document}) + "\n")
+                text.write(document + "\n\n")
+                written += len(document.encode()) + 2
+                if written >= megabytes * 1_000_000:
+                    break
+    return jsonl, txt
+
+
+def build_ours(work: Path, tokenizer: Path, source: Path, sample_by: str = "document") -> tuple[dict, Path]:
+    config = work / f"{source.name}-{sample_by}.json"
+    config_for(work / "scale-cache", source=str(source), tokenizer=str(tokenizer), sample_by=sample_by).save(config)
+    return child("ours", str(config)), config
+
+
+def scale(work: Path, megabytes: int, hit_megabytes: int) -> None:
+    """The figures as they come (a long run on a shared machine: each line is printed when measured). Rates are given
+    per second of wall time and per CPU-second (all threads and worker processes), the second barely moved by other
+    load on the machine."""
+    tokenizer = prepare(config_for(work / "scale-cache"), show_progress=False).path  # BPE 8192 on the stdlib
+    rates: dict[tuple[str, int], tuple[float, float]] = {}
+
+    def measure(label: str, size: int, result: dict) -> None:
+        rates[label, size] = result["tokens"] / result["seconds"], result["tokens"] / result["cpu"]
+        print(f"  {label:<38} {size:>5} MB {result['tokens']:>12,} tokens {rates[label, size][0] / 1e6:6.2f} M tok/s "
+              f"{rates[label, size][1] / 1e6:6.2f} M tok/CPU-s  peak RSS {result['rss_peak_mb']:>5.0f} MB "
+              f"({result['seconds']:.0f} s)", flush=True)
+
+    def ratio(a: str, b: str, size: int) -> str:
+        return (f"{rates[a, size][0] / rates[b, size][0]:.2f}x per second, "
+                f"{rates[a, size][1] / rates[b, size][1]:.2f}x per CPU-second")
+
+    for size in (hit_megabytes, megabytes):
+        jsonl, txt = generate_corpus(work, size)
+        print(f"{size} MB corpus: {jsonl.stat().st_size / 1e6:,.0f} MB JSONL, {txt.stat().st_size / 1e6:,.0f} MB .txt",
+              flush=True)
+        measure("ours, .txt as one document", size, build_ours(work, tokenizer, txt)[0])
+        result, config = build_ours(work, tokenizer, jsonl)
+        measure("ours, JSONL", size, result)
+        if size == hit_megabytes:
+            measure("ours, the same .txt cut by paragraphs", size, build_ours(work, tokenizer, txt, "paragraph")[0])
+            print(f"  one huge document / many small ones (same text): "
+                  f"{ratio('ours, .txt as one document', 'ours, the same .txt cut by paragraphs', size)} "
+                  f"(target: within 15 %)", flush=True)
+        hit_seconds(config, runs=1)  # the first launch after the build remembers the digests of the new files
+        hit = hit_seconds(config)
+        (work / "scale-cache" / ".file-digests.json").unlink()
+        cold = hit_seconds(config, runs=1)
+        print(f"  cache hit, python prepare_dataset.py: median {hit[0]:.2f} s wall, {hit[1]:.2f} s CPU over 5 launches "
+              f"(target <= 1 s); {cold[0]:.2f} s wall, {cold[1]:.2f} s CPU when the sources must be read again "
+              f"(digest memo removed)", flush=True)
+        if size == megabytes:
+            measure("datasets.map, JSONL", size, child("map_files", str(tokenizer), str(jsonl)))
+            print(f"  ours/map, JSONL: {ratio('ours, JSONL', 'datasets.map, JSONL', size)} (target >= 1.5x)",
+                  flush=True)
+            measure("datasets.map, .txt by paragraphs", size, child("map_files", str(tokenizer), str(txt)))
+            print(f"  ours/map, .txt: {ratio('ours, .txt as one document', 'datasets.map, .txt by paragraphs', size)}"
+                  f" (target >= 1.5x)", flush=True)
+        for path in (jsonl, txt):
+            path.unlink()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Scaling with cores: bench_gpu.py's cache section, for a machine with cores to spare
 
 
@@ -348,12 +468,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--skip-large", action="store_true", help="skip the 3x-source and 1 GB-cache memory runs")
+    parser.add_argument("--scale", action="store_true", help="only the scale section: generated corpora, see above")
+    parser.add_argument("--scale-mb", type=int, default=1024, help="the large generated corpus, in MB")
+    parser.add_argument("--hit-mb", type=int, default=100, help="the smaller one (hit time, one vs many documents)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         mode, *rest = args.child
         result = {"ours": child_ours, "raw": child_raw, "map": child_map, "reader": child_reader,
-                  "pinned": child_pinned}[mode](*rest)
+                  "pinned": child_pinned, "map_files": child_map_files}[mode](*rest)
         if result:
             print(json.dumps(result))
         return
@@ -363,11 +486,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     started = time.perf_counter()
     try:
-        cfg, config = throughput(work, args.rounds, args.vocab_size)
-        hit_wall(config)
-        if not args.skip_large:
-            large_source_rss(work, cfg)
-            reading_memory(work, cfg)
+        if args.scale:
+            scale(work, args.scale_mb, args.hit_mb)
+        else:
+            cfg, config = throughput(work, args.rounds, args.vocab_size)
+            hit_wall(config)
+            if not args.skip_large:
+                large_source_rss(work, cfg)
+                reading_memory(work, cfg)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"(benchmark wall time {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at the end)")

@@ -5,6 +5,10 @@ the supervisor makes itself a child subreaper; then the dataset is prepared (Ctr
 KeyboardInterrupt, no rank exists yet, and a second Ctrl-C is ignored while it unwinds); only then do signals become
 loop events.
 
+The dataset step looks for the token cache in this process (a hit costs a stat per source file); a build runs as a
+child process (`prepare_dataset.py`), so that a build the kernel's out-of-memory killer ends is reported here, with
+the host's memory and the build's largest resident set, instead of the whole supervisor vanishing with `Killed`.
+
 Restarts (``--max-restarts N``): after a failure or a hang, and once every process of the group is gone, the group
 starts again with a config that says ``checkpoint.resume=auto`` (``config.restart<n>.json`` beside
 ``config.json``), so the ranks continue from the run's latest checkpoint; until the run has saved one, the group
@@ -22,6 +26,8 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,9 +48,9 @@ from supervisor.rendezvous import PortReservation
 from supervisor.report import failure_report, success_report
 from supervisor.signals import SignalInbox
 from supervisor.watch import GroupResult, Watch
-from supervisor.worker import Worker, become_subreaper
+from supervisor.worker import Worker, become_subreaper, die_with_parent
 from trainer.checkpoint_layout import META_FILE, check_resume, list_checkpoints
-from trainer.config import Config
+from trainer.config import PROJECT_ROOT, Config
 from trainer.errors import UserError
 
 if TYPE_CHECKING:
@@ -82,10 +88,12 @@ class Launcher:
             become_subreaper()
             signal.signal(signal.SIGINT, interrupt_once)
             try:
-                self.prepare()
+                failed = self.prepare()
             except KeyboardInterrupt:
                 self.console.say("interrupted during dataset preparation; no rank was started")
                 return 130
+            if failed is not None:
+                return failed
             signals = SignalInbox()
             if self.plan.nnodes > 1:
                 from supervisor.control import open_channel
@@ -140,17 +148,67 @@ class Launcher:
 
     # -- steps -----------------------------------------------------------------------------------------------------
 
-    def prepare(self) -> None:
-        """Build (or find) the token cache once, before any rank starts, so ranks never race to build it; then, with
-        its key known, refuse a --resume checkpoint that does not fit this run (checkpoint_layout.check_resume)."""
+    def prepare(self) -> int | None:
+        """Find (or build) the token cache once, before any rank starts, so ranks never race to build it; then, with
+        its key known, refuse a --resume checkpoint that does not fit this run (checkpoint_layout.check_resume).
+        Returns the exit code of a build that failed (it has said why), None when the data is ready."""
         if not (self.plan.prepare and self.plan.trainer_entry):
-            return
-        from trainer.data.cache import prepare  # here, not at the top: its build path imports the tokenizer libraries
+            return None
+        from trainer.data.cache import find
 
-        info = prepare(self.cfg)
-        state = "built" if info.built else "ready"
+        info = find(self.cfg)
+        built = info is None
+        if info is None:
+            failed = self.build_dataset()
+            if failed is not None:
+                return failed
+            info = find(self.cfg)
+            if info is None:
+                raise UserError("prepare_dataset.py finished but its token cache does not open; run it by hand with "
+                                "the same flags to see why")
+        state = f"built in {info.build_seconds:.1f} s, peak RSS {info.peak_rss_bytes / 1e9:.2f} GB" if built else "ready"
         self.console.say(f"dataset {state}: {info.tokens:,} training tokens in {info.path}")
         check_resume(self.cfg, info.key, info.vocab_size)  # other data or another model: refused before any rank
+        return None
+
+    def build_dataset(self) -> int | None:
+        """`prepare_dataset.py` on this run's resolved config, as a child that dies with the supervisor; its progress
+        goes straight to the console. Its resident memory is sampled while it runs, for the report of a build the
+        out-of-memory killer ends (the only sender of SIGKILL a user does not know of)."""
+        import psutil
+
+        config = self.write_config(0, self.cfg.checkpoint.resume)
+        started = time.monotonic()
+        proc = subprocess.Popen([sys.executable, str(PROJECT_ROOT / "prepare_dataset.py"), "--config", str(config)],
+                                cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
+        largest = 0
+        try:
+            while proc.poll() is None:
+                try:
+                    largest = max(largest, psutil.Process(proc.pid).memory_info().rss)
+                except psutil.Error:
+                    pass  # exited between poll and sample
+                time.sleep(0.5)
+        except KeyboardInterrupt:  # the build got the same SIGINT and stops by itself
+            proc.wait()
+            raise
+        code = 128 - proc.returncode if proc.returncode < 0 else proc.returncode  # a shell's way: 128 + signal
+        if code == 0:
+            return None
+        if code == 128 + signal.SIGKILL:
+            memory = psutil.virtual_memory()
+            reached = f"its resident memory reached {largest / 2**30:.1f} GiB at least; " if largest >= 2**27 else ""
+            self.console.say(
+                f"the dataset build (prepare_dataset.py, pid {proc.pid}) was killed by SIGKILL after "
+                f"{time.monotonic() - started:.0f} s, most likely by the kernel's out-of-memory killer: {reached}"
+                f"this host has {memory.total / 2**30:.1f} GiB, "
+                f"{memory.available / 2**30:.1f} GiB available now (`dmesg` says who was killed). Nothing it "
+                f"half-built is used (the next run removes it); free memory or build on a larger host with "
+                f"prepare_dataset.py, then start again", style="bold red")
+        elif code > 128:
+            self.console.say(f"the dataset build (prepare_dataset.py) was killed by "
+                             f"{signal.Signals(code - 128).name}; no rank was started", style="bold red")
+        return code
 
     def diagnose(self, result: GroupResult) -> gpu_fault.Verdict | None:
         """After a failure or a stall on GPUs: a GPU's fault or the program's, and on what evidence (said at once)."""

@@ -22,6 +22,7 @@ import pytest
 
 from trainer.config import PROJECT_ROOT, Config
 from trainer.data import cache as cache_module
+from trainer.data import digests as digests_module
 from trainer.data.cache import TOKENIZERS_DIR, CacheInfo, TokenCache, cache_root, prepare
 from trainer.data.cache_folder import list_caches
 from trainer.data.corpus import open_corpus, split_documents
@@ -108,10 +109,10 @@ def test_round_trip_decode_with_transformers(built: tuple[Config, CacheInfo]) ->
 
     cfg, info = built
     cache = TokenCache.open(info.path)
-    pairs = list(split_documents(open_corpus(cfg.data).documents(), cfg.data.max_samples, cfg.data.val_fraction))
+    pieces = list(split_documents(open_corpus(cfg.data).pieces(), cfg.data.max_samples, cfg.data.val_fraction))
     fast = PreTrainedTokenizerFast(tokenizer_file=str(cache.tokenizer_path))
     for tokens, offsets, held_out in ((cache.train, cache.doc_offsets, False), (cache.val, cache.val_doc_offsets, True)):
-        originals = [text for text, held in pairs if held == held_out]
+        originals = "".join(text + "\0" * ends for text, ends, held in pieces if held == held_out).split("\0")[:-1]
         decoded = [fast.decode(tokens[a:b - 1].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
         assert decoded == originals
     auto = AutoTokenizer.from_pretrained(str(cache.path))
@@ -127,22 +128,68 @@ def test_any_key_input_changes_the_key(built: tuple[Config, CacheInfo], change: 
     assert prepare(cfg, show_progress=False).key == info.key  # the original is still there, still a hit
 
 
-def test_editing_a_local_file_changes_the_key(tmp_path: Path) -> None:
+def test_source_digests_are_remembered_under_each_files_stat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hit reads no source file whose stat is unchanged; a touched file is re-read (same content, same key); an
+    edited one changes the key; an edit that keeps size and mtime is the documented blind spot, and rehash sees it."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
+    settled = time.time() - 60  # older than the memo's settling time, as a corpus normally is
     for i in range(6):
         (corpus / f"{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps over the lazy dog. " * 20)
+        os.utime(corpus / f"{i}.txt", (settled, settled))
+    reads: list[str] = []
+    real_digest = digests_module.file_digest
+    monkeypatch.setattr(digests_module, "file_digest", lambda path: reads.append(Path(path).name) or real_digest(path))
     cfg = make_config(tmp_path / "cache", source=str(corpus), max_samples=None)
-    first = prepare(cfg, show_progress=False)
+
+    def launch(**options: bool) -> CacheInfo:
+        reads.clear()
+        return prepare(cfg, show_progress=False, **options)
+
+    first = launch()
+    assert first.built and sorted(reads) == [f"{i}.txt" for i in range(6)]
+    hit = launch()
+    assert not hit.built and hit.key == first.key and reads == []
+    os.utime(corpus / "2.txt", (settled + 5, settled + 5))  # touched
+    touched = launch()
+    assert not touched.built and touched.key == first.key and reads == ["2.txt"]
     path = corpus / "3.txt"
-    stat = path.stat()
-    path.write_text(path.read_text().replace("quick", "QUICK", 1))  # same size; the mtime is put back below
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    edited = prepare(cfg, show_progress=False)
-    assert edited.built and edited.key != first.key
-    path.write_text(path.read_text().replace("QUICK", "quick", 1))
-    again = prepare(cfg, show_progress=False)
-    assert not again.built and again.key == first.key
+    path.write_text(path.read_text().replace("quick", "QUICK", 1))  # same size, mtime put back: not seen...
+    os.utime(path, (settled, settled))
+    assert launch().key == first.key and reads == []
+    rehashed = launch(rehash=True)  # ...until the files are read by content
+    assert rehashed.built and rehashed.key != first.key and len(reads) == 6
+    path.write_text(path.read_text() + " one more sentence")
+    os.utime(path, (settled, settled))
+    edited = launch()
+    assert edited.built and edited.key not in (first.key, rehashed.key) and reads == ["3.txt"]
+
+
+def test_sample_by_cuts_a_txt_file_into_documents_and_enters_the_key(built: tuple[Config, CacheInfo],
+                                                                     tmp_path: Path) -> None:
+    _, info = built
+    stories = ["\n\n".join(f"story {s} paragraph {p}: the fox\njumps over the dog {p} times." for p in range(3))
+               for s in range(3)]
+    path = tmp_path / "stories.txt"
+    path.write_text("\n<|endoftext|>\n".join(stories) + "\n<|endoftext|>\n")
+    keys = set()
+    for sample_by, documents in (("document", 1), ("paragraph", 7), ("line", 21), ("<|endoftext|>", 3)):
+        cfg = make_config(tmp_path / "cache", source=str(path), tokenizer=str(info.path), sample_by=sample_by,
+                          max_samples=None, val_fraction=0.0, context_length=8)
+        found = prepare(cfg, show_progress=False)
+        manifest = TokenCache.open(found.path).manifest
+        assert found.documents == documents
+        assert manifest["key_material"]["source"]["sample_by"] == sample_by
+        assert sample_by in manifest["description"]["source"] or sample_by == "document"
+        keys.add(found.key)
+    assert len(keys) == 4
+
+
+def test_sample_by_is_refused_for_a_source_without_txt_files(tmp_path: Path) -> None:
+    (tmp_path / "rows.jsonl").write_text('{"text": "a row"}\n')
+    with pytest.raises(UserError, match="data.sample_by 'line' applies to .txt files"):
+        prepare(make_config(tmp_path / "cache", source=str(tmp_path / "rows.jsonl"), sample_by="line"),
+                show_progress=False)
 
 
 def test_a_hub_source_is_keyed_by_its_resolved_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -204,13 +251,13 @@ def test_a_relative_cache_dir_is_relative_to_the_project_root(tmp_path: Path) ->
 
 def test_ids_widen_to_uint32_when_one_does_not_fit(tmp_path: Path) -> None:
     stream = TokenStream(tmp_path / "t.bin", tmp_path / "o.npy")
-    stream.append(np.array([1, 2, 0, 65535, 0], dtype=np.uint32), np.array([3, 2]))
+    stream.append(np.array([1, 2, 0, 65535, 0, 7], dtype=np.uint32), np.array([3, 5]))
     assert stream.dtype == np.dtype("<u2")
-    stream.append(np.array([70000, 5, 0], dtype=np.uint32), np.array([3]))
+    stream.append(np.array([70000, 5, 0], dtype=np.uint32), np.array([3]))  # the document begun above ends here
     stream.close()
     assert stream.dtype == np.dtype("<u4")
-    assert np.fromfile(tmp_path / "t.bin", dtype="<u4").tolist() == [1, 2, 0, 65535, 0, 70000, 5, 0]
-    assert np.load(tmp_path / "o.npy").tolist() == [0, 3, 5, 8]
+    assert np.fromfile(tmp_path / "t.bin", dtype="<u4").tolist() == [1, 2, 0, 65535, 0, 7, 70000, 5, 0]
+    assert np.load(tmp_path / "o.npy").tolist() == [0, 3, 5, 9]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -298,17 +345,39 @@ def copy_of(info: CacheInfo, tmp_path: Path) -> tuple[Config, Path]:
     return cfg, tmp_path / "cache" / info.key
 
 
-def test_verify_detects_a_flipped_byte(built: tuple[Config, CacheInfo], tmp_path: Path) -> None:
+def overwrite(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_damaged_tokens_are_caught_by_the_sampled_blocks_the_bound_check_and_verify(built: tuple[Config, CacheInfo],
+                                                                                     tmp_path: Path) -> None:
+    from trainer.data.batches import BatchSampler
+
     _, info = built
-    _, folder = copy_of(info, tmp_path)
-    with open(folder / "tokens.bin", "r+b") as f:
-        f.seek(101)
-        byte = f.read(1)
-        f.seek(101)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    cache = TokenCache.open(folder)  # same sizes: the O(1) check cannot see it...
+    cfg, folder = copy_of(info, tmp_path)
+    tokens = folder / "tokens.bin"
+    sampled = {int(k) for k in TokenCache.open(folder).manifest["files"]["tokens.bin"]["sampled"]}
+    assert 0 in sampled and len(sampled) == cache_module.SAMPLED_BLOCKS  # more blocks than samples: some unsampled
+    unsampled = next(b * cache_module.SAMPLE_BLOCK for b in range(1, 64) if b * cache_module.SAMPLE_BLOCK not in sampled)
+    # In the vocabulary, inside a sampled block: every open (a hit, a rank) refuses it, and prepare rebuilds.
+    overwrite(tokens, 100, (7).to_bytes(2, "little") * 8)
+    with pytest.raises(UserError, match="tokens.bin does not match the checksums of its sampled blocks"):
+        TokenCache.open(folder)
+    assert prepare(cfg, show_progress=False).built
+    # In the vocabulary, outside the sampled blocks: only --verify sees it.
+    overwrite(tokens, unsampled, (7).to_bytes(2, "little") * 8)
+    cache = TokenCache.open(folder)
     with pytest.raises(UserError, match="tokens.bin does not match its checksum"):
-        cache.verify()  # ...the checksum does
+        cache.verify()
+    # Beyond the vocabulary: the batch that holds it is refused, naming the cache and --verify.
+    overwrite(tokens, unsampled + 64, (cache.vocab_size + 5).to_bytes(2, "little"))
+    sampler = BatchSampler(cache.train, 32, 1024, 1, 1, 0, seed=0, vocab_size=cache.vocab_size, origin=str(folder))
+    batches = (sampler.get(step, 0) for step in range(sampler.windows_per_epoch // 1024 + 1))
+    with pytest.raises(UserError, match=f"token cache {folder} holds id {cache.vocab_size + 5}.*--verify"):
+        for batch in batches:
+            sampler.check(batch)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "drop_manifest", "bad_version", "offsets"])

@@ -1,4 +1,6 @@
-"""Document sources: the stdlib corpus, local files/folders/globs through `datasets`, hub names offline, the split."""
+"""Document sources: the stdlib corpus, local files/folders/globs, .txt files cut into documents by data.sample_by,
+hub names offline, the split, and the stat-keyed memo of source digests (a touched file is re-hashed, an untouched one
+is not read)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,27 @@ from pathlib import Path
 import pytest
 
 from trainer.config import PROJECT_ROOT, DataConfig
-from trainer.data.corpus import (HubCorpus, LocalCorpus, StdlibCorpus, is_validation, open_corpus, split_documents,
-                                 training_documents)
+from trainer.data.corpus import (Corpus, HubCorpus, LocalCorpus, StdlibCorpus, is_validation, open_corpus,
+                                 split_documents, training_pieces)
+from trainer.data.digests import DigestMemo
 from trainer.errors import UserError
+
+
+def documents(corpus: Corpus) -> list[str]:
+    """The corpus's documents, each its pieces joined."""
+    found, current = [], []
+    for text, ends in corpus.pieces():
+        current.append(text)
+        if ends:
+            found.append("".join(current))
+            current = []
+    assert not current, "the last piece must end its document"
+    return found
+
+
+def identity(corpus: Corpus) -> dict:
+    """Key material with nothing remembered: every file read by content."""
+    return corpus.identity(DigestMemo(Path("/nonexistent") / "memo.json"))
 
 
 def local(source: Path | str, **kw: str) -> LocalCorpus:
@@ -33,9 +53,9 @@ def test_stdlib_corpus_is_the_interpreters_own_sorted_python_files() -> None:
     names = [p.relative_to(corpus.root).as_posix() for p in corpus.files]
     assert len(names) > 500 and names == sorted(names)
     assert all(n.endswith(".py") and "site-packages" not in n for n in names)
-    first = list(split_documents(corpus.documents(), 5, 0.0))
-    assert [text for text, _ in first][0] == next(p.read_text() for p in corpus.files if p.stat().st_size)
-    assert corpus.identity() == StdlibCorpus().identity()
+    first = list(split_documents(corpus.pieces(), 5, 0.0))
+    assert first[0][0] == next(p.read_text() for p in corpus.files if p.stat().st_size)
+    assert identity(corpus) == identity(StdlibCorpus())
 
 
 def test_local_folder_mixes_formats_in_sorted_order_and_skips_hidden_files(tmp_path: Path) -> None:
@@ -46,7 +66,7 @@ def test_local_folder_mixes_formats_in_sorted_order_and_skips_hidden_files(tmp_p
     (tmp_path / ".hidden.txt").write_text("never read")
     (tmp_path / "notes.md").write_text("not a supported suffix inside a folder: ignored")
     corpus = local(tmp_path)
-    assert list(corpus.documents()) == ["first line\nsecond line of the same document\n", "row one", "row three",
+    assert documents(corpus) == ["first line\nsecond line of the same document\n", "row one", "row three",
                                         "nested"]
 
 
@@ -57,25 +77,25 @@ def test_parquet_glob_and_text_field(tmp_path: Path) -> None:
     for i in range(2):
         pq.write_table(pa.table({"content": [f"doc {i}-{j}" for j in range(3)]}), tmp_path / f"part{i}.parquet")
     corpus = local(tmp_path / "*.parquet", text_field="content")
-    assert list(corpus.documents()) == [f"doc {i}-{j}" for i in range(2) for j in range(3)]
+    assert documents(corpus) == [f"doc {i}-{j}" for i in range(2) for j in range(3)]
     with pytest.raises(UserError, match="no field 'text'.*content"):
-        list(local(tmp_path / "*.parquet").documents())
+        documents(local(tmp_path / "*.parquet"))
 
 
 def test_content_identity_follows_edits_not_mtimes_or_location(tmp_path: Path) -> None:
     folder = tmp_path / "corpus"
     folder.mkdir()
     path = write_jsonl(folder / "data.jsonl", [{"text": "alpha"}, {"text": "beta"}])
-    before = local(folder).identity()
+    before = identity(local(folder))
     stat = path.stat()
     write_jsonl(path, [{"text": "alpha"}, {"text": "bexa"}])  # same size, and the mtime is put back
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    edited = local(folder).identity()
+    edited = identity(local(folder))
     assert edited["content"] != before["content"]
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touching alone changes nothing
-    assert local(folder).identity() == edited
+    assert identity(local(folder)) == edited
     moved = folder.rename(tmp_path / "moved")
-    assert local(moved).identity() == edited
+    assert identity(local(moved)) == edited
 
 
 @pytest.mark.parametrize("relative, message", [
@@ -111,9 +131,9 @@ def test_hub_dataset_is_read_at_its_resolved_commit(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(corpus_module, "resolve_hub_commit", lambda name, revision: f"sha-of-{revision}")
     corpus = open_corpus(DataConfig(source="someone/data", hub_config="en", split="validation", revision="v1",
                                     streaming=True, text_field="body"))
-    assert corpus.identity() == {"kind": "hub", "name": "someone/data", "config": "en", "split": "validation",
+    assert identity(corpus) == {"kind": "hub", "name": "someone/data", "config": "en", "split": "validation",
                                  "revision": "sha-of-v1", "text_field": "body"}
-    assert list(corpus.documents()) == ["first", "second"]
+    assert documents(corpus) == ["first", "second"]
     assert calls == [("someone/data", "en", "validation", "sha-of-v1", True)]
 
 
@@ -121,7 +141,7 @@ def test_hub_dataset_is_read_at_its_resolved_commit(monkeypatch: pytest.MonkeyPa
                          ids=["offline-mode", "unreachable-endpoint"])
 def test_hub_name_offline_fails_with_one_line(env: dict[str, str]) -> None:
     code = ("from trainer.config import DataConfig\nfrom trainer.data.corpus import open_corpus\n"
-            "open_corpus(DataConfig(source='someone/some-dataset')).identity()\n")
+            "open_corpus(DataConfig(source='someone/some-dataset')).identity(None)\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True,
                             timeout=60, env={**os.environ, **env, "HF_HUB_DISABLE_TELEMETRY": "1"})
     last = result.stderr.strip().splitlines()[-1]
@@ -139,8 +159,10 @@ def test_validation_split_takes_an_exact_even_share(n: int, fraction: float) -> 
 
 
 def test_split_caps_documents_and_is_deterministic() -> None:
-    docs = [f"doc {i}" for i in range(100)]
-    pairs = list(split_documents(iter(docs), 40, 0.1))
-    assert [d for d, _ in pairs] == docs[:40] and sum(held for _, held in pairs) == 4
-    assert pairs == list(split_documents(iter(docs), 40, 0.1))
-    assert list(training_documents(iter(docs), 40, 0.1)) == [d for d, held in pairs if not held]
+    pieces = [(f"doc {i // 2} part {i % 2}", i % 2 == 1) for i in range(200)]  # 100 documents of two pieces
+    split = list(split_documents(iter(pieces), 40, 0.1))
+    assert [(text, ends) for text, ends, _ in split] == pieces[:80]
+    assert sum(held for _, ends, held in split if ends) == 4
+    assert all(split[i][2] == split[i + 1][2] for i in range(0, 80, 2))  # both pieces go where their document goes
+    assert split == list(split_documents(iter(pieces), 40, 0.1))
+    assert list(training_pieces(iter(pieces), 40, 0.1)) == [text for text, _, held in split if not held]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import PROJECT_ROOT
+from trainer.data.cache_folder import list_caches
 
 SCRIPT = str(PROJECT_ROOT / "prepare_dataset.py")
 TINY = {"source": "stdlib", "vocab_size": 300, "context_length": 32, "max_samples": 20, "val_fraction": 0.1}
@@ -57,11 +58,12 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, str]
 
 def test_build_prints_the_figures_and_plain_progress_when_piped(built: tuple[str, dict[str, str], str]) -> None:
     _, out, stderr = built
-    for name in ("key", "path", "documents", "tokens", "dtype", "build time", "tokens/s"):
+    for name in ("key", "path", "documents", "tokens", "dtype", "build time", "tokens/s", "peak RSS"):
         assert out.get(name), name
     assert out["status"].startswith("built") and out["dtype"] == "uint16" and out["documents"].startswith("20 ")
     assert Path(out["path"]).name == out["key"] and (Path(out["path"]) / "manifest.json").is_file()
     assert "tokenizing" in stderr and "done:" in stderr and "\x1b[" not in stderr  # plain lines, no terminal codes
+    assert "peak RSS" in stderr.split("done:")[-1]
 
 
 def test_hit_imports_no_heavy_library(built: tuple[str, dict[str, str], str]) -> None:
@@ -83,12 +85,20 @@ def test_verify_passes_then_catches_corruption(built: tuple[str, dict[str, str],
     root = tmp_path / "cache"
     shutil.copytree(Path(out["path"]).parent, root)
     damaged = config_file(tmp_path)
-    with open(root / out["key"] / "val_tokens.bin", "r+b") as f:
+    tokens = root / out["key"] / "tokens.bin"
+    sampled = json.loads((root / out["key"] / "manifest.json").read_text())["files"]["tokens.bin"]["sampled"]
+    unsampled = next(b << 16 for b in range(64) if str(b << 16) not in sampled)
+    with open(tokens, "r+b") as f:  # a byte the hit's sampled blocks do not cover: only --verify reads it
+        f.seek(unsampled)
         first = f.read(1)
-        f.seek(0)
+        f.seek(unsampled)
         f.write(bytes([first[0] ^ 1]))
-    assert_one_line_error(run("--config", damaged, "--verify"), "corrupt", "val_tokens.bin", "--force")
-    assert run("--config", damaged, "--force", "--verify").returncode == 0
+    assert_one_line_error(run("--config", damaged, "--verify"), "corrupt", "tokens.bin", "--force")
+    with open(tokens, "r+b") as f:  # the first block is sampled: the hit itself sees it and rebuilds
+        f.write(b"\0\0")
+    rebuilt = run("--config", damaged, "--verify")
+    assert rebuilt.returncode == 0 and fields(rebuilt.stdout)["status"].startswith("built")
+    assert "rebuilding" in rebuilt.stderr and "sampled blocks" in rebuilt.stderr
 
 
 def test_list_and_remove(built: tuple[str, dict[str, str], str], tmp_path: Path) -> None:
@@ -149,3 +159,31 @@ def test_rich_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     terminal = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 0 and fields(out)["status"].startswith("built")
     assert "tokenizing" in terminal and "\x1b[" in terminal and "━" in terminal  # a live rich bar
+
+
+def test_a_build_killed_by_sigkill_is_reported_by_the_supervisor(tmp_path: Path) -> None:
+    """The supervisor builds in a child process: the out-of-memory killer's SIGKILL (sent here by hand) ends the
+    build, not the supervisor, which says so with the host's memory; no rank starts, and nothing half-built is used."""
+    import psutil
+
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen([sys.executable, "-m", "supervisor", "--debug", "--nproc", "1", "--log-dir",
+                             str(tmp_path / "run"), "--set", f"data.cache_dir={cache}", "--set", "data.vocab_size=300",
+                             "--set", "data.max_samples=400"],
+                            cwd=PROJECT_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        build = None
+        while build is None and proc.poll() is None:
+            build = next((c for c in psutil.Process(proc.pid).children()
+                          if any("prepare_dataset.py" in part for part in c.cmdline())), None)
+        assert build is not None, proc.communicate()
+        build.kill()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 137, err
+    assert f"the dataset build (prepare_dataset.py, pid {build.pid}) was killed by SIGKILL" in err
+    assert "out-of-memory killer" in err and "GiB available now" in err
+    assert "CPU0:" not in out + err and not list_caches(cache)

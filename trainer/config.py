@@ -59,6 +59,7 @@ class ModelConfig:
 class DataConfig:
     source: str = "stdlib"  # "stdlib" | a local file, folder or glob | a hub dataset name
     text_field: str = "text"
+    sample_by: str = "document"  # how a .txt file becomes documents: document | paragraph | line | a separator string
     hub_config: str | None = None
     split: str = "train"
     revision: str | None = None
@@ -481,6 +482,8 @@ def validate(cfg: Config) -> None:
          f"({m.max_position_embeddings})"),
         (0 <= t.warmup_steps < t.max_steps,
          f"training.warmup_steps ({t.warmup_steps}) must be shorter than the run (training.max_steps = {t.max_steps})"),
+        (bool(d.sample_by), "data.sample_by is empty; use document, paragraph, line or a separator string such as "
+                            "'<|endoftext|>'"),
         (m.attention_backend != "efficient" or m.num_kv_heads == m.num_heads,
          f"model.attention_backend efficient has no grouped-query attention (num_kv_heads {m.num_kv_heads} < "
          f"num_heads {m.num_heads}); use auto, flash or cudnn"),

@@ -172,14 +172,14 @@ class Trainer:
 
         t, d = cfg.training, cfg.data
         self.sampler = BatchSampler(self.cache.train, d.context_length, t.batch_size, self.accum, ctx.world_size,
-                                    ctx.rank, cfg.system.seed)
+                                    ctx.rank, cfg.system.seed, self.cache.vocab_size, str(self.cache.path))
         # read in this process (num_workers 0) or by worker processes from the first step fetched (the resume step)
         self.batches = StepLoader(self.sampler, self.total, t.num_workers, pin_memory=self.device.type == "cuda",
                                   seed=cfg.system.seed)
         self.val_sampler = None
         if t.eval_interval and len(self.cache.val) > d.context_length + 1:
             self.val_sampler = BatchSampler(self.cache.val, d.context_length, t.batch_size, 1, ctx.world_size,
-                                            ctx.rank, cfg.system.seed)
+                                            ctx.rank, cfg.system.seed, self.cache.vocab_size, str(self.cache.path))
         self.tokens_per_step = tokens_per_step(cfg, ctx.world_size)
         self.flops_per_token = self.model_flops_per_token()
         self.device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
@@ -335,7 +335,9 @@ class Trainer:
         self.module.eval()
         total = torch.zeros((), device=self.device)
         for i in range(self.cfg.training.eval_steps):
-            batch = torch.from_numpy(self.val_sampler.get(i, 0)).to(self.device, non_blocking=True)
+            host = self.val_sampler.get(i, 0)
+            self.val_sampler.check(host)
+            batch = torch.from_numpy(host).to(self.device, non_blocking=True)
             with self.precision.autocast(self.device):
                 total += self.loss_module(batch)
         self.module.train()

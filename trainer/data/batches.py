@@ -80,7 +80,7 @@ class BatchSampler:
     """Micro-batches of int64 [micro_batch_size, context_length + 1]: inputs = [:, :-1], labels = [:, 1:]."""
 
     def __init__(self, tokens: np.ndarray, context_length: int, micro_batch_size: int, grad_accum: int,
-                 world_size: int, rank: int, seed: int) -> None:
+                 world_size: int, rank: int, seed: int, vocab_size: int | None = None, origin: str = "") -> None:
         for name, value in (("context_length", context_length), ("micro_batch_size", micro_batch_size),
                             ("grad_accum", grad_accum), ("world_size", world_size)):
             if value < 1:
@@ -94,6 +94,8 @@ class BatchSampler:
         self.world_size = world_size
         self.rank = rank
         self.seed = seed
+        self.vocab_size = vocab_size  # bound checked by `check`; `origin`: the cache the tokens come from
+        self.origin = origin
         self.windows_per_epoch = (len(tokens) - 1) // context_length
         if self.windows_per_epoch < 1:
             raise UserError(f"{len(tokens):,} tokens are fewer than one context window ({context_length:,} + 1); "
@@ -132,6 +134,14 @@ class BatchSampler:
     def get(self, step: int, micro_step: int) -> np.ndarray:
         starts = self.windows(step, micro_step) * self.context_length
         return np.asarray(self.tokens[starts[:, None] + self._span], dtype=np.int64)
+
+    def check(self, batch: np.ndarray) -> None:
+        """Refuse ids beyond the vocabulary (a cache damaged after its build) before they index the embedding: one
+        vectorised max per batch on the host, in the process that trains on it."""
+        if self.vocab_size is not None and len(batch) and int(batch.max()) >= self.vocab_size:
+            raise UserError(f"token cache {self.origin} holds id {int(batch.max())}, beyond the vocabulary of "
+                            f"{self.vocab_size:,}: it is damaged; check it with prepare_dataset.py --verify and "
+                            f"rebuild it with prepare_dataset.py --force")
 
     def get_step(self, step: int) -> np.ndarray:
         """All of this rank's micro-batches of `step`: int64 [grad_accum, micro_batch_size, context_length + 1]."""
@@ -286,12 +296,14 @@ class StepLoader:
     def get(self, step: int) -> torch.Tensor:
         """This rank's batch of `step`, int64 [grad_accum, B, T + 1] on the host."""
         if self.num_workers == 0:
-            return torch.from_numpy(self.sampler.get_step(step))
-        if self.iterator is None or step != self.next_step or step >= self.stream_end:
-            self.start(step)
-        assert self.iterator is not None
-        batch = next(self.iterator)
-        self.next_step = step + 1
+            batch = torch.from_numpy(self.sampler.get_step(step))
+        else:
+            if self.iterator is None or step != self.next_step or step >= self.stream_end:
+                self.start(step)
+            assert self.iterator is not None
+            batch = next(self.iterator)
+            self.next_step = step + 1
+        self.sampler.check(batch.numpy())  # a host tensor: numpy's max, no torch op, nothing read back from a device
         return batch
 
     def start(self, step: int) -> None:

@@ -1,14 +1,28 @@
 """What a dataset build shows while it runs: a rich bar on a terminal, a plain line every few seconds when piped (a
-log file, the supervisor's `GPUn:` prefixing), or nothing; plus heartbeats on the supervisor's progress channel."""
+log file, the supervisor's `GPUn:` prefixing), or nothing; plus heartbeats on the supervisor's progress channel. Every
+summary line says the process's peak RSS so far: a build's memory is bounded, and this shows it."""
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from trainer.progress import ProgressReporter
+
+GB = 1e9
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set: VmHWM of its own image (ru_maxrss would carry a forking parent's peak over
+    into a child), ru_maxrss where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class BuildProgress:
@@ -64,16 +78,19 @@ class BuildProgress:
             self.reporter.phase(f"prepare: {self._name}"[:200])
             self.message(f"  {self.summary()}")
 
-    def counted(self, documents: Iterable[str]) -> Iterator[str]:
-        for text in documents:
-            self.advance(1)
-            yield text
+    def counted(self, pieces: Iterable[tuple[str, bool]]) -> Iterator[tuple[str, bool]]:
+        """Pieces passed through, counting the documents they end."""
+        for piece in pieces:
+            if piece[1]:
+                self.advance(1)
+            yield piece
 
     def summary(self) -> str:
         seconds = time.perf_counter() - self._started
         rate = f", {self.phase_tokens / seconds / 1e6:.2f} M tokens/s" if self.phase_tokens and seconds > 0 else ""
         tokens = f", {self.phase_tokens:,} tokens" if self.phase_tokens else ""
-        return f"{self.phase_documents:,} documents{tokens} in {seconds:.1f} s{rate}"
+        return (f"{self.phase_documents:,} documents{tokens} in {seconds:.1f} s{rate}, "
+                f"peak RSS {peak_rss_bytes() / GB:.2f} GB")
 
     def end_phase(self) -> None:
         if not self._name:

@@ -7,10 +7,21 @@
     val_tokens.bin        the held-out documents, same layout (every 1/val_fraction-th document; may be empty)
     val_doc_offsets.npy
     tokenizer.json        + tokenizer_config.json: loadable with PreTrainedTokenizerFast or AutoTokenizer
-    manifest.json         written last: format version, dtype, counts, byte sizes, blake2b checksums, key material
+    manifest.json         written last: format version, dtype, counts, byte sizes, blake2b checksums (of each whole
+                          file, and of a few sampled blocks of it), key material, the build's time and peak RSS
 
-The key is a digest of canonical JSON of everything the tokens depend on: the source's content (hashed, never mtimes),
-the tokenizer's content, the context length, the sample cap, the validation fraction and the format version.
+The key is a digest of canonical JSON of everything the tokens depend on: the source's content (hashed by content; a
+file's digest is remembered under its stat, `trainer.data.digests`, so a hit reads no source file that did not
+change), how a .txt file becomes documents, the tokenizer's content, the context length, the sample cap, the
+validation fraction and the format version.
+
+What each check of a finished cache covers:
+  - opening it (every hit, every rank): the manifest against the folder (key, version, dtype, file sizes, the first and
+    last document offsets) and the blake2b of up to `SAMPLED_BLOCKS` blocks of `SAMPLE_BLOCK` bytes spread over each
+    file (all of a small file): truncation, a replaced, zeroed or rewritten file. A few changed bytes elsewhere pass;
+  - training (`BatchSampler.check`): every batch's ids against the vocabulary, vectorised: damage that would index
+    past the embedding is a clear error naming the cache instead of an IndexError or a device-side assert;
+  - `prepare_dataset.py --verify`: every byte of every file against its checksum.
 
 Build protocol, safe against races and against a builder killed at any instant:
   1. compute the key (hashing only; no tokenizing) and try to open `<key>/`: a final folder only ever appears complete,
@@ -37,15 +48,16 @@ import numpy as np
 
 from trainer import durable
 from trainer.config import PROJECT_ROOT, Config, DataConfig
-from trainer.data.build_progress import BuildProgress
-from trainer.data.corpus import Corpus, file_digest, open_corpus, split_documents, training_documents
+from trainer.data.build_progress import BuildProgress, peak_rss_bytes
+from trainer.data.corpus import Corpus, open_corpus, split_documents, training_pieces
+from trainer.data.digests import DigestMemo, file_digest
 from trainer.data.staging import build_lock, ensure_writable, publish, remove_dead_leftovers, staging
-from trainer.data.token_stream import BATCH_CHARS, DTYPES, TokenStream, document_batches, encode_pipelined
+from trainer.data.token_stream import BATCH_CHARS, DTYPES, TokenStream, encode_pipelined, piece_batches
 from trainer.data.tokenizer import (BPE, TokenizerSpec, bpe_recipe, check_vocab_size, eos_id_of, eos_token_of, export,
                                     load_fast, locate_pretrained, tokenizer_digest, train_bpe)
 from trainer.errors import UserError
 
-FORMAT_VERSION = 1  # bump when the layout or the preprocessing changes: every key changes with it
+FORMAT_VERSION = 2  # bump when the layout or the preprocessing changes: every key changes with it
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "doc_offsets.npy"
 VAL_TOKENS_FILE = "val_tokens.bin"
@@ -54,6 +66,8 @@ MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_META_FILE = "meta.json"
 TOKENIZERS_DIR = "tokenizers"  # trained BPEs, one folder per recipe key, beside the token caches
+SAMPLE_BLOCK = 1 << 16  # bytes per sampled block, checked on every open
+SAMPLED_BLOCKS = 8  # per file: first, last and evenly between (every block of a file of up to 8 blocks)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -63,7 +77,8 @@ TOKENIZERS_DIR = "tokenizers"  # trained BPEs, one folder per recipe key, beside
 @dataclass
 class CacheInfo:
     """The outcome of `prepare`. `documents` counts both splits; `tokens` is the training split and `val_tokens` the
-    held-out one. `build_seconds` is this build's wall time, or on a hit (`built` False) the original build's."""
+    held-out one. `build_seconds` is this build's wall time, or on a hit (`built` False) the original build's;
+    `peak_rss_bytes` the building process's peak resident memory."""
 
     key: str
     path: Path
@@ -74,6 +89,7 @@ class CacheInfo:
     vocab_size: int
     built: bool
     build_seconds: float
+    peak_rss_bytes: int
 
 
 @dataclass
@@ -91,7 +107,8 @@ class TokenCache:
 
     @classmethod
     def open(cls, path: Path) -> "TokenCache":
-        """Validate the manifest against the files (version, dtype, sizes, offsets) in O(1), then map the tokens."""
+        """Validate the manifest against the files (version, dtype, sizes, offsets, sampled blocks; a bounded read
+        whatever the cache's size), then map the tokens."""
         path = Path(path)
         manifest = read_manifest(path)
         problem = manifest_problem(path, manifest)
@@ -133,7 +150,8 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 def manifest_problem(path: Path, manifest: dict[str, Any]) -> str | None:
-    """Why the folder does not match its manifest, or None. Only stats and two offsets are read: O(1)."""
+    """Why the folder does not match its manifest, or None. Stats, two offsets and at most `SAMPLED_BLOCKS` blocks of
+    each file are read: the same cost for any cache size."""
     try:
         if manifest.get("format_version") != FORMAT_VERSION:
             return f"format version {manifest.get('format_version')}, this code reads {FORMAT_VERSION}"
@@ -145,6 +163,8 @@ def manifest_problem(path: Path, manifest: dict[str, Any]) -> str | None:
             size = (path / name).stat().st_size if (path / name).is_file() else None
             if size != meta["bytes"]:
                 return f"{name} is {'missing' if size is None else f'{size} bytes'}, the manifest says {meta['bytes']}"
+            if sampled_blocks(path / name, size) != meta["sampled"]:
+                return f"{name} does not match the checksums of its sampled blocks: it changed after the build"
         itemsize = DTYPES[manifest["dtype"]].itemsize
         for split, tokens_file, offsets_file in (("train", TOKENS_FILE, OFFSETS_FILE),
                                                  ("val", VAL_TOKENS_FILE, VAL_OFFSETS_FILE)):
@@ -159,6 +179,19 @@ def manifest_problem(path: Path, manifest: dict[str, Any]) -> str | None:
     except (KeyError, TypeError, ValueError, OSError) as e:
         return f"malformed manifest or files ({type(e).__name__}: {e})"
     return None
+
+
+def sampled_blocks(path: Path, size: int) -> dict[str, str]:
+    """blake2b of up to `SAMPLED_BLOCKS` blocks spread evenly over the file, by byte offset: cheap enough for every
+    open (at most 512 KiB read per file), and it sees a file replaced, zeroed or rewritten after the build."""
+    count = -(-size // SAMPLE_BLOCK)
+    blocks = sorted({round(i * (count - 1) / (SAMPLED_BLOCKS - 1)) for i in range(SAMPLED_BLOCKS)}) if count else []
+    found = {}
+    with open(path, "rb") as f:
+        for block in blocks:
+            f.seek(block * SAMPLE_BLOCK)
+            found[str(block * SAMPLE_BLOCK)] = hashlib.blake2b(f.read(SAMPLE_BLOCK), digest_size=16).hexdigest()
+    return found
 
 
 def map_tokens(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
@@ -210,13 +243,12 @@ def write_cache(folder: Path, key: str, material: dict[str, Any], corpus: Corpus
     val = TokenStream(folder / VAL_TOKENS_FILE, folder / VAL_OFFSETS_FILE)
     try:
         progress.phase("tokenizing", total=capped(corpus.size_hint(), data.max_samples))
-        pairs = split_documents(corpus.documents(), data.max_samples, data.val_fraction)
-        with closing(encode_pipelined(tokenizer, eos_id, document_batches(pairs, BATCH_CHARS))) as batches:
+        pieces = split_documents(corpus.pieces(), data.max_samples, data.val_fraction)
+        with closing(encode_pipelined(tokenizer, eos_id, piece_batches(pieces, BATCH_CHARS))) as batches:
             for batch in batches:
-                train.append(batch.train_ids, batch.train_lengths)
-                val.append(batch.val_ids, batch.val_lengths)
-                progress.advance(len(batch.train_lengths) + len(batch.val_lengths),
-                                 len(batch.train_ids) + len(batch.val_ids))
+                train.append(batch.train_ids, batch.train_ends)
+                val.append(batch.val_ids, batch.val_ends)
+                progress.advance(batch.documents, batch.tokens)
         if DTYPES["uint32"] in (train.dtype, val.dtype):  # one dtype for both splits
             train.widen()
             val.widen()
@@ -245,8 +277,8 @@ def write_manifest(folder: Path, *, key: str, material: dict[str, Any], descript
                    train: TokenStream, val: TokenStream, vocab_size: int, eos_id: int, eos_token: str,
                    tokenizer_train_seconds: float, build_seconds: float) -> None:
     """The last file of a build: counts, sizes and checksums of everything else in `folder`, and the key material."""
-    files = {path.name: {"bytes": path.stat().st_size, "blake2b": file_digest(path)}
-             for path in sorted(folder.iterdir())}
+    files = {path.name: {"bytes": path.stat().st_size, "blake2b": file_digest(path),
+                         "sampled": sampled_blocks(path, path.stat().st_size)} for path in sorted(folder.iterdir())}
     manifest = {
         "format_version": FORMAT_VERSION,
         "key": key,
@@ -261,7 +293,7 @@ def write_manifest(folder: Path, *, key: str, material: dict[str, Any], descript
         "files": files,
         "tokenizer": {"train_seconds": tokenizer_train_seconds},
         "build": {"seconds": build_seconds, "created": time.time(), "host": platform.node(),
-                  "python": platform.python_version()},
+                  "python": platform.python_version(), "peak_rss_bytes": peak_rss_bytes()},
     }
     durable.write_json_durably(folder / MANIFEST_FILE, manifest)
 
@@ -277,7 +309,8 @@ def capped(hint: int | None, max_samples: int | None) -> int | None:
 
 
 def obtain_tokenizer(data: DataConfig, corpus: Corpus, source: dict[str, Any], root: Path,
-                     progress: BuildProgress) -> TokenizerSpec:
+                     progress: BuildProgress, build: bool = True) -> TokenizerSpec | None:
+    """The tokenizer's spec; None when the BPE is not trained yet and `build` is False."""
     if data.tokenizer != BPE:
         folder = locate_pretrained(data.tokenizer)
         return TokenizerSpec(folder=folder, identity={"kind": "pretrained", "content": tokenizer_digest(folder)},
@@ -287,7 +320,7 @@ def obtain_tokenizer(data: DataConfig, corpus: Corpus, source: dict[str, Any], r
     parent = root / TOKENIZERS_DIR
     final = parent / recipe_key
     spec = read_trained_bpe(final, recipe_key, data)
-    if spec is not None:
+    if spec is not None or not build:
         return spec
     ensure_writable(root)
     with build_lock(root, f"tokenizer-{recipe_key}", progress):
@@ -298,8 +331,8 @@ def obtain_tokenizer(data: DataConfig, corpus: Corpus, source: dict[str, Any], r
             started = time.perf_counter()
             progress.message(f"training a byte-level BPE of {data.vocab_size:,} tokens on {corpus.description}")
             progress.phase("training BPE", total=capped(corpus.size_hint(), data.max_samples))
-            documents = training_documents(progress.counted(corpus.documents()), data.max_samples, data.val_fraction)
-            train_bpe(documents, data.vocab_size, folder)
+            pieces = training_pieces(progress.counted(corpus.pieces()), data.max_samples, data.val_fraction)
+            train_bpe(pieces, data.vocab_size, folder)
             progress.end_phase()
             if progress.phase_documents == 0:
                 raise UserError(f"data.source {data.source} holds no documents to train a tokenizer on; "
@@ -331,24 +364,45 @@ def read_trained_bpe(folder: Path, recipe_key: str, data: DataConfig) -> Tokeniz
 # prepare: hit, or build under the lock
 
 
-def prepare(cfg: Config, *, force: bool = False, show_progress: bool | None = None) -> CacheInfo:
+def prepare(cfg: Config, *, force: bool = False, show_progress: bool | None = None, rehash: bool = False) -> CacheInfo:
     """The token cache for `cfg.data`, built if needed. Safe to call from every rank at once: exactly one process
     builds, the others wait on the lock and reuse its result. `show_progress`: None shows a rich bar on a terminal
-    and plain lines otherwise, True forces the bar, False is silent."""
+    and plain lines otherwise, True forces the bar, False is silent. `rehash`: read every source file by content
+    instead of trusting the digests remembered under unchanged stats."""
+    info = find_or_build(cfg, force=force, show_progress=show_progress, rehash=rehash, build=True)
+    assert info is not None
+    return info
+
+
+def find(cfg: Config) -> CacheInfo | None:
+    """The token cache for `cfg.data` if it exists and validates (a hit, as cheap as `prepare`'s), else None: building
+    is left to a process of its own (`prepare_dataset.py`), whose death by the out-of-memory killer its parent can
+    still report."""
+    return find_or_build(cfg, force=False, show_progress=False, rehash=False, build=False)
+
+
+def find_or_build(cfg: Config, *, force: bool, show_progress: bool | None, rehash: bool,
+                  build: bool) -> CacheInfo | None:
     data = cfg.data
     root = cache_root(data)
     progress = BuildProgress.create(show_progress)
+    digests = DigestMemo.load(root, rehash=rehash)
     try:
         for parent in (root, root / TOKENIZERS_DIR):
             remove_dead_leftovers(parent)
         corpus = open_corpus(data)
-        source = corpus.identity()
-        spec = obtain_tokenizer(data, corpus, source, root, progress)
+        source = corpus.identity(digests)
+        digests.save()
+        spec = obtain_tokenizer(data, corpus, source, root, progress, build)
+        if spec is None:
+            return None
         material = key_material(data, source, spec)
         key = digest(material)
         final = root / key
         if not force and (cache := try_open(final, progress)) is not None:
             return cache_info(cache, built=False)
+        if not build:
+            return None
         ensure_writable(root)
         with build_lock(root, key, progress):
             if not force and (cache := try_open(final)) is not None:  # built by the process we waited for
@@ -359,6 +413,7 @@ def prepare(cfg: Config, *, force: bool = False, show_progress: bool | None = No
                 write_cache(folder, key, material, corpus, spec, data, progress)
                 publish(folder, final)
             seconds = time.perf_counter() - started
+        digests.save()  # the cache folder exists now, if it did not before
         return cache_info(TokenCache.open(final), built=True, seconds=seconds)
     finally:
         progress.close()
@@ -381,4 +436,5 @@ def cache_info(cache: TokenCache, built: bool, seconds: float | None = None) -> 
     return CacheInfo(key=cache.key, path=cache.path, documents=m["train"]["documents"] + m["val"]["documents"],
                      tokens=m["train"]["tokens"], val_tokens=m["val"]["tokens"], dtype=m["dtype"],
                      vocab_size=cache.vocab_size, built=built,
-                     build_seconds=m["build"]["seconds"] if seconds is None else seconds)
+                     build_seconds=m["build"]["seconds"] if seconds is None else seconds,
+                     peak_rss_bytes=m["build"]["peak_rss_bytes"])

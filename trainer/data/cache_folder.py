@@ -38,7 +38,7 @@ def folder_bytes(folder: Path) -> int:
 
 
 def list_caches(root: Path) -> list[CacheEntry]:
-    """Every token cache under `root`, newest first, with its validation status (O(1) each)."""
+    """Every token cache under `root`, newest first, with its validation status (a bounded read each)."""
     entries = []
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
         if not (folder.is_dir() and KEY_PATTERN.fullmatch(folder.name)):

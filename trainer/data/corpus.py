@@ -1,9 +1,11 @@
 """Where documents come from: the interpreter's own standard library, local files, or a Hugging Face hub dataset.
 
 A corpus does two things: it describes itself as *key material* (`identity()`, what makes two corpora the same for the
-token cache) and it yields its documents in a fixed order (`documents()`). Identity is content, not names or mtimes:
-local files are hashed byte for byte, so editing a file changes the cache key; a hub dataset is pinned to the commit
-its revision resolves to.
+token cache) and it yields its documents in a fixed order, as pieces (`pieces()`, `trainer.data.pieces`: a document of
+any size arrives in bounded pieces, each saying whether its document ends with it). Identity is content, not names:
+local files are hashed byte for byte (the digests remembered under each file's stat, `trainer.data.digests`), so
+editing a file changes the cache key; a hub dataset is pinned to the commit its revision resolves to. A `.txt` file
+becomes documents as `data.sample_by` says, and that enters the key.
 
 `datasets` and `huggingface_hub` are imported only inside the functions that read documents or resolve a hub name,
 because the cache-hit path (compute the key, open the cache) must not pay for them.
@@ -12,7 +14,6 @@ because the cache-hit path (compute the key, open the cache) must not pay for th
 from __future__ import annotations
 
 import glob
-import hashlib
 import math
 import os
 import platform
@@ -20,43 +21,22 @@ import re
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
 from trainer.config import DataConfig
+from trainer.data.digests import DigestMemo, fingerprint
+from trainer.data.pieces import (SAMPLE_BY_DOCUMENT, Piece, describe_sample_by, document_items, mark_ends,
+                                 separator_of, text_file_items)
 from trainer.errors import UserError
 
 STDLIB_SOURCE = "stdlib"
-# File suffix → the `datasets` builder that reads it. A .txt file is one document (not one per line).
+# File suffix → the `datasets` builder that reads it ("text": read here, as data.sample_by says).
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 SUPPORTED = ", ".join(BUILDERS)
-HASH_CHUNK = 1 << 20
 READ_BATCH_ROWS = 1024  # rows per `datasets` batch: big enough to keep Python per-row work out of the profile
 HUB_TIMEOUT_S = 10.0
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Content fingerprints (shared with the tokenizer and the cache checksums, so there is one way to hash a file)
-
-
-def file_digest(path: Path, digest_size: int = 32) -> str:
-    """blake2b of a file's bytes, read in chunks so a large file never sits in memory."""
-    h = hashlib.blake2b(digest_size=digest_size)
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def fingerprint(files: Iterable[Path], root: Path) -> str:
-    """One digest over (relative name, content) of every file: renaming, editing or adding a file changes it."""
-    h = hashlib.blake2b(digest_size=16)
-    for path in files:
-        h.update(path.relative_to(root).as_posix().encode() + b"\0")
-        h.update(bytes.fromhex(file_digest(path)))
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -66,14 +46,14 @@ def fingerprint(files: Iterable[Path], root: Path) -> str:
 class Corpus(Protocol):
     description: str  # for humans: progress lines, --list
 
-    def identity(self) -> dict[str, Any]:
-        """Key material: equal exactly when the documents are equal."""
+    def identity(self, digests: DigestMemo) -> dict[str, Any]:
+        """Key material: equal exactly when the documents are equal. Local files are hashed through `digests`."""
 
-    def documents(self) -> Iterator[str]:
-        """Every non-empty document, in a deterministic order."""
+    def pieces(self) -> Iterator[Piece]:
+        """Every non-empty document as pieces, in a deterministic order."""
 
     def size_hint(self) -> int | None:
-        """How many documents `documents()` will yield at most, when that is known cheaply."""
+        """How many documents `pieces()` will yield at most, when that is known cheaply."""
 
 
 @dataclass
@@ -89,11 +69,15 @@ class StdlibCorpus:
         self.files = stdlib_files(self.root)
         self.description = f"the Python {platform.python_version()} standard library ({len(self.files)} files)"
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self, digests: DigestMemo) -> dict[str, Any]:
         return {"kind": STDLIB_SOURCE, "python": platform.python_version(), "files": len(self.files),
-                "content": fingerprint(self.files, self.root)}
+                "content": fingerprint(self.files, self.root, digests.digest)}
+
+    def pieces(self) -> Iterator[Piece]:
+        return mark_ends(document_items(self.documents()))
 
     def documents(self) -> Iterator[str]:
+        """Every file that decodes as UTF-8, whole."""
         for path in self.files:
             try:
                 text = path.read_bytes().decode("utf-8")
@@ -116,36 +100,55 @@ def stdlib_files(root: Path) -> list[Path]:
 
 @dataclass
 class LocalCorpus:
-    """Local .txt / .jsonl / .json / .parquet files, read through `datasets.load_dataset` in streaming mode (the files
-    are already on disk, so materialising them as Arrow would only copy them)."""
+    """Local .txt / .jsonl / .json / .parquet files. A .txt file is read here, streaming, and cut into documents as
+    `sample_by` says; the others through `datasets.load_dataset` in streaming mode (the files are already on disk, so
+    materialising them as Arrow would only copy them)."""
 
     source: str
     text_field: str
     files: list[Path]
     root: Path
+    sample_by: str = SAMPLE_BY_DOCUMENT
     description: str = field(init=False)
 
     def __post_init__(self) -> None:
-        self.description = f"{self.source} ({len(self.files)} file{'s' * (len(self.files) != 1)})"
+        if self.sample_by != SAMPLE_BY_DOCUMENT and not self.text_files:
+            raise UserError(f"data.sample_by {self.sample_by!r} applies to .txt files and {self.source} has none; "
+                            f"leave data.sample_by at 'document'")
+        how = f", {describe_sample_by(self.sample_by)}" if self.text_files else ""
+        self.description = f"{self.source} ({len(self.files)} file{'s' * (len(self.files) != 1)}{how})"
 
-    def identity(self) -> dict[str, Any]:
+    @property
+    def text_files(self) -> int:
+        return sum(BUILDERS[p.suffix.lower()] == "text" for p in self.files)
+
+    def identity(self, digests: DigestMemo) -> dict[str, Any]:
         material: dict[str, Any] = {"kind": "local", "files": len(self.files),
-                                    "content": fingerprint(self.files, self.root)}
-        if any(BUILDERS[p.suffix.lower()] != "text" for p in self.files):
+                                    "content": fingerprint(self.files, self.root, digests.digest)}
+        if self.text_files < len(self.files):
             material["text_field"] = self.text_field  # a .txt file has no fields; elsewhere the field picks the text
+        if self.text_files:
+            material["sample_by"] = self.sample_by  # how a .txt file becomes documents
         return material
 
-    def documents(self) -> Iterator[str]:
-        import datasets
+    def pieces(self) -> Iterator[Piece]:
+        return mark_ends(self.items())
 
-        datasets.disable_progress_bars()
+    def items(self) -> Iterator[str | None]:
+        separator = separator_of(self.sample_by)
         # One load_dataset call per run of files sharing a builder, so a folder may mix .txt and .jsonl in sorted order.
         for builder, run in runs_by_builder(self.files):
-            options = {"sample_by": "document"} if builder == "text" else {}
-            names = [str(p) for p in run]
+            if builder == "text":
+                for path in run:
+                    yield from read_text_file(path, separator)
+                continue
+            import datasets
+
+            datasets.disable_progress_bars()
             try:
-                dataset = datasets.load_dataset(builder, data_files=names, split="train", streaming=True, **options)
-                yield from texts(dataset, self.text_field, self.source)
+                dataset = datasets.load_dataset(builder, data_files=[str(p) for p in run], split="train",
+                                                streaming=True)
+                yield from document_items(texts(dataset, self.text_field, self.source))
             except UserError:
                 raise
             except Exception as e:  # noqa: BLE001 - pyarrow/json errors: say which files, in one line
@@ -153,7 +156,15 @@ class LocalCorpus:
                                 f"{first_line(e)}); check the files are valid {builder} data") from None
 
     def size_hint(self) -> int | None:
-        return len(self.files) if all(BUILDERS[p.suffix.lower()] == "text" for p in self.files) else None
+        one_document_per_file = self.sample_by == SAMPLE_BY_DOCUMENT and self.text_files == len(self.files)
+        return len(self.files) if one_document_per_file else None
+
+
+def read_text_file(path: Path, separator: re.Pattern[str] | None) -> Iterator[str | None]:
+    try:
+        yield from text_file_items(path, separator)
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
 
 
 def runs_by_builder(files: list[Path]) -> Iterator[tuple[str, list[Path]]]:
@@ -184,13 +195,16 @@ class HubCorpus:
     def __post_init__(self) -> None:
         self.description = f"hub dataset {self.name}" + (f" ({self.config})" if self.config else "") + f" [{self.split}]"
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self, digests: DigestMemo) -> dict[str, Any]:
         if self.commit is None:
             self.commit = resolve_hub_commit(self.name, self.revision)
         return {"kind": "hub", "name": self.name, "config": self.config, "split": self.split,
                 "revision": self.commit, "text_field": self.text_field}
 
-    def documents(self) -> Iterator[str]:
+    def pieces(self) -> Iterator[Piece]:
+        return mark_ends(self.items())
+
+    def items(self) -> Iterator[str | None]:
         import datasets
 
         datasets.disable_progress_bars()
@@ -198,7 +212,7 @@ class HubCorpus:
         try:
             dataset = datasets.load_dataset(self.name, self.config, split=self.split, revision=revision,
                                             streaming=self.streaming)
-            yield from texts(dataset, self.text_field, self.name)
+            yield from document_items(texts(dataset, self.text_field, self.name))
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - network, missing config/split: one line instead of a traceback
@@ -262,7 +276,7 @@ def open_corpus(data: DataConfig) -> Corpus:
         return StdlibCorpus()
     files, root = local_files(source)
     if files is not None:
-        return LocalCorpus(source=source, text_field=data.text_field, files=files, root=root)
+        return LocalCorpus(source=source, text_field=data.text_field, files=files, root=root, sample_by=data.sample_by)
     return HubCorpus(name=source, config=data.hub_config, split=data.split, revision=data.revision,
                      streaming=data.streaming, text_field=data.text_field)
 
@@ -318,13 +332,19 @@ def is_validation(index: int, fraction: float) -> bool:
     return math.floor((index + 1) * fraction) > math.floor(index * fraction)
 
 
-def split_documents(documents: Iterable[str], max_samples: int | None,
-                    val_fraction: float) -> Iterator[tuple[str, bool]]:
-    """(document, held out?) for the first `max_samples` documents."""
-    for index, text in enumerate(islice(documents, max_samples)):
-        yield text, is_validation(index, val_fraction)
+def split_documents(pieces: Iterable[Piece], max_samples: int | None,
+                    val_fraction: float) -> Iterator[tuple[str, bool, bool]]:
+    """(piece, ends its document?, held out?) for the pieces of the first `max_samples` documents; every piece of a
+    document goes where its document goes."""
+    index = 0
+    for text, ends in pieces:
+        if max_samples is not None and index >= max_samples:
+            return
+        yield text, ends, is_validation(index, val_fraction)
+        index += ends
 
 
-def training_documents(documents: Iterable[str], max_samples: int | None, val_fraction: float) -> Iterator[str]:
-    """The documents that end up in the training split (what a tokenizer trained on the source sees)."""
-    return (text for text, held_out in split_documents(documents, max_samples, val_fraction) if not held_out)
+def training_pieces(pieces: Iterable[Piece], max_samples: int | None, val_fraction: float) -> Iterator[str]:
+    """The pieces of the documents that end up in the training split (what a tokenizer trained on the source sees:
+    pieces end at word boundaries, so its word counts are the whole documents')."""
+    return (text for text, _, held_out in split_documents(pieces, max_samples, val_fraction) if not held_out)

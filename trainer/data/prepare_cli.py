@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arguments(parser)
     g = parser.add_argument_group("cache")
     g.add_argument("--force", action="store_true", help="rebuild even when a valid cache exists")
-    g.add_argument("--verify", action="store_true", help="re-hash every file of the cache against its manifest")
+    g.add_argument("--verify", action="store_true",
+                   help="read every source file by content (not trusting digests remembered under unchanged stats) "
+                        "and re-hash every file of the cache against its manifest")
     g.add_argument("--list", action="store_true", help="list the caches: size, age, key material")
     g.add_argument("--remove", metavar="KEY", help="remove the cache with this key (or a unique prefix)")
     g.add_argument("--quiet", action="store_true", help="no progress output while building")
@@ -44,12 +46,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"removed {remove_cache(cache_root(cfg.data), args.remove)}")
         else:
             started = time.perf_counter()
-            info = prepare(cfg, force=args.force, show_progress=False if args.quiet else None)
+            info = prepare(cfg, force=args.force, show_progress=False if args.quiet else None, rehash=args.verify)
             print_info(info, cfg, time.perf_counter() - started)
             if args.verify:
                 cache = TokenCache.open(info.path)
                 cache.verify()
-                print(f"verify:     ok ({len(cache.manifest['files'])} files match their blake2b checksums)")
+                print(f"verify:     ok ({len(cache.manifest['files'])} files match their blake2b checksums; the "
+                      f"source files were read by content)")
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -77,6 +80,7 @@ def print_info(info: CacheInfo, cfg: Config, wall: float) -> None:
         ("dtype", info.dtype),
         ("build time", f"{info.build_seconds:.2f} s" + ("" if info.built else " (when built)")),
         ("tokens/s", f"{rate / 1e6:.2f} M (tokenizing and writing; tokenizer training excluded)"),
+        ("peak RSS", f"{info.peak_rss_bytes / 1e9:.2f} GB" + ("" if info.built else " (when built)")),
     ]
     for label, value in lines:
         print(f"{label + ':':<11} {value}")

@@ -1,8 +1,12 @@
-"""Tokenizing a corpus into the cache's flat files, streaming: memory holds a batch or two, whatever the corpus size.
+"""Tokenizing a corpus into the cache's flat files, streaming: memory holds a batch or two, whatever the corpus size
+and whatever the size of one document.
 
-`encode_pipelined` keeps the Rust encoder busy on one batch while this thread turns the previous one into arrays;
-`TokenStream` appends them to a flat token file (uint16 while every id fits, widened to uint32 once one does not) and
-their end offsets to a .npy file whose header is rewritten with the final count on close.
+Documents arrive as pieces (`trainer.data.pieces`); `piece_batches` groups about `BATCH_CHARS` of them, so one huge
+document spreads over many batches and every batch spreads over the encoder's threads. `encode_pipelined` keeps the
+Rust encoder busy on one batch while this thread turns the previous one into arrays (the end-of-document id only after
+a document's last piece); `TokenStream` appends them to a flat token file (uint16 while every id fits, widened to uint32
+once one does not) and the documents' end offsets to a .npy file whose header is rewritten with the final count on
+close.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +35,8 @@ def npy_header(length: int) -> bytes:
 
 
 class TokenStream:
-    """Appends documents (ids, each ending with the end-of-document id) to a flat token file and their end offsets to
-    a .npy file, streaming both: memory holds one batch, whatever the corpus size."""
+    """Appends ids (each document ending with the end-of-document id) to a flat token file and the documents' end
+    offsets to a .npy file, streaming both: memory holds one batch, whatever the corpus size."""
 
     def __init__(self, tokens_path: Path, offsets_path: Path) -> None:
         self.tokens_path = tokens_path
@@ -45,16 +49,17 @@ class TokenStream:
         self._offsets.write(npy_header(0))
         self._offsets.write(np.zeros(1, dtype="<i8").tobytes())
 
-    def append(self, ids: np.ndarray, lengths: np.ndarray) -> None:
-        if not len(lengths):
+    def append(self, ids: np.ndarray, ends: np.ndarray) -> None:
+        """`ids` continue the stream; `ends`: where documents end within them (after their end-of-document id). The
+        last document of `ids` may continue in the next call: a document may span any number of batches."""
+        if not len(ids):
             return
         if self.dtype == DTYPES["uint16"] and int(ids.max()) > np.iinfo(np.uint16).max:
             self.widen()
         self._tokens.write(np.ascontiguousarray(ids, dtype=self.dtype).data)
-        ends = self.tokens + np.cumsum(lengths, dtype=np.int64)
-        self._offsets.write(np.ascontiguousarray(ends, dtype="<i8").data)
-        self.tokens = int(ends[-1])
-        self.documents += len(lengths)
+        self._offsets.write(np.ascontiguousarray(self.tokens + ends, dtype="<i8").data)
+        self.tokens += len(ids)
+        self.documents += len(ends)
 
     def widen(self) -> None:
         """An id above 65,535 arrived: rewrite what is written so far as uint32 and continue in uint32."""
@@ -84,61 +89,85 @@ class TokenStream:
 
 
 @dataclass
+class PieceBatch:
+    """About `BATCH_CHARS` of pieces, each split's in corpus order, with whether each ends its document."""
+
+    train: list[str] = field(default_factory=list)
+    train_ends: list[bool] = field(default_factory=list)
+    val: list[str] = field(default_factory=list)
+    val_ends: list[bool] = field(default_factory=list)
+
+
+@dataclass
 class EncodedBatch:
-    train_ids: np.ndarray  # uint32, flat, an end-of-document id after each document
-    train_lengths: np.ndarray  # int64 per document, end-of-document id included
+    train_ids: np.ndarray  # uint32, flat, an end-of-document id after each document's last piece
+    train_ends: np.ndarray  # int64: where documents end within train_ids (end-of-document id included)
     val_ids: np.ndarray
-    val_lengths: np.ndarray
+    val_ends: np.ndarray
+
+    @property
+    def documents(self) -> int:
+        return len(self.train_ends) + len(self.val_ends)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.train_ids) + len(self.val_ids)
 
 
-def flatten(encodings: list[Any], eos_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Encodings → one flat uint32 array with `eos_id` after each document, plus the per-document lengths."""
+def flatten(encodings: list[Any], ends: list[bool], eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Encoded pieces → one flat uint32 array with `eos_id` after each document's last piece, plus where the
+    documents end within it."""
     eos = np.array([eos_id], dtype=np.uint32)
     parts = []
-    for encoding in encodings:
+    for encoding, last in zip(encodings, ends):
         parts.append(np.array(encoding.ids, dtype=np.uint32))
-        parts.append(eos)
-    lengths = np.fromiter((len(encoding) + 1 for encoding in encodings), dtype=np.int64, count=len(encodings))
-    return (np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)), lengths
+        if last:
+            parts.append(eos)
+    sizes = np.fromiter((len(encoding) + last for encoding, last in zip(encodings, ends)), dtype=np.int64,
+                        count=len(encodings))
+    ids = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint32)
+    return ids, np.cumsum(sizes)[np.asarray(ends, dtype=bool)]
 
 
-def encoded_batch(encodings: list[Any], train_count: int, eos_id: int) -> EncodedBatch:
-    train_ids, train_lengths = flatten(encodings[:train_count], eos_id)
-    val_ids, val_lengths = flatten(encodings[train_count:], eos_id)
-    return EncodedBatch(train_ids, train_lengths, val_ids, val_lengths)
+def encoded_batch(encodings: list[Any], batch: PieceBatch, eos_id: int) -> EncodedBatch:
+    train_ids, train_ends = flatten(encodings[:len(batch.train)], batch.train_ends, eos_id)
+    val_ids, val_ends = flatten(encodings[len(batch.train):], batch.val_ends, eos_id)
+    return EncodedBatch(train_ids, train_ends, val_ids, val_ends)
 
 
-def document_batches(pairs: Iterable[tuple[str, bool]], batch_chars: int) -> Iterator[tuple[list[str], list[str]]]:
-    """(training documents, held-out documents) in batches of about `batch_chars` characters."""
-    train: list[str] = []
-    val: list[str] = []
-    size = 0
-    for text, held_out in pairs:
-        (val if held_out else train).append(text)
+def piece_batches(pieces: Iterable[tuple[str, bool, bool]], batch_chars: int) -> Iterator[PieceBatch]:
+    """(piece, ends its document?, held out?) → batches of about `batch_chars` characters."""
+    batch, size = PieceBatch(), 0
+    for text, ends, held_out in pieces:
+        if held_out:
+            batch.val.append(text)
+            batch.val_ends.append(ends)
+        else:
+            batch.train.append(text)
+            batch.train_ends.append(ends)
         size += len(text)
         if size >= batch_chars:
-            yield train, val
-            train, val, size = [], [], 0
-    if train or val:
-        yield train, val
+            yield batch
+            batch, size = PieceBatch(), 0
+    if batch.train or batch.val:
+        yield batch
 
 
-def encode_pipelined(tokenizer: Any, eos_id: int,
-                     batches: Iterable[tuple[list[str], list[str]]]) -> Iterator[EncodedBatch]:
+def encode_pipelined(tokenizer: Any, eos_id: int, batches: Iterable[PieceBatch]) -> Iterator[EncodedBatch]:
     """Keep the Rust encoder busy: while a worker thread encodes batch k+1 (`encode_batch_fast`: every core, GIL
     released, no character offsets), this thread turns batch k into arrays, the caller writes them, and the next
-    documents are read. At most two batches are in flight, so memory stays bounded."""
+    pieces are read. At most two batches are in flight, so memory stays bounded."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
-    pending: deque[tuple[Future[list[Any]], int]] = deque()
+    pending: deque[tuple[Future[list[Any]], PieceBatch]] = deque()
     try:
-        for train, val in batches:
-            pending.append((pool.submit(tokenizer.encode_batch_fast, train + val, add_special_tokens=False),
-                            len(train)))
+        for batch in batches:
+            pending.append((pool.submit(tokenizer.encode_batch_fast, batch.train + batch.val,
+                                        add_special_tokens=False), batch))
             if len(pending) > 1:
-                encodings, train_count = pending.popleft()
-                yield encoded_batch(encodings.result(), train_count, eos_id)
+                encodings, done = pending.popleft()
+                yield encoded_batch(encodings.result(), done, eos_id)
         while pending:
-            encodings, train_count = pending.popleft()
-            yield encoded_batch(encodings.result(), train_count, eos_id)
+            encodings, done = pending.popleft()
+            yield encoded_batch(encodings.result(), done, eos_id)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import DataConfig
-from trainer.data.corpus import HUB_ID, HUB_TIMEOUT_S, first_line, fingerprint
+from trainer.data.corpus import HUB_ID, HUB_TIMEOUT_S, first_line
+from trainer.data.digests import fingerprint
 from trainer.errors import UserError
 
 BPE = "bpe"
