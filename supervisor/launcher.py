@@ -51,6 +51,7 @@ from supervisor.watch import GroupResult, Watch
 from supervisor.worker import Worker, become_subreaper, die_with_parent
 from trainer.checkpoint_layout import META_FILE, check_resume, list_checkpoints
 from trainer.config import PROJECT_ROOT, Config
+from trainer.data.prepare_cli import interrupt_once
 from trainer.errors import UserError
 
 if TYPE_CHECKING:
@@ -331,10 +332,3 @@ class Launcher:
             self.console.say(failure_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total,
                                             self.verdict, self.exclusions), style="bold red")
 
-
-def interrupt_once(signum: int, frame: Any) -> None:
-    """SIGINT while the dataset is prepared: the first interrupts it (KeyboardInterrupt); any later one is ignored, so
-    that an impatient second Ctrl-C cannot cut short what follows (the build's clean-up, which waits for the batch
-    being encoded, the sentinel's dismissal, the exit) and print a traceback from the middle of it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    raise KeyboardInterrupt

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
+from typing import Any
 
 from trainer.config import Config
 from trainer.data.cache import CacheInfo, TokenCache, cache_root, prepare
@@ -34,7 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupt_once(signum: int, frame: Any) -> None:
+    """SIGINT while the dataset is prepared: the first interrupts it (KeyboardInterrupt); any later one is ignored, so
+    that an impatient second Ctrl-C cannot cut short what follows (the build's clean-up, which waits for the batch
+    being encoded, the exit) and print a traceback from the middle of it. The supervisor and its build child (which
+    gets the terminal's Ctrl-C too) both prepare under it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, interrupt_once)
     args = build_parser().parse_args(argv)
     try:
         cfg = handle_inspection_flags(args)
