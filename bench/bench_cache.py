@@ -1,7 +1,7 @@
 """Token cache benchmark: figures measured side by side in one run, printed as ratios against the anchors.
 
     python bench/bench_cache.py [--rounds 3] [--vocab-size 8192] [--skip-large]
-    python bench/bench_cache.py --scale [--scale-mb 1024] [--hit-mb 100]
+    python bench/bench_cache.py --scale [--scale-mb 1024] [--hit-mb 100] [--hit-gb 10]
 
 1. Throughput on the default corpus (every stdlib `*.py` file, byte-level BPE trained once on it; training time is
    reported apart and excluded, as the anchor does), each method in its own fresh process, interleaved over rounds:
@@ -23,7 +23,11 @@ files, by `datasets.map(num_proc=<cores>)`: tokens/s and peak RSS. A single-docu
 `datasets` at all (one row of the whole file), so its map baseline reads the file with `sample_by="paragraph"`. At
 `--hit-mb` the same pair is built, plus the .txt cut by paragraphs (one huge document against many small ones, same
 text); then the wall time of a cache hit (`python prepare_dataset.py`, a fresh process) at both sizes, next to a hit
-that must re-read the sources (digest memo removed).
+that must re-read the sources (digest memo removed). Last, the hit on a `--hit-gb` corpus (files of `--scale-mb`, each
+its own copy on disk): the first launch hashes every byte, the next ones stat; the cache holds the first
+`HIT_CORPUS_SAMPLES` documents (`data.max_samples`), which leaves the key, and so the hit's work, that of the whole
+corpus, while sparing a build of billions of tokens. The page cache is dropped before the cold launches where the
+machine allows it, so those read from the disk.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from trainer.data.token_stream import TokenStream  # noqa: E402
 from trainer.data.tokenizer import export, load_fast  # noqa: E402
 
 ANCHORS = {"map": 0.47, "raw": 0.74}  # M tokens/s on the reference 2-core machine (ANCHORS.md)
+HIT_CORPUS_SAMPLES = 20_000  # documents cached of the --hit-gb corpus (its key still covers every byte)
 
 
 def config_for(cache_dir: Path, **data: object) -> Config:
@@ -368,11 +373,10 @@ def build_ours(work: Path, tokenizer: Path, source: Path, sample_by: str = "docu
     return child("ours", str(config)), config
 
 
-def scale(work: Path, megabytes: int, hit_megabytes: int) -> None:
+def scale(work: Path, tokenizer: Path, megabytes: int, hit_megabytes: int) -> None:
     """The figures as they come (a long run on a shared machine: each line is printed when measured). Rates are given
     per second of wall time and per CPU-second (all threads and worker processes), the second barely moved by other
     load on the machine."""
-    tokenizer = prepare(config_for(work / "scale-cache"), show_progress=False).path  # BPE 8192 on the stdlib
     rates: dict[tuple[str, int], tuple[float, float]] = {}
 
     def measure(label: str, size: int, result: dict) -> None:
@@ -413,6 +417,43 @@ def scale(work: Path, megabytes: int, hit_megabytes: int) -> None:
                   f" (target >= 1.5x)", flush=True)
         for path in (jsonl, txt):
             path.unlink()
+
+
+def drop_page_cache() -> bool:
+    """Ask the kernel to forget cached file pages (root only), so the next reads come from the disk."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def large_corpus_hit(work: Path, tokenizer: Path, gigabytes: int, file_mb: int) -> None:
+    """The hit on a corpus of `gigabytes`: files of `file_mb` each, copies of one generated JSONL file."""
+    folder = work / f"corpus_{gigabytes}gb"
+    folder.mkdir()
+    first, txt = generate_corpus(work, file_mb)
+    txt.unlink()
+    files = [folder / f"part_{i:03d}.jsonl" for i in range(-(-gigabytes * 1000 // file_mb))]
+    for path in files:
+        shutil.copyfile(first, path)
+    first.unlink()
+    config = work / "hit-corpus.json"
+    config_for(work / "hit-cache", source=str(folder), tokenizer=str(tokenizer),
+               max_samples=HIT_CORPUS_SAMPLES).save(config)
+    size = sum(path.stat().st_size for path in files)
+    cold = drop_page_cache()
+    build = hit_seconds(config, runs=1)  # hashes every byte, builds the capped cache, remembers the digests
+    hit = hit_seconds(config)
+    dropped = drop_page_cache()
+    hit_cold = hit_seconds(config, runs=1)
+    print(f"{size / 1e9:.1f} GB corpus ({len(files)} files): first launch (hash every byte{', page cache dropped' * cold}"
+          f", build the first {HIT_CORPUS_SAMPLES:,} documents) {build[0]:.1f} s; cache hit, python prepare_dataset.py: "
+          f"median {hit[0]:.2f} s wall, {hit[1]:.2f} s CPU over 5 launches, {hit_cold[0]:.2f} s wall "
+          f"{'after dropping the page cache' if dropped else '(page cache not droppable here)'} (target <= 1 s)",
+          flush=True)
+    shutil.rmtree(folder)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -471,6 +512,7 @@ def main() -> None:
     parser.add_argument("--scale", action="store_true", help="only the scale section: generated corpora, see above")
     parser.add_argument("--scale-mb", type=int, default=1024, help="the large generated corpus, in MB")
     parser.add_argument("--hit-mb", type=int, default=100, help="the smaller one (hit time, one vs many documents)")
+    parser.add_argument("--hit-gb", type=int, default=10, help="the corpus whose cache hit is timed last (0: skip)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -487,7 +529,10 @@ def main() -> None:
     started = time.perf_counter()
     try:
         if args.scale:
-            scale(work, args.scale_mb, args.hit_mb)
+            tokenizer = prepare(config_for(work / "scale-cache"), show_progress=False).path  # BPE 8192, stdlib
+            scale(work, tokenizer, args.scale_mb, args.hit_mb)
+            if args.hit_gb:
+                large_corpus_hit(work, tokenizer, args.hit_gb, args.scale_mb)
         else:
             cfg, config = throughput(work, args.rounds, args.vocab_size)
             hit_wall(config)

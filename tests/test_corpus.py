@@ -82,6 +82,33 @@ def test_parquet_glob_and_text_field(tmp_path: Path) -> None:
         documents(local(tmp_path / "*.parquet"))
 
 
+def test_jsonl_rows_are_read_here_a_line_at_a_time(tmp_path: Path) -> None:
+    """Blank lines and null or empty values are no documents; the text keeps every character JSON can escape; the
+    same rows in a .json file (read by `datasets`) give the same documents."""
+    rows = [{"text": "tab\t, quote \", é, 😀, \u2028"}, {"text": None}, {"text": ""}, {"text": "last", "n": [1]}]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    path.write_text(path.read_text().replace("\n", "\n\n  \n", 1))
+    expected = ["tab\t, quote \", é, 😀, \u2028", "last"]
+    assert documents(local(path)) == expected
+    (tmp_path / "same").mkdir()
+    assert documents(local(write_jsonl(tmp_path / "same" / "rows.json", rows))) == expected
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "ok"', r"rows.jsonl, line 2, column 14: not valid JSON \(Expecting ',' delimiter\)"),
+    ('["a list"]', r"line 2 holds a JSON list, not an object"),
+    ('{"body": "x", "id": 3}', r"line 2 has no field 'text' \(fields: body, id\); set data.text_field"),
+    ('{"text": 42}', r"line 2: field 'text' holds a int, not text"),
+    (b'{"text": "caf\xe9"}', r"line 2 is not UTF-8 text"),
+])
+def test_a_bad_jsonl_row_is_one_line_naming_where(tmp_path: Path, line: str | bytes, message: str) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n' + (line if isinstance(line, bytes) else line.encode()) + b"\n")
+    with pytest.raises(UserError, match=message) as caught:
+        documents(local(path))
+    assert "\n" not in str(caught.value)
+
+
 def test_content_identity_follows_edits_not_mtimes_or_location(tmp_path: Path) -> None:
     folder = tmp_path / "corpus"
     folder.mkdir()
