@@ -60,7 +60,7 @@ from trainer.data.token_stream import TokenStream  # noqa: E402
 from trainer.data.tokenizer import export, load_fast  # noqa: E402
 
 ANCHORS = {"map": 0.47, "raw": 0.74}  # M tokens/s on the reference 2-core machine (ANCHORS.md)
-HIT_CORPUS_SAMPLES = 20_000  # documents cached of the --hit-gb corpus (its key still covers every byte)
+HIT_CORPUS_SAMPLES = 2_000  # documents cached of the --hit-gb corpus (its key still covers every byte)
 
 
 def config_for(cache_dir: Path, **data: object) -> Config:
