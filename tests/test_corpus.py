@@ -100,6 +100,7 @@ def test_jsonl_rows_are_read_here_a_line_at_a_time(tmp_path: Path) -> None:
     ('{"body": "x", "id": 3}', r"line 2 has no field 'text' \(fields: body, id\); set data.text_field"),
     ('{"text": 42}', r"line 2: field 'text' holds a int, not text"),
     (b'{"text": "caf\xe9"}', r"line 2 is not UTF-8 text"),
+    (b"[" * 100_000, r"line 2 is nested too deeply to parse"),
 ])
 def test_a_bad_jsonl_row_is_one_line_naming_where(tmp_path: Path, line: str | bytes, message: str) -> None:
     path = tmp_path / "rows.jsonl"

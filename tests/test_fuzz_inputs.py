@@ -1,4 +1,6 @@
-"""Property-based fuzzing of what a user types and writes: the supervisor's command line and config files.
+"""Property-based fuzzing of what a user types and writes: the supervisor's command line, config files, and the
+`.jsonl`/`.txt` files a corpus is read from (read here, not by `datasets`: every byte sequence gives documents or one
+error line).
 
 Whatever the input, the entry point either accepts it (exit 0; `--print-config` prints the resolved config) or refuses
 it with exit 2 and one `error:` line, never a traceback. Inputs are drawn from the real flags and keys, with values a
@@ -20,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from supervisor import cli
-from trainer.config import SECTIONS, Config, field_types
+from trainer.config import SECTIONS, Config, DataConfig, field_types
+from trainer.data.corpus import open_corpus
+from trainer.errors import UserError
 
 KEYS = [f"{section}.{f.name}" for section in SECTIONS
         for f in fields(field_types(Config)[section])]
@@ -94,3 +98,24 @@ def test_any_config_file_is_accepted_or_one_error_line(content: bytes, tmp_path:
     path = tmp_path / "fuzzed.json"
     path.write_bytes(content)
     assert_one_line_or_accepted(*run_cli(["--debug", "--config", str(path)]))
+
+
+@SETTINGS
+@given(lines=st.lists(st.one_of(
+    st.binary(max_size=24),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.dictionaries(st.sampled_from(["text", "body"]), json_values, max_size=2).map(lambda v: json.dumps(v).encode()),
+    st.sampled_from([b'{"text": "\\ud800"}', b'{"text": "a"', b"\xef\xbb\xbf{}", b'{"text": "a", "text": 1}',
+                     b"[" * 5000])), max_size=5),
+       suffix=st.sampled_from([".jsonl", ".txt"]), sample_by=st.sampled_from(["document", "line", "<|endoftext|>"]))
+def test_any_data_file_gives_documents_or_one_error_line(lines: list[bytes], suffix: str, sample_by: str,
+                                                         tmp_path: Path) -> None:
+    path = tmp_path / f"fuzzed{suffix}"
+    path.write_bytes(b"\n".join(lines))
+    data = DataConfig(source=str(path), sample_by=sample_by if suffix == ".txt" else "document")
+    try:
+        documents = [text for text, _ in open_corpus(data).pieces()]
+    except UserError as e:
+        assert "\n" not in str(e) and str(path) in str(e), str(e)
+        return
+    assert all(isinstance(text, str) and text for text in documents)

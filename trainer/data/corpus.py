@@ -191,6 +191,9 @@ def jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
             except json.JSONDecodeError as e:
                 raise UserError(f"{where}, column {e.pos + 1}: not valid JSON ({e.msg}); each line of a .jsonl file "
                                 f"must be one JSON object") from None
+            except RecursionError:
+                raise UserError(f"{where} is nested too deeply to parse; each line of a .jsonl file must be one JSON "
+                                f"object") from None
             if not isinstance(row, dict):
                 raise UserError(f"{where} holds a JSON {type(row).__name__}, not an object; each line of a .jsonl "
                                 f"file must be one JSON object with a '{text_field}' field")
