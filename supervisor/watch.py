@@ -7,10 +7,12 @@ the end of the grace period). There is no polling interval.
 
 The failure is the rank that failed first, not the first to exit: a rank that catches an error says ``failing`` on
 the progress channel before it leaves its process group, and a peer whose collective that cuts short (gloo's
-"Connection closed by peer") may exit before it. So at the first non-zero exit (or death by a signal) the records
-already in the pipes are read, and the rank with the earliest ``failing`` record, if one is still running, is the
-failure: it is left to exit on its own (its exit code and its headline come then), the others are stopped. Without
-such a record, the first rank to exit non-zero is the failure. Stopping the others: SIGTERM to each rank process,
+"Connection closed by peer") says so too, but may exit before it. So at the first non-zero exit (or death by a
+signal) the records already in the pipes are read; if the exiting rank said ``failing``, the rank with the earliest
+``failing`` record, when it is still running, is the failure: it is left to exit on its own (its exit code and its
+headline come then), the others are stopped. A rank that exits without saying it (killed, crashed, or ended outside
+the trainer's error handler) failed hard, and is the failure itself: the records its peers write once it is gone come
+after its end, however early they are read. Stopping the others: SIGTERM to each rank process,
 then SIGKILL to its whole process group once the grace period ends. SIGTERM goes to the rank alone, not its group,
 so its DataLoader workers keep serving it while it finishes its step and checkpoints; the moment a rank exits, its
 group is SIGKILLed, so nothing it started outlives it. After the last exit, a sweep kills any descendant that left
@@ -144,8 +146,7 @@ class Watch:
         self.endings: dict[int, str] = {}
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
-        self.announcer: Worker | None = None  # the rank whose ``failing`` record is the earliest so far
-        self.announced_at = 0.0  # that record's time (wall clock, as the rank wrote it)
+        self.failing: dict[int, float] = {}  # rank → when it said ``failing`` (wall clock, as it wrote the record)
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
@@ -241,12 +242,15 @@ class Watch:
                 self.endings[rank] = FINISHED if code == 0 else FAILED_AFTER
 
     def on_failure(self, w: Worker, code: int) -> None:
-        """The first exit with an error. Every record already in the pipes is read first: an announcement written
-        before this exit counts, whichever order the wake-up (or `check_exits`) handed the two over in."""
+        """The first exit with an error. Every record already in the pipes is read first: announcements written
+        before this exit count, whichever order the wake-up (or `check_exits`) handed them and the exit over in."""
         for other in self.workers:
             if other.progress_fd >= 0:
                 self.on_progress(other)
-        culprit = self.announcer if self.announcer is not None and self.announcer.alive else w
+        culprit = w
+        if w.spec.rank in self.failing:  # an error it reported: the earliest report names the failure
+            first = next(x for x in self.workers if x.spec.rank == self.first_failing())
+            culprit = first if first.alive else w
         if culprit is w:
             self.endings[w.spec.rank] = FAILED_FIRST
             if code != USER_ERROR_EXIT_CODE:  # a bad input fails every rank alike: their lines are no fallout
@@ -372,10 +376,13 @@ class Watch:
             stream.mute(rank != failing)
 
     def announce(self, w: Worker, at: float) -> None:
-        """A ``failing`` record written at `at`: the earliest names the failure (`on_failure`)."""
-        if self.stop is None and (self.announcer is None or at < self.announced_at):
-            self.announcer, self.announced_at = w, at
-            self.quiet_fallout(w.spec.rank)
+        """A ``failing`` record written at `at`, before the stop: the earliest one names the failure (`on_failure`)."""
+        if self.stop is None:
+            self.failing.setdefault(w.spec.rank, at)
+            self.quiet_fallout(self.first_failing())
+
+    def first_failing(self) -> int:
+        return min(self.failing, key=self.failing.__getitem__)
 
     # -- progress and hangs ----------------------------------------------------------------------------------------
 
