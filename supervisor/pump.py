@@ -75,9 +75,9 @@ class Stream:
     def label(self) -> str:
         return self.prefix.decode()[:-1]
 
-    def mute(self) -> None:
-        """From now on, lines go to the log file only (fallout of another rank's failure)."""
-        self.muted = True
+    def mute(self, muted: bool = True) -> None:
+        """From now on, lines go to the log file only (fallout of another rank's failure); `False` undoes it."""
+        self.muted = muted
 
     def tail_lines(self, count: int) -> list[str]:
         lines = self.tail.decode(errors="replace").splitlines()

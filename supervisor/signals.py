@@ -3,8 +3,10 @@
 ``signal.set_wakeup_fd`` makes the C-level handler write each signal's number to a non-blocking pipe the moment it
 arrives; the Python handlers do nothing. SIGCHLD is how the loop learns that a rank exited (no polling); SIGINT,
 SIGTERM, SIGHUP and SIGUSR1 are the stop requests (SIGINT no longer raises KeyboardInterrupt once installed). SIGUSR1 is
-Slurm's warning before the time limit (``#SBATCH --signal=USR1@120``): the same graceful stop, every rank checkpoints,
-and the supervisor exits 138 (128 + 10) so the job script can requeue a run that ``--resume auto`` continues.
+Slurm's warning before the time limit (``#SBATCH --signal=B:USR1@120``, which the job script passes on to a supervisor
+alone: a rank answers SIGUSR1 with a stack dump, `supervisor.slurm_job`): the same graceful stop, every rank
+checkpoints, and the supervisor exits 138 (128 + 10) so the job script can requeue a run that ``--resume auto``
+continues.
 """
 
 from __future__ import annotations

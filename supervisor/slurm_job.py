@@ -13,6 +13,13 @@ Usage (inside an allocation): ``python -m supervisor.slurm_job [training flags..
   one CPU would squeeze a node's supervisor and ranks onto it wherever Slurm binds tasks to cores.
 - `SUPERVISOR_CONTROL_SECRET` is generated here unless already set: srun hands the job's environment to every node's
   supervisor, so they share a secret that nobody outside the job has (supervisor/control_wire.py).
+- The time-limit warning (``#SBATCH --signal=B:USR1@120``) reaches this process alone, the batch step's (the job
+  script execs into it), which passes it on to the supervisor of its node, the step's task there (``scontrol
+  listpids``; ``run_training.sh`` and the bootstrap exec into the supervisor, so the task's pid is the supervisor's).
+  That supervisor stops its ranks at a checkpoint and, through the control channel, every other node's (each exits
+  138, as after SIGUSR1). Not Slurm's own delivery to the step (``--signal=USR1@120`` without ``B:``): Slurm signals
+  every process of a step, ranks included, and a rank answers SIGUSR1 with a stack dump into its log (the stall
+  diagnosis's request, `supervisor.watch`), noise at every time limit.
 - Exit code 138 (every rank checkpointed after SIGUSR1): ``scontrol requeue``, and the job starts again in a new
   allocation.
 - A step that ended on a GPU fault (the supervisor's verdict, recorded in ``<run>/gpu_fault.json`` with the node's
@@ -51,6 +58,32 @@ NODE_EXCLUSION_ENV = "SUPERVISOR_NODE_EXCLUSION"
 def step_command(env: dict[str, str], flags: list[str]) -> list[str]:
     cpus = [f"--cpus-per-task={env['SLURM_CPUS_PER_TASK']}"] if env.get("SLURM_CPUS_PER_TASK") else []
     return ["srun", "--ntasks-per-node=1", *cpus, "bash", str(ROOT / "run_training.sh"), "--resume", "auto", *flags]
+
+
+def step_task(job_id: str, node: str) -> int | None:
+    """The pid of this job's training step task on `node` (this host), None where there is none (yet, or any more).
+
+    ``scontrol listpids`` lists a step's processes on the local node, the task's with its local task id, its
+    descendants (the ranks) with "-"; the node is named for hosts that run several slurmd."""
+    out = subprocess.run(["scontrol", "listpids", job_id, *([node] if node else [])], capture_output=True, text=True)
+    for line in out.stdout.splitlines()[1:]:  # PID JOBID STEPID LOCALID GLOBALID
+        fields = line.split()
+        if len(fields) == 5 and fields[2].isdigit() and fields[3] == "0" and fields[0].isdigit():
+            return int(fields[0])
+    return None
+
+
+def pass_on_warning(job_id: str, node: str) -> None:
+    """Slurm's time-limit warning, to this node's supervisor only (see the module's docstring for why)."""
+    pid = step_task(job_id, node)
+    if pid is None:
+        print(f"time-limit warning: no supervisor of job {job_id} runs on node {node} to pass it to", flush=True)
+        return
+    print(f"time-limit warning: passing SIGUSR1 on to the supervisor on node {node} (pid {pid})", flush=True)
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        pass  # the step ended meanwhile
 
 
 def node_exclusion(env: Mapping[str, str]) -> bool:
@@ -135,6 +168,9 @@ def run_job(env: dict[str, str], flags: list[str]) -> int:
     exclude = node_exclusion(env)
     if not env.get(SECRET_ENV):
         env[SECRET_ENV] = secrets.token_hex(32)
+    # before the step starts: SIGUSR1's default action would end this process, and the job with it
+    node = env.get("SLURMD_NODENAME", "")
+    signal.signal(signal.SIGUSR1, lambda *_: pass_on_warning(job_id, node))
     code = subprocess.run(step_command(env, flags), env=env).returncode
     code = code if code >= 0 else 128 - code  # srun itself ended by a signal: the shell's convention
     if code == REQUEUE_EXIT_CODE:

@@ -5,7 +5,14 @@ rank to die is the first we see), a signal (SIGCHLD, or a stop request), a progr
 multi-node control channel, or the next deadline (a hang allowance running out, the end of the stack-dump pause,
 the end of the grace period). There is no polling interval.
 
-The first rank to exit non-zero or by a signal is the failure. Stopping the others: SIGTERM to each rank process,
+The failure is the rank that failed first, not the first to exit: a rank that catches an error says ``failing`` on
+the progress channel before it leaves its process group, and a peer whose collective that cuts short (gloo's
+"Connection closed by peer") says so too, but may exit before it. So at the first non-zero exit (or death by a
+signal) the records already in the pipes are read; if the exiting rank said ``failing``, the rank with the earliest
+``failing`` record, when it is still running, is the failure: it is left to exit on its own (its exit code and its
+headline come then), the others are stopped. A rank that exits without saying it (killed, crashed, or ended outside
+the trainer's error handler) failed hard, and is the failure itself: the records its peers write once it is gone come
+after its end, however early they are read. Stopping the others: SIGTERM to each rank process,
 then SIGKILL to its whole process group once the grace period ends. SIGTERM goes to the rank alone, not its group,
 so its DataLoader workers keep serving it while it finishes its step and checkpoints; the moment a rank exits, its
 group is SIGKILLed, so nothing it started outlives it. After the last exit, a sweep kills any descendant that left
@@ -106,6 +113,7 @@ class Stop:
     kill_at: float = float("inf")
     terminated: bool = False
     killed: bool = False
+    awaiting: bool = False  # a failure: `worker` said ``failing`` and has not exited yet; its exit sets the code
     silence: float = 0.0  # a hang: how long the rank that tripped the watchdog had been silent
     evidence: list[str] = field(default_factory=list)  # a hang: each rank's evidence, for the report
 
@@ -138,7 +146,7 @@ class Watch:
         self.endings: dict[int, str] = {}
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
-        self.fallout_quiet = False  # a failure was seen: the other ranks' stderr goes to their logs only
+        self.failing: dict[int, float] = {}  # rank → when it said ``failing`` (wall clock, as it wrote the record)
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
@@ -221,15 +229,10 @@ class Watch:
             if code == 0:
                 self.endings[rank] = FINISHED
             else:
-                self.endings[rank] = FAILED_FIRST
-                detail = f"{w.label} (rank {rank}) failed: {describe_exit(code)}"
-                if code == OOM_EXIT_CODE:
-                    detail = oom.describe(self.plan.run_dir, w.label, rank)
-                if code != USER_ERROR_EXIT_CODE:  # a bad input fails every rank alike: their lines are no fallout
-                    self.quiet_fallout(rank)
-                self.begin_stop(Stop("failure", code, detail, worker=w))
-                self.console.say(f"{w.label} (rank {rank}, pid {w.pid}) failed with {describe_exit(code)}; "
-                                 f"stopping the other ranks", style="bold red")
+                self.on_failure(w, code)
+        elif self.stop.awaiting and self.stop.worker is w:
+            self.endings[rank] = FAILED_FIRST
+            self.settle_failure(w, code)
         elif rank not in self.endings:
             if w.killed:
                 self.endings[rank] = KILLED
@@ -238,6 +241,49 @@ class Watch:
             else:
                 self.endings[rank] = FINISHED if code == 0 else FAILED_AFTER
 
+    def on_failure(self, w: Worker, code: int) -> None:
+        """The first exit with an error. Every record already in the pipes is read first: announcements written
+        before this exit count, whichever order the wake-up (or `check_exits`) handed them and the exit over in."""
+        for other in self.workers:
+            if other.progress_fd >= 0:
+                self.on_progress(other)
+        culprit = w
+        if w.spec.rank in self.failing:  # an error it reported: the earliest report names the failure
+            first = next(x for x in self.workers if x.spec.rank == self.first_failing())
+            culprit = first if first.alive else w
+        if culprit is w:
+            self.endings[w.spec.rank] = FAILED_FIRST
+            if code != USER_ERROR_EXIT_CODE:  # a bad input fails every rank alike: their lines are no fallout
+                self.quiet_fallout(w.spec.rank)
+            self.begin_stop(Stop("failure", code, self.failure_detail(w, code), worker=w))
+            self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}; "
+                             f"stopping the other ranks", style="bold red")
+            return
+        self.endings[w.spec.rank] = FAILED_AFTER
+        # until the culprit exits, the code is this one's: never 0, so the run cannot pass for finished
+        self.begin_stop(Stop("failure", code, f"{culprit.label} (rank {culprit.spec.rank}) failed", worker=culprit,
+                             awaiting=True))
+        self.console.say(f"{culprit.label} (rank {culprit.spec.rank}, pid {culprit.pid}) reported an error, and "
+                         f"{w.label} (rank {w.spec.rank}) exited after it with {describe_exit(code)}; stopping the "
+                         f"other ranks", style="bold red")
+
+    def settle_failure(self, w: Worker, code: int) -> None:
+        """The culprit that announced its error has exited: its code and headline are the run's."""
+        stop = self.stop
+        assert stop is not None
+        stop.awaiting, stop.exit_code, stop.detail = False, code, self.failure_detail(w, code)
+        self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}",
+                         style="bold red")
+        self.abort_other_nodes(stop)
+
+    def failure_detail(self, w: Worker, code: int) -> str:
+        if code == OOM_EXIT_CODE:
+            return oom.describe(self.plan.run_dir, w.label, w.spec.rank)
+        if w.killed:
+            return (f"{w.label} (rank {w.spec.rank}) failed: it reported an error, then was killed after the grace "
+                    f"period ({describe_exit(code)})")
+        return f"{w.label} (rank {w.spec.rank}) failed: {describe_exit(code)}"
+
     # -- stopping --------------------------------------------------------------------------------------------------
 
     def begin_stop(self, stop: Stop, pause: float = 0.0) -> None:
@@ -245,10 +291,14 @@ class Watch:
             return
         self.stop = stop
         stop.term_at = stop.at + pause
+        if not stop.awaiting:  # else once the culprit's exit gives the code (`settle_failure`)
+            self.abort_other_nodes(stop)
+        self.check_clock()
+
+    def abort_other_nodes(self, stop: Stop) -> None:
         if self.control is not None:
             label = stop.worker.label if stop.worker else "supervisor"
             self.control.abort(self.plan.node_rank, label, stop.exit_code)
-        self.check_clock()
 
     def check_clock(self) -> None:
         now = time.monotonic()
@@ -263,7 +313,9 @@ class Watch:
             for w in self.workers:
                 if w.spec.rank in stalled:
                     w.kill_group()
-                else:
+                elif not (stop.awaiting and w is stop.worker):
+                    # (an announced culprit is on its way out; a SIGTERM after it has left its stop handler would
+                    # make its exit code 143)
                     w.terminate()
         if stop.terminated and not stop.killed and now >= stop.kill_at:
             self.kill_all()
@@ -274,6 +326,8 @@ class Watch:
                                      style="bold red")
                     self.endings[w.spec.rank] = STUCK
                     w.exit_code, w.ended = 128 + signal.SIGKILL, now
+                    if stop.awaiting and stop.worker is w:
+                        self.settle_failure(w, w.exit_code)
 
     def kill_all(self) -> None:
         stop = self.stop
@@ -316,13 +370,19 @@ class Watch:
     def quiet_fallout(self, failing: int | None) -> None:
         """Keep the other ranks' stderr off the console from now on (it goes on into their log files): their
         collectives are cut short by `failing`'s failure (or another node's), and their tracebacks would bury its
-        lines. The first failure decides; `None` quiets every rank here."""
-        if self.fallout_quiet:
-            return
-        self.fallout_quiet = True
+        lines. Called until the stop begins, each time with the earliest failure known (an earlier announcement
+        read after a later one takes over); `None` quiets every rank here."""
         for rank, stream in self.tails.items():
-            if rank != failing:
-                stream.mute()
+            stream.mute(rank != failing)
+
+    def announce(self, w: Worker, at: float) -> None:
+        """A ``failing`` record written at `at`, before the stop: the earliest one names the failure (`on_failure`)."""
+        if self.stop is None:
+            self.failing.setdefault(w.spec.rank, at)
+            self.quiet_fallout(self.first_failing())
+
+    def first_failing(self) -> int:
+        return min(self.failing, key=self.failing.__getitem__)
 
     # -- progress and hangs ----------------------------------------------------------------------------------------
 
@@ -344,8 +404,8 @@ class Watch:
                 state.update(record, self.console.writing_time())
             except (ValueError, TypeError):
                 continue  # a malformed record says nothing about progress
-            if record.event == "failing" and self.stop is None:
-                self.quiet_fallout(w.spec.rank)
+            if record.event == "failing":
+                self.announce(w, record.time)
             elif record.event == "step" and (found := self.stragglers.add(w.spec.rank, record.step, record.ready_s,
                                                                         record.step_s)):
                 self.console.say(found.message(), style="bold yellow")

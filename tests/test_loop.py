@@ -4,6 +4,7 @@ NaN guard's skip, no host reads inside a step, the optimizer groups and the sche
 from __future__ import annotations
 
 import math
+import os
 import signal
 from pathlib import Path
 
@@ -103,6 +104,30 @@ def test_a_failing_run_still_writes_its_history(tmp_path: Path, token_cache_dir:
     record = history(Path(cfg.logging.run_dir))
     assert record["run"]["status"] == "failed" and [r["step"] for r in record["steps"]] == [0, 1]
     assert (Path(cfg.logging.run_dir) / "training_history.png").is_file()
+
+
+def test_a_passed_over_checkpoint_is_said_by_the_rank_only_without_a_supervisor(
+        tmp_path: Path, token_cache_dir: Path, one_thread: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """--resume auto past a damaged latest checkpoint: by hand (or under torchrun) rank 0 says so; under a supervisor
+    (a progress channel) it does not, as the supervisor said it before starting the ranks."""
+    sections = {"training": {"max_steps": 4}, "checkpoint": {"interval": 2, "keep": 3}}
+    assert loop.train(tiny_config(tmp_path, token_cache_dir, **sections)) == 0
+    resumed = tiny_config(tmp_path, token_cache_dir, **{**sections, "checkpoint": {"interval": 2, "keep": 3,
+                                                                                   "resume": "auto"}})
+    state = checkpoint_layout.step_path(Path(resumed.checkpoint.dir), 4) / checkpoint.STATE_FILE
+    intact = state.read_bytes()
+    read, write = os.pipe()
+    try:
+        for progress, said in ((ProgressReporter(fd=write), 0), (ProgressReporter(fd=None), 1)):
+            state.write_bytes(intact[:len(intact) // 2])  # cut short; each resume writes step 4 whole again
+            capsys.readouterr()
+            assert loop.train(resumed, progress=progress) == 0
+            out = capsys.readouterr().out
+            assert out.count("the newest intact checkpoint") == said, out
+            assert f"resumed from {state.parent.with_name('step_000002')} at step 2" in out
+    finally:
+        os.close(read)
+        os.close(write)
 
 
 class SigtermAt(ProgressReporter):

@@ -184,6 +184,53 @@ def test_the_job_script_keeps_a_given_secret_and_requeues_after_the_time_limit_w
     assert recorded(tmp_path, "scontrol")[0] == ["requeue", "4242"]
 
 
+# srun for a step that gets the time-limit warning: Slurm's --signal=B:USR1 goes to the batch step's process alone
+# (the job script, srun's parent); the step's task (this stand-in, in the supervisor's place) exits 138 once the
+# warning reaches it
+WARNED_STEP = """\
+import os, signal, sys, time
+signal.signal(signal.SIGUSR1, lambda *_: sys.exit(138))
+open({task!r}, "w").write(str(os.getpid()))
+os.kill(os.getppid(), signal.SIGUSR1)
+time.sleep(30)
+sys.exit(1)
+"""
+# scontrol that records its calls as the other stand-ins do and, for listpids, lists the batch step's own process,
+# the step's task (local id 0) and a rank below it (no task id)
+LISTPIDS = """\
+import json, sys
+with open({log!r}, "a") as f:
+    print(json.dumps([sys.argv[1:], {{}}]), file=f)
+if sys.argv[1] == "listpids":
+    task = int(open({task!r}).read())
+    print("PID      JOBID    STEPID   LOCALID GLOBALID")
+    print("1        4242     batch    0       0")
+    print(f"{{task}}  4242     0        0       0")
+    print(f"{{task + 1}}  4242     0        -       -")
+"""
+
+
+def test_the_time_limit_warning_goes_to_the_supervisor_alone(tmp_path: Path) -> None:
+    """The job script gets SIGUSR1 (``#SBATCH --signal=B:USR1@120``) and passes it to its node's step task, the
+    supervisor, found by ``scontrol listpids``; no rank gets it (a rank would dump its stacks). The step then exits
+    138, and the job requeues."""
+    bin_dir, task = tmp_path / "bin", tmp_path / "task.pid"
+    path = fake_slurm_commands(bin_dir, 0)
+    (bin_dir / "srun").write_text(f"#!{sys.executable}\n" + WARNED_STEP.format(task=str(task)))
+    (bin_dir / "scontrol").write_text(f"#!{sys.executable}\n" + LISTPIDS.format(log=str(bin_dir / "scontrol.jsonl"),
+                                                                                 task=str(task)))
+    env = clean_env(PYTHON=sys.executable, SLURM_JOB_ID="4242", SLURMD_NODENAME="n1", **path)
+    out = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 138, out.stderr
+    assert out.stdout.splitlines()[0] == (f"time-limit warning: passing SIGUSR1 on to the supervisor on node n1 "
+                                          f"(pid {int(task.read_text())})")
+    assert [argv for argv, _ in calls(tmp_path, "scontrol")] == [["listpids", "4242", "n1"], ["requeue", "4242"]]
+
+
+def test_the_job_script_asks_slurm_for_its_warning_alone() -> None:
+    assert "#SBATCH --signal=B:USR1@120" in SCRIPT.read_text().splitlines()
+
+
 SHOW_JOB = "JobId=4242 JobName=pretrain JobState=RUNNING Restarts=0 Partition=gpu ExcNodeList={excluded} NumNodes=2"
 
 
@@ -317,8 +364,9 @@ def wait_for(path: Path, pattern: str, timeout: float = 180) -> None:
 
 
 def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: Path, token_cache_dir: Path) -> None:
-    """SIGUSR1 (`#SBATCH --signal=USR1@...`) to both node supervisors: every rank finishes its step, the group
-    checkpoints, both exit 138; the same command again (`--resume auto`, as the requeued job runs) continues there."""
+    """SIGUSR1 to both node supervisors (Slurm's `--signal=USR1@...` without `B:`): every rank finishes its step, the
+    group checkpoints, both exit 138; the same command again (`--resume auto`, as the requeued job runs) continues
+    there."""
     ckpt = tmp_path / "ckpt"
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "checkpoint": {"dir": str(ckpt)},
                           "training": {"max_steps": 60}, "logging": {"log_interval": 1}})

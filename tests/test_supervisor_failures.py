@@ -6,11 +6,12 @@ import re
 
 import pytest
 
-from rank_scripts.harness import clean_env, run, survivors
+from rank_scripts.harness import ROOT, clean_env, run, survivors
 
 FAKE = clean_env(SUPERVISOR_FAKE_GPUS="0,1,2,3")
 COMMON = ("--gpus", "0,1,2", "--grace-period", "5")
 CHILDREN = ("--children", "1", "--escaped-child")
+ANNOUNCER = ROOT / "tests" / "rank_scripts" / "announcer.py"
 
 
 @pytest.mark.parametrize("fault, code", [("raise", 1), ("exit", 3), ("sigkill", 137), ("segv", 139)])
@@ -84,3 +85,25 @@ def test_failing_rank_wins_over_the_ranks_it_brings_down(tmp_path):
     assert r.returncode == 3, r.stderr[-3000:]
     assert "CPU1 (rank 1) failed: exit 3" in r.stderr
     assert survivors(r.pids(), timeout=1.0) == []
+
+
+@pytest.mark.parametrize("failure", ["reported", "hard"])
+def test_the_rank_that_failed_first_is_blamed_not_the_first_to_exit(tmp_path, failure):
+    """Rank 1 fails first, rank 0's error is its fallout (tests/rank_scripts/announcer.py). `reported`: both say
+    ``failing``, rank 1 first, and rank 0 exits first; rank 1 is left to exit on its own (a SIGTERM would make it
+    143). `hard`: rank 1 exits without a word, and rank 0's report, written after rank 1's end, does not count (rank 0
+    exits once stopped). Either
+    way the headline, the exit code and the console's lines are rank 1's."""
+    r = run(tmp_path, "--nproc", "2", "--grace-period", "20", entry=ANNOUNCER, entry_args=(str(tmp_path), failure))
+    assert r.returncode == 7, r.stderr[-3000:]
+    report = r.stderr[r.stderr.index("supervisor: run failed"):]
+    assert "CPU1 (rank 1) failed: exit 7" in report
+    assert re.search(r"supervisor:\s+CPU1\s+1\s+\d+\s+exit 7\s+failed first", report), report
+    fallout = "failed after the first failure" if failure == "reported" else "stopped by the supervisor"
+    assert re.search(rf"supervisor:\s+CPU0\s+0\s+\d+\s+exit 1\s+{fallout}", report), report
+    assert "exit code 7; logs in" in report
+    first_error = "RuntimeError: the first error" if failure == "reported" else "the first error, unreported"
+    assert f"supervisor:   | {first_error}" in report
+    assert f"CPU1:{first_error}" in r.stderr
+    assert "Connection closed by peer" not in r.stderr  # rank 0's fallout: its log only
+    assert "Connection closed by peer" in (r.run_dir() / "cpu0.log").read_text()

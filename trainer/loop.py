@@ -210,8 +210,9 @@ class Trainer:
     def resume(self) -> None:
         passed_over: list[str] = []  # damaged checkpoints `--resume` passed over for the newest intact one
         path = checkpoint_layout.find_resume(self.cfg, passed_over) if self.ctx.is_main else None
-        for note in passed_over:
-            self.log.warning(note)
+        if not self.progress.supervised:  # a supervisor said so already, before any rank started
+            for note in passed_over:
+                self.log.warning(note)
         path = broadcast_object(path, self.ctx)  # one decision for every rank
         if path is None:
             if self.cfg.checkpoint.resume == "auto" and self.ctx.is_main:

@@ -48,6 +48,9 @@ class ProgressReporter:
         if fd is None and os.environ.get(PROGRESS_FD_ENV):
             fd = int(os.environ[PROGRESS_FD_ENV])
         self.fd = fd
+        # a supervisor reads this channel: what it checked and said before starting the ranks (a damaged checkpoint
+        # passed over, `supervisor.cli.make_plan`) is not said again by every group it starts
+        self.supervised = fd is not None
 
     def send(self, progress: Progress) -> None:
         if self.fd is None:

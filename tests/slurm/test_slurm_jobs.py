@@ -93,17 +93,25 @@ def test_both_nodes_train_to_the_end(cluster: Cluster, tmp_path: Path, token_cac
 
 def test_the_time_limit_warning_checkpoints_requeues_and_resumes(cluster: Cluster, tmp_path: Path,
                                                                  token_cache_dir: Path) -> None:
-    """``--time=3 --signal=USR1@90``: the warning comes while the ranks train (Slurm sends it up to a minute early, so
-    between 30 and 90 s into the job; each step is paced to at least 0.5 s, so the 160 steps cannot end first); every
-    rank checkpoints, both supervisors exit 138 and the job requeues itself. The test then gives the requeued job room
-    to finish (a longer time limit); its next allocation resumes from that checkpoint and trains to the end."""
+    """``--time=3 --signal=B:USR1@90``: the warning comes while the ranks train (Slurm sends it up to a minute early,
+    so between 30 and 90 s into the job; each step is paced to at least 0.5 s, so the 160 steps cannot end first); the
+    job script passes it to node 0's supervisor, which stops node 1's through the control channel; every rank
+    checkpoints, without a stack dump (no rank got the signal), both supervisors exit 138 and the job requeues itself.
+    The test then gives the requeued job room to finish (a longer time limit); its next allocation resumes from that
+    checkpoint and trains to the end."""
     job = submit(cluster, tmp_path, token_cache_dir, "--max-steps", "160", "--set", "debug.inject_fault=slow",
                  "--set", "debug.inject_fault_step=1", "--set", "debug.inject_fault_delay_s=0.5",
-                 options=("--time=3", "--signal=USR1@90"))
+                 options=("--time=3", "--signal=B:USR1@90"))
     cluster.wait(job, ("PENDING",), JOB_TIMEOUT, restarts=1)
     assert psutil.wait_procs(job_processes(job), timeout=60)[1] == []  # the first allocation is over
     first = job.text()
-    assert "SIGUSR1" in first and "requeueing job" in first, first[-4000:]
+    assert "time-limit warning: passing SIGUSR1 on to the supervisor on node n1 (pid " in first, first[-4000:]
+    assert "supervisor: SIGUSR1: stopping every rank" in first and "requeueing job" in first, first[-4000:]
+    assert "node 0: its supervisor stopped with SIGUSR1 (138); stopping this node's ranks" in first, first[-4000:]
+    rank_logs = list((tmp_path / "logs").glob("*/cpu*.log"))
+    assert len(rank_logs) == 2  # the first allocation's two ranks
+    for log in rank_logs:  # faulthandler's header: a rank that got SIGUSR1 would have dumped its stacks here
+        assert "most recent call first" not in log.read_text(), log
     saves = re.findall(r"checkpoint saved: \S+/(step_\d+)", first)
     assert saves, f"the warning came before the first checkpoint:\n{first[-4000:]}"
     saved = saves[-1]
