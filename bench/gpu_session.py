@@ -1,7 +1,9 @@
-"""The GPU checks in three commands of under 10 minutes each, for a GPU machine that gets a copy of the working tree
-(no network there) and hands back what the commands write under `$OUT`.
+"""The GPU checks in three commands, for a GPU machine that gets a copy of the working tree (no network, no git
+checkout there), allows 10 minutes a command and 30 minutes in all, and hands back what the commands write under
+`$OUT`.
 
-Here, in the checkout whose copy the GPU machine gets (pip's network and the textbook loop are here, not there):
+Here, in the checkout whose copy the GPU machine gets, with the project's Python (pip's network and the textbook loop
+are here, not there):
 
     python bench/gpu_session.py prepare [--anchor PATH]   # .whl/: the wheels the GPU image lacks; .anchors/: the
                                                           # textbook loop; both git-ignored; prints the three calls
@@ -14,14 +16,15 @@ There, one call per step, each `bash bench/gpu_session.sh STEP` with `.whl` and 
     presets    `1b`, then `small`, as shipped through the supervisor, each against the textbook loop compiled
                (bench_gpu.py's training section, `--runs shipped`), the ranks' consoles (their MFU lines) kept
     ablation   the memory-estimate test (the dry run's estimate against the measured peak), then the 1.1B ablation
-               rows (eager layers, the full logits, chunked against liger's loss), liger-kernel installed
+               rows (eager layers, the full logits, chunked against liger's loss), liger-kernel installed for them
 
-A step installs the wheels into /tmp/site (liger-kernel, for the ablation step only, into a folder of its own: with
-it `training.loss=auto` is liger, which `pip install .` does not give), runs its parts, one stage after another, the
-parts of a stage side by side, with a deadline inside the command's 10 minutes (a part still running then gets
-SIGINT, then SIGKILL; what it wrote stays), and writes `$OUT/<step>.md`, which it prints last: the GPU, the versions,
-each part's exit status and time, and the end of each part's output. Each part's whole output is `$OUT/<step>-<part>
-.txt`; bench_gpu.py's tables are its pieces in `$OUT` (`python bench/run_all.py gpu --collect DIR` makes the page).
+A step installs the wheels into /tmp/site (liger-kernel into a folder of its own, on the path of the parts that ask
+for it only: with it `training.loss=auto` is liger's kernel, which the dry run's estimate does not model), runs its
+parts, one stage after another, the parts of a stage side by side, until its deadline (a part still running then gets
+SIGINT, then SIGKILL; what it wrote stays), and writes `$OUT/<step>.md`, again after every stage, which it prints
+last: the GPU, the versions, each part's command, exit status and time, and the end of each part's output. Each part's
+whole output is `$OUT/<step>-<part>.txt`; bench_gpu.py's tables are its pieces in `$OUT` (`python bench/run_all.py
+gpu --collect DIR` makes the page).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -47,12 +51,15 @@ PROJECT_WHEELS = ("datasets", "dill", "multiprocess", "python-hostlist")  # the 
 BUILT_HERE = ("python-hostlist",)  # no wheel on PyPI: built from its (pure Python) sdist
 LIGER = "liger-kernel==0.8.5"
 LIGER_PREFIX = "liger_kernel-"
-PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"] + [
+GPU_PYTHON = "3.12"  # the GPU image's Python
+PLATFORM = ["--python-version", GPU_PYTHON, "--implementation", "cp", "--only-binary=:all:"] + [
     arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-    for arg in ("--platform", tag)]  # the GPU image's Python
-SITE, LIGER_SITE = Path("/tmp/site"), Path("/tmp/site-liger")
+    for arg in ("--platform", tag)]
+SITES = Path("/tmp")  # the wheels go to SITES/site, liger-kernel to SITES/site-liger
 CALL_LIMIT_S = 600  # one command on the GPU machine
-BUDGET_S = 560.0  # a step's parts end by then, its set-up and summary included in the rest
+# A step's parts end by then. Three steps of about 8 minutes, their set-up and summaries, and a start of the machine
+# (a minute or two; another if it is given back between two calls) fit the machine's 30 minutes: 600 s each would not.
+BUDGET_S = 450.0
 GRACE_S = 15.0  # after SIGINT, before SIGKILL: pytest prints its summary, the supervisor stops its ranks
 TAIL_LINES = 14
 VERSIONS = ("torch", "triton", "transformers", "tokenizers", "datasets", "pyarrow", "fsspec", "liger-kernel")
@@ -62,13 +69,17 @@ VERSIONS = ("torch", "triton", "transformers", "tokenizers", "datasets", "pyarro
 class Part:
     name: str
     argv: tuple[str, ...]  # run in the checkout; "{python}" and "{out}" are filled in
+    liger: bool = False  # liger-kernel importable (it changes what `training.loss=auto` runs)
 
 
 @dataclass(frozen=True)
 class Step:
     name: str
     stages: tuple[tuple[Part, ...], ...]  # one after another; a stage's parts side by side
-    liger: bool = False
+
+    @property
+    def liger(self) -> bool:
+        return any(part.liger for stage in self.stages for part in stage)
 
 
 MEMORY_TEST = "tests/gpu/test_memory_estimate.py"
@@ -78,17 +89,18 @@ def tests(name: str, *args: str) -> Part:
     return Part(name, ("bash", "run_tests.sh", "-q", f"--basetemp=/tmp/gpu-session-{name}", *args))
 
 
-def bench(name: str, *args: str) -> Part:
-    return Part(name, ("{python}", "bench/bench_gpu.py", *args, "--out", "{out}"))
+def bench(name: str, *args: str, liger: bool = False) -> Part:
+    return Part(name, ("{python}", "bench/bench_gpu.py", *args, "--out", "{out}"), liger)
 
 
 STEPS = {step.name: step for step in (
     Step("tests", ((tests("default"), tests("gpu", "-m", "gpu", f"--ignore={MEMORY_TEST}")),)),
     Step("presets", tuple((bench(shape, "--sections", "training", "--shapes", shape, "--runs", "shipped",
                                  "--anchor", f"{ANCHORS}/{ANCHOR}"),) for shape in ("1.1B", "125M"))),
+    # The memory test without liger-kernel: the dry run's estimate models the chunked loss, what `auto` is without it.
     Step("ablation", ((tests("memory", "-m", "gpu", MEMORY_TEST),),
                       (bench("1.1B", "--sections", "ablation", "--shapes", "1.1B",
-                             "--ablations", "eager,full_loss,chunked_loss"),)), liger=True),
+                             "--ablations", "eager,full_loss,chunked_loss", liger=True),))),
 )}
 
 
@@ -120,7 +132,11 @@ def prepare(anchor: Path) -> None:
     the calls carry."""
     if not anchor.is_file():
         raise SystemExit(f"error: the textbook loop {anchor} does not exist; give its path with --anchor PATH")
-    pinned = {name: f"{name}=={metadata.version(name)}" for name in PROJECT_WHEELS}
+    try:
+        pinned = {name: f"{name}=={metadata.version(name)}" for name in PROJECT_WHEELS}
+    except metadata.PackageNotFoundError as e:
+        raise SystemExit(f"error: {sys.executable} lacks {e.name}, whose version the GPU machine gets: run prepare "
+                         f"with the project's Python (.venv/bin/python once `bash run_tests.sh` has made it)") from None
     wheels = ROOT / WHEELS
     shutil.rmtree(wheels, ignore_errors=True)  # one version of each: two would stop the install there
     pip = [sys.executable, "-m", "pip", "-q"]
@@ -149,6 +165,7 @@ def print_calls() -> None:
 @dataclass(eq=False)
 class Outcome:
     part: Part
+    argv: list[str]  # as run: the interpreter and the results folder filled in
     log: Path
     code: int | None = None  # None: still running at the deadline, interrupted
     seconds: float = 0.0
@@ -167,32 +184,41 @@ def missing_inputs(root: Path, step: Step) -> str | None:
     return None
 
 
-def install(step: Step) -> dict[str, str]:
-    """The wheels into the step's site folders; the environment its parts run in."""
-    wheels = sorted((ROOT / WHEELS).glob("*.whl"))
-    chosen = [(SITE, [w for w in wheels if not w.name.startswith(LIGER_PREFIX)])]
-    if step.liger:
-        chosen.append((LIGER_SITE, [w for w in wheels if w.name.startswith(LIGER_PREFIX)]))
-    for target, group in chosen:
+def site(sites: Path, liger: bool) -> Path:
+    return sites / ("site-liger" if liger else "site")
+
+
+def install(step: Step, root: Path, sites: Path) -> None:
+    """The carried wheels into `sites`: liger-kernel's into a folder of its own, where a part of the step asks for
+    it. This process sees them all (for the versions in the summary)."""
+    wheels = sorted((root / WHEELS).glob("*.whl"))
+    for liger in sorted({False, step.liger}):
+        target = site(sites, liger)
+        group = [w for w in wheels if w.name.startswith(LIGER_PREFIX) == liger]
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, group)], check=True)
-    sites = [str(target) for target, _ in chosen]
-    sys.path[:0] = sites  # for the versions in the summary
-    path = os.pathsep.join(filter(None, [*sites, str(ROOT), os.environ.get("PYTHONPATH")]))
+        sys.path.insert(0, str(target))
+
+
+def part_env(part: Part, root: Path, sites: Path) -> dict[str, str]:
+    """The environment a part runs in: the wheels and the checkout on its path (liger-kernel only if it asks), this
+    interpreter as PYTHON for the shell scripts it starts."""
+    folders = [site(sites, False), *([site(sites, True)] if part.liger else []), root]
+    path = os.pathsep.join(filter(None, [*map(str, folders), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
 
 
-def run_stage(step: str, parts: tuple[Part, ...], out: Path, env: dict[str, str], deadline: float,
-              grace: float = GRACE_S) -> list[Outcome]:
-    """The parts side by side, each in a process group of its own writing `out/<step>-<part>.txt`; whatever still
-    runs at `deadline` (time.monotonic) gets SIGINT, and SIGKILL `grace` seconds later."""
+def run_stage(step: str, parts: tuple[Part, ...], out: Path, env: Callable[[Part], dict[str, str]],
+              deadline: float, grace: float = GRACE_S, root: Path = ROOT) -> list[Outcome]:
+    """The parts side by side in `root`, each in a process group of its own writing `out/<step>-<part>.txt`; whatever
+    still runs at `deadline` (time.monotonic) gets SIGINT, and SIGKILL `grace` seconds later."""
     started = time.monotonic()
     running: dict[Outcome, subprocess.Popen[bytes]] = {}
     for part in parts:
-        outcome = Outcome(part, out / f"{step}-{part.name}.txt")
         argv = [sys.executable if a == "{python}" else a.replace("{out}", str(out)) for a in part.argv]
+        outcome = Outcome(part, argv, out / f"{step}-{part.name}.txt")
         with outcome.log.open("wb") as sink:
-            running[outcome] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+            running[outcome] = subprocess.Popen(argv, cwd=root, env=env(part), stdout=sink, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True)
     while time.monotonic() < deadline:
         for outcome, proc in running.items():
@@ -238,7 +264,7 @@ def summary(step: str, outcomes: list[Outcome], head: list[str]) -> str:
     lines = [f"# bench/gpu_session.sh {step}", "", *head, "", "| part | command | exit | seconds |", "|---|---|---|---|"]
     for o in outcomes:
         status = "interrupted at the deadline" if o.code is None else str(o.code)
-        lines.append(f"| {o.part.name} | `{' '.join(o.part.argv)}` | {status} | {o.seconds:.0f} |")
+        lines.append(f"| {o.part.name} | `{' '.join(o.argv)}` | {status} | {o.seconds:.0f} |")
     for o in outcomes:
         text = o.log.read_text(errors="replace").splitlines()
         failed = [line for line in text if line.startswith(("FAILED ", "ERROR "))]
@@ -248,23 +274,37 @@ def summary(step: str, outcomes: list[Outcome], head: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_step(step: Step, out: Path, budget: float) -> int:
+def run_step(step: Step, out: Path, budget: float, root: Path = ROOT, sites: Path = SITES) -> int:
+    """The step's stages in `root` until `budget` seconds after its start. `out/<step>.md` is written at the start and
+    after every stage, so a command stopped from outside still leaves the stages it finished."""
     started = time.monotonic()
-    if (why := missing_inputs(ROOT, step)) is not None:
+    if (why := missing_inputs(root, step)) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
+    try:
+        install(step, root, sites)
+    except subprocess.CalledProcessError as e:
+        print(f"error: pip could not install the wheels in {WHEELS}/ (exit {e.returncode}, above): carry the folder "
+              f"that `python bench/gpu_session.py prepare` wrote for Python {GPU_PYTHON}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
-    env = install(step)
     head = [f"GPU: {gpu_line()}", f"Python {sys.version.split()[0]}: {versions()}",
             f"deadline: {budget:.0f} s after the start"]
     outcomes: list[Outcome] = []
+
+    def report() -> str:
+        text = summary(step.name, outcomes, head)
+        (out / f"{step.name}.md").write_text(text)
+        return text
+
+    text = report()
     for stage in step.stages:
-        if time.monotonic() >= started + budget:
+        if time.monotonic() < started + budget:
+            outcomes += run_stage(step.name, stage, out, lambda part: part_env(part, root, sites), started + budget,
+                                  root=root)
+        else:
             head.append(f"not started (no time left): {', '.join(p.name for p in stage)}")
-            continue
-        outcomes += run_stage(step.name, stage, out, env, started + budget)
-    text = summary(step.name, outcomes, head)
-    (out / f"{step.name}.md").write_text(text)
+        text = report()
     print(text, flush=True)
     return 0 if all(o.code == 0 for o in outcomes) else 1
 

@@ -11,8 +11,9 @@ import pytest
 import gpu_visibility
 
 # The shared fixtures, for every test module: the tiny token cache and one-thread torch (rank_support), and the
-# reaping of supervisors a failing test left behind (rank_scripts/harness.py).
-pytest_plugins = ["rank_support", "rank_scripts.harness"]
+# reaping of supervisors a failing test left behind (rank_scripts/harness.py). The harness first: rank_support imports
+# it, and pytest rewrites the asserts of a plugin only if it is the first to import it.
+pytest_plugins = ["rank_scripts.harness", "rank_support"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import psutil
 import pytest
 
+from rank_scripts.harness import project_pythonpath
 from trainer.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +151,7 @@ def base_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "GPU_RANK", "SUPERVISOR_PROGRESS_FD")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=project_pythonpath(), **extra)
     return env
 
 

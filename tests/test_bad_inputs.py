@@ -26,7 +26,7 @@ import pytest
 
 from process_tree import watching
 from supervisor import cli
-from rank_scripts.harness import ROOT, clean_env
+from rank_scripts.harness import ROOT, clean_env, project_pythonpath
 from small_disk import FILLER, fill, small_disk
 from trainer.checkpoint_layout import STEP_PREFIX, TMP_PREFIX
 from trainer.data.cache_folder import list_caches
@@ -110,7 +110,7 @@ CASES = {
         "run_training.sh", ("--debug", "--set", "logging.wandb=true"),
         "logging.wandb is on but the wandb package is not installed: pip install -e '.[wandb]'",
         files={"no_wandb/sitecustomize.py": "import sys\nsys.modules['wandb'] = None  # as if not installed\n"},
-        env={"PYTHONPATH": "no_wandb"}),
+        env={"PYTHONPATH": project_pythonpath("no_wandb")}),
     "PYTHON that does not exist": BadInput(
         "run_training.sh", ("--debug",), "PYTHON=no-such-python: not a command on PATH",
         env={"PYTHON": "no-such-python"}),

@@ -47,7 +47,8 @@ def test_active_virtualenv_is_used_as_is(tmp_path: Path) -> None:
 
 def test_python_without_the_dependencies_is_refused_before_anything_starts(tmp_path: Path) -> None:
     bare = tmp_path / "bare-python"
-    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")  # no site-packages: the standard library only
+    # the standard library only: no site-packages (-S), nor what PYTHONPATH adds (-E: a GPU machine's carried wheels)
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S -E \"$@\"\n")
     bare.chmod(0o755)
     out = run_bootstrap({"PYTHON": str(bare)})
     assert out.returncode == 2 and out.stdout == ""

@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 
+from rank_scripts.harness import project_pythonpath
 from trainer.config import DebugConfig
 from trainer.diagnosis.faults import FaultInjector
 from trainer.errors import UserError
@@ -38,7 +39,7 @@ for step in range(4):
 def start_rank(kind: str, rank: int = 1) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", RANK_SCRIPT.format(kind=kind, rank=rank)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env={**os.environ, "PYTHONPATH": project_pythonpath()})
 
 
 def kill_tree(proc: subprocess.Popen[str]) -> None:
@@ -213,7 +214,7 @@ def test_fault_inside_a_checkpoint_leaves_it_unpublished(ranks: list[subprocess.
 
     proc = subprocess.Popen([sys.executable, "-c", SAVE_SCRIPT.format(tests=str(ROOT / "tests"), folder=str(tmp_path))],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "PYTHONPATH": project_pythonpath(), "OMP_NUM_THREADS": "1"})
     ranks.append(proc)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, err

@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from rank_scripts.harness import project_pythonpath  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.diagnosis.faults import FaultInjector, poison  # noqa: E402
 from trainer.diagnosis.host_sync import HostSyncCounter  # noqa: E402
@@ -322,7 +323,7 @@ def worker(rank: int, world_size: int, store: str, out: Path) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     """Both ranks as real processes; none may hang (rank 0 must get past the step rank 1 went NaN in)."""
     out = tmp_path_factory.mktemp("two_ranks")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": project_pythonpath()}
     procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(out / "store"), str(out)], cwd=out,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]

@@ -17,7 +17,6 @@ import pytest
 from rank_support import (
     MAIN,
     PYTHON,
-    ROOT,
     TINY,
     base_env,
     free_port,
@@ -183,7 +182,8 @@ def test_plain_torchrun_with_two_ranks_sharded(tmp_path: Path) -> None:
     layer = merged(TINY, {"data": {"cache_dir": str(tmp_path / "cache")}, "model": {"num_layers": 2},
                           "training": {"max_steps": 3, "strategy": "fsdp", "grad_accum_nums": 2},
                           "checkpoint": {"save_final": True}})
-    proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "torchrun"), "--nproc-per-node", "2", MAIN, "--debug",
+    torchrun = Path(PYTHON).with_name("torchrun")  # this interpreter's: the project's .venv is not everywhere
+    proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", MAIN, "--debug",
                              *set_flags(layer)], cwd=tmp_path, env=base_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     with kill_on_exit(proc):

@@ -11,6 +11,7 @@ lines and they are checked in its output.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import os
 import re
@@ -46,10 +47,38 @@ def readme_commands() -> list[str]:
     return commands
 
 
+def project_files() -> list[str]:
+    """The checkout's files as git lists them: tracked, and untracked but not ignored. A copy of the files that is no
+    git work tree (what a GPU machine gets) is walked instead, leaving out what `.gitignore` names."""
+    if (ROOT / ".git").exists() and shutil.which("git"):
+        return subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.split()
+    rules = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+
+    def ignored(relative: str) -> bool:
+        """As git decides for these rules: a rule with an inner slash matches from the root (a folder's match covers
+        what is under it), one without matches a name at any depth; the last matching rule wins."""
+        parts = relative.split("/")
+        verdict = False
+        for rule in rules:
+            pattern = rule.removeprefix("!").strip("/")
+            names = ["/".join(parts[:i + 1]) for i in range(len(parts))] if "/" in pattern else parts
+            if any(fnmatch.fnmatchcase(name, pattern) for name in names):
+                verdict = not rule.startswith("!")
+        return verdict
+
+    found = []
+    for folder, dirs, names in os.walk(ROOT):
+        here = Path(folder).relative_to(ROOT).as_posix()
+        prefix = "" if here == "." else f"{here}/"
+        dirs[:] = [d for d in dirs if not ignored(prefix + d)]
+        found += [prefix + n for n in names if not ignored(prefix + n)]
+    return found
+
+
 def copy_project(dest: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split()
-    for name in files:
+    for name in project_files():
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, dest / name)

@@ -28,11 +28,18 @@ CONTROL_SECRET = "a-test-secret-of-the-control-channel"  # what two node supervi
 _started: list["Run"] = []
 
 
+def project_pythonpath(*first: str) -> str:
+    """PYTHONPATH for a process a test starts: `first`, the checkout, then this environment's own entries. Those stay:
+    where the dependencies are installed outside the interpreter (wheels unpacked into a folder on PYTHONPATH, as on a
+    GPU machine that gets them carried), a process without them could not import them."""
+    return os.pathsep.join(filter(None, [*first, str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without the seams and rank variables a test must set itself. The machine's GPUs stay hidden
     (CPU ranks, as on CI) unless `extra` pretends some (SUPERVISOR_FAKE_GPUS) or names CUDA_VISIBLE_DEVICES."""
     env = {k: v for k, v in os.environ.items() if k not in SEAM_KEYS}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = project_pythonpath()
     env.update(extra)
     if "SUPERVISOR_FAKE_GPUS" not in env:
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
