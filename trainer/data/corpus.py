@@ -36,7 +36,7 @@ from trainer.errors import UserError
 STDLIB_SOURCE = "stdlib"
 # File suffix → the reader: "text" and "jsonl" here (a .txt as data.sample_by says), the others `datasets`' builders.
 BUILDERS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
-FIELDS_NAMED = 12  # fields listed when a row lacks data.text_field
+FIELDS_NAMED = 12  # fields listed when rows lack data.text_field
 SUPPORTED = ", ".join(BUILDERS)
 READ_BATCH_ROWS = 1024  # rows per `datasets` batch: big enough to keep Python per-row work out of the profile
 HUB_TIMEOUT_S = 10.0
@@ -198,17 +198,9 @@ def jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
                 raise UserError(f"{where} holds a JSON {type(row).__name__}, not an object; each line of a .jsonl "
                                 f"file must be one JSON object with a '{text_field}' field")
             if text_field not in row:
-                fields = ", ".join(list(row)[:FIELDS_NAMED]) + (", ..." if len(row) > FIELDS_NAMED else "")
-                raise UserError(f"{where} has no field '{text_field}' (fields: {fields or 'none'}); set "
-                                f"data.text_field to the one that holds the text")
-            value = row[text_field]
-            if value is None:
-                continue
-            if not isinstance(value, str):
-                raise UserError(f"{where}: field '{text_field}' holds a {type(value).__name__}, not text; set "
-                                f"data.text_field to a text field")
-            if value:
-                yield value
+                raise no_field(text_field, row, where)
+            if text := text_of(row[text_field], text_field, where):
+                yield text
 
 
 def runs_by_builder(files: list[Path]) -> Iterator[tuple[str, list[Path]]]:
@@ -292,16 +284,25 @@ def texts(dataset: Any, text_field: str, origin: str) -> Iterator[str]:
     """The non-empty `text_field` values of a `datasets` (Iterable)Dataset, read in column batches."""
     for batch in dataset.iter(batch_size=READ_BATCH_ROWS):
         if text_field not in batch:
-            raise UserError(f"{origin} has no field '{text_field}' (fields: {', '.join(batch) or 'none'}); "
-                            f"set data.text_field to the one that holds the text")
+            raise no_field(text_field, batch, origin)
         for value in batch[text_field]:
-            if value is None:
-                continue
-            if not isinstance(value, str):
-                raise UserError(f"{origin}: field '{text_field}' holds {type(value).__name__} values, not text; "
-                                f"set data.text_field to a text column")
-            if value:
-                yield value
+            if text := text_of(value, text_field, origin):
+                yield text
+
+
+def no_field(text_field: str, fields: Iterable[str], where: str) -> UserError:
+    names = list(fields)
+    listed = ", ".join(names[:FIELDS_NAMED]) + (", ..." if len(names) > FIELDS_NAMED else "")
+    return UserError(f"{where} has no field '{text_field}' (fields: {listed or 'none'}); set data.text_field to the "
+                     f"one that holds the text")
+
+
+def text_of(value: object, text_field: str, where: str) -> str | None:
+    """A row's text; None (no document) for a null or empty value. Any other type means the field is not the text."""
+    if value is None or isinstance(value, str):
+        return value or None
+    raise UserError(f"{where}: field '{text_field}' holds a {type(value).__name__}, not text; set data.text_field to "
+                    f"a text field")
 
 
 def first_line(error: BaseException) -> str:
