@@ -387,6 +387,8 @@ class Watch:
     # -- progress and hangs ----------------------------------------------------------------------------------------
 
     def on_progress(self, w: Worker) -> None:
+        if w.progress_fd < 0:  # read to its end and closed earlier in this batch of events (a failure's drain)
+            return
         try:
             data = os.read(w.progress_fd, 65536)
         except (BlockingIOError, InterruptedError):
