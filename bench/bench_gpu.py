@@ -16,7 +16,7 @@ the cache build against the cores it gets, and the supervisor's log pump where c
    `bench/textbook_loop.py` (`plain loop`). A rank row's ratio is over the loop that compiles as it does (a shipped
    row compiles: `auto` on CUDA), and a loop runs only for the rank rows chosen. A shipped row is compared only
    where the preset's model, context, batch and accumulation are the shape's, as `small` and `1b` are
-   (tests/test_bench_gpu.py checks it); elsewhere its cell names the fields that differ. MFU = tokens/s × FLOPs per token (`trainer.sizes.flops_per_token`:
+   (tests/test_bench_gpu.py checks it); elsewhere its cell names the fields that differ. MFU = tokens/s × FLOPs per token (`trainer.config.sizes.flops_per_token`:
    6·N_non-embedding + 12·L·H·T) / the GPU's bf16 peak (`trainer.metrics.peak_flops`); the anchor script's rows show
    the MFU it prints (the same formula at 989 TFLOP/s) and its peak `max_memory_allocated`.
 2. Ablation, one table per shape: what each GPU default buys, and the alternatives tried. The shape's preset as

@@ -180,7 +180,7 @@ def interleaved(config_path: str, blocks: int, block_steps: int) -> None:
     same machine at the same moments."""
     import torch.distributed as dist
 
-    from trainer.distributed import StopVote, init_distributed, teardown
+    from trainer.model.distributed import StopVote, init_distributed, teardown
     from trainer.loop import StopRequest, Trainer
     from trainer.metrics import EtaClock, Throughput
     from trainer.progress import ProgressReporter

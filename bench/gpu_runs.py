@@ -22,11 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.choices import compile_enabled  # noqa: E402
+from trainer.config.choices import compile_enabled  # noqa: E402
 from trainer.config import Config  # noqa: E402
 from trainer.metrics import HISTORY_JSON, peak_flops  # noqa: E402
-from trainer.resolve import add_config_arguments, resolve  # noqa: E402
-from trainer.sizes import flops_per_token, model_vocab_size, parameter_count  # noqa: E402
+from trainer.config.resolve import add_config_arguments, resolve  # noqa: E402
+from trainer.config.sizes import flops_per_token, model_vocab_size, parameter_count  # noqa: E402
 from textbook_loop import parse_anchor_line  # noqa: E402  (beside this file)
 
 GIB = 2**30
@@ -116,7 +116,7 @@ class RankRun:
         return f"rank {self.kind}"
 
 
-EAGER = ("system.compile=false",)  # `auto` compiles on CUDA (trainer/choices.py): an eager row has to say so
+EAGER = ("system.compile=false",)  # `auto` compiles on CUDA (trainer/config/choices.py): an eager row has to say so
 COMPILED = ("system.compile=true",)
 RANK_RUNS = [
     RankRun("eager", "125M", "small", EAGER),

@@ -23,20 +23,20 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 
-from supervisor import gpus, slurm
+from supervisor import gpus
 from supervisor.diagnosis import preflight
 from supervisor.console import Console
-from supervisor.control_wire import read_secret
+from supervisor.control.wire import read_secret
 from supervisor.launcher import Launcher, run_folder_writes
+from supervisor.slurm import layout as slurm_layout
 from supervisor.exclusion import default_min_gpus
-from supervisor.launcher import Launcher
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
-from trainer.checkpoint_layout import check_checkpoint_dir, earlier_run, find_resume
-from trainer.choices import cpu_refusal
+from trainer.checkpoint.layout import check_checkpoint_dir, earlier_run, find_resume
+from trainer.config.choices import cpu_refusal
 from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
-from trainer.resolve import add_config_arguments, handle_inspection_flags
+from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2
@@ -226,7 +226,7 @@ def create_run_dir(root: Path, preset: str) -> Path:
 
 def node_layout(args: argparse.Namespace, notes: list[str]) -> None:
     """--nnodes and friends: as given, else from a multi-node Slurm job, else a single node."""
-    if note := slurm.apply(args, os.environ):
+    if note := slurm_layout.apply(args, os.environ):
         notes.append(note)
     args.nnodes = 1 if args.nnodes is None else args.nnodes
     args.node_rank = 0 if args.node_rank is None else args.node_rank
@@ -268,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg is None:
             return 0
         if args.dry_run:
-            from trainer.estimate import dry_run_report  # imports torch: only for this flag
+            from trainer.model.estimate import dry_run_report  # imports torch: only for this flag
 
-            print(dry_run_report(cfg, args.nproc), flush=True)
+            print(dry_run_report(cfg, gpus.detected(), args.nproc), flush=True)
             return 0
         plan = make_plan(args, cfg, entry_args, notes)
         console = Console(footer=plan.footer)

@@ -4,7 +4,7 @@ After a GPU fault (`supervisor.diagnosis.gpu_fault`), a restart (``--max-restart
 starts on the others, unless ``--no-gpu-exclusion``. It keeps the global batch (micro-batch × accumulation × world
 size) by raising the accumulation where the numbers divide; where they do not, it takes the largest accumulation that
 does not exceed the global batch and says so in one line. The ranks then resume the run's latest checkpoint whatever
-the world size (`trainer.checkpoint`), and since a step's samples depend only on the step and the global batch
+the world size (`trainer.checkpoint.store`), and since a step's samples depend only on the step and the global batch
 (`trainer.data.batches`), the training continues as it would have without the fault.
 
 Fewer GPUs than the minimum (``--min-gpus``, default half the run's GPUs, rounded up) is not worth going on with: the
@@ -12,7 +12,7 @@ run stops, saying why. Every exclusion is kept in ``<run>/exclusions.json`` (`Ex
 
 A run that ends on a GPU fault (no restart left, exclusion off, too few GPUs left, or a multi-node run, which never
 restarts) leaves ``<run>/gpu_fault.json`` (`NodeFault`): which node's GPUs failed, so that a job script can leave the
-node out of the job's next allocation (`supervisor.slurm_job`).
+node out of the job's next allocation (`supervisor.slurm.job`).
 """
 
 from __future__ import annotations

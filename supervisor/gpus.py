@@ -20,6 +20,7 @@ import subprocess
 from dataclasses import dataclass
 
 from trainer.errors import UserError
+from trainer.model.estimate import DetectedGpus
 
 FAKE_GPUS_ENV = "SUPERVISOR_FAKE_GPUS"
 MIB = 1 << 20
@@ -243,3 +244,16 @@ def select(inventory: Inventory, gpus_flag: str | None, nproc: int | None) -> li
         raise UserError(f"--gpus {gpus_flag} names {len(ids)} GPU{'s' if len(ids) != 1 else ''} but --nproc is "
                         f"{nproc}; give one or the other")
     return [by_index[i] for i in ids]
+
+
+def detected() -> DetectedGpus:
+    """The GPUs this process may use, for `--dry-run`: the discovery above (`CUDA_VISIBLE_DEVICES` honoured, so an
+    empty one means no GPU), else torch's view where neither NVML nor nvidia-smi is installed."""
+    inventory = discover()
+    if inventory.usable:
+        return DetectedGpus(len(inventory.usable), min(g.memory_total for g in inventory.usable), inventory.usable[0].name)
+    if inventory.gpus:  # there are GPUs, all hidden by CUDA_VISIBLE_DEVICES
+        return DetectedGpus()
+    from trainer.model.estimate import torch_gpus
+
+    return torch_gpus()

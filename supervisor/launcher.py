@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor import exclusion
 from supervisor.console import Console
-from supervisor.control_wire import read_secret
+from supervisor.control.wire import read_secret
 from supervisor.diagnosis import gpu_fault, preflight
 from supervisor.diagnosis.culprit import make_pipe, recorder_pipe
 from supervisor.exclusion import Exclusion
@@ -49,7 +49,7 @@ from supervisor.report import failure_report, success_report
 from supervisor.signals import SignalInbox
 from supervisor.watch import GroupResult, Watch
 from supervisor.worker import Worker, become_subreaper, die_with_parent
-from trainer.checkpoint_layout import META_FILE, check_resume, list_checkpoints
+from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints
 from trainer.config import PROJECT_ROOT, Config
 from trainer.data.prepare_cli import interrupt_once
 from trainer.errors import UserError
@@ -151,7 +151,7 @@ class Launcher:
 
     def prepare(self) -> int | None:
         """Find (or build) the token cache once, before any rank starts, so ranks never race to build it; then, with
-        its key known, refuse a --resume checkpoint that does not fit this run (checkpoint_layout.check_resume).
+        its key known, refuse a --resume checkpoint that does not fit this run (trainer.checkpoint.layout.check_resume).
         Returns the exit code of a build that failed (it has said why), None when the data is ready."""
         if not (self.plan.prepare and self.plan.trainer_entry):
             return None

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.control_wire import SECRET_ENV
+from supervisor.control.wire import SECRET_ENV
 from supervisor.diagnosis.culprit import recorder_pipe
 from supervisor.diagnosis.preflight import Health
 from supervisor.rendezvous import loopback_interface

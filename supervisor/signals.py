@@ -4,7 +4,7 @@
 arrives; the Python handlers do nothing. SIGCHLD is how the loop learns that a rank exited (no polling); SIGINT,
 SIGTERM, SIGHUP and SIGUSR1 are the stop requests (SIGINT no longer raises KeyboardInterrupt once installed). SIGUSR1 is
 Slurm's warning before the time limit (``#SBATCH --signal=B:USR1@120``, which the job script passes on to a supervisor
-alone: a rank answers SIGUSR1 with a stack dump, `supervisor.slurm_job`): the same graceful stop, every rank
+alone: a rank answers SIGUSR1 with a stack dump, `supervisor.slurm.job`): the same graceful stop, every rank
 checkpoints, and the supervisor exits 138 (128 + 10) so the job script can requeue a run that ``--resume auto``
 continues.
 """

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
-from supervisor.control_wire import LOST_CODE
+from supervisor.control.wire import LOST_CODE
 from supervisor.diagnosis import culprit, oom, stragglers
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream

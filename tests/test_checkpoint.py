@@ -15,14 +15,15 @@ import pytest
 import torch
 
 from rank_support import PYTHON, ROOT, base_env, kill_on_exit, tiny_config
-from trainer import checkpoint, checkpoint_layout, durable
-from trainer.checkpoint import CheckpointMeta, TrainState
+from trainer.checkpoint import layout, store
+from trainer import durable
+from trainer.checkpoint.store import CheckpointMeta, TrainState
 from trainer.config import Config
-from trainer.distributed import DistContext, init_distributed, teardown
+from trainer.model.distributed import DistContext, init_distributed, teardown
 from trainer.errors import UserError
-from trainer.loss import full_loss
-from trainer.model import build_model, shape_signature
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.model.loss import full_loss
+from trainer.model.build import build_model, shape_signature
+from trainer.model.optim import build_optimizer, build_scheduler
 
 CPU = torch.device("cpu")
 KEY = "0123456789abcdef0123456789abcdef"
@@ -73,12 +74,12 @@ def test_round_trip_is_exact(tmp_path: Path, ctx: DistContext, name: str) -> Non
     state = make_state(cfg)
     for seed in range(3):
         train_once(state, seed)
-    path = checkpoint.save(tmp_path / "ckpt" / name, state, make_meta(state, 3), ctx)
+    path = store.save(tmp_path / "ckpt" / name, state, make_meta(state, 3), ctx)
     assert path.is_file() == name.endswith(".pt")
     saved, lr, after_save = snapshot(state), state.scheduler.get_last_lr(), torch.rand(3)
 
     restored = make_state(cfg)  # a fresh process's view: new weights, empty optimizer
-    meta = checkpoint.load(path, restored, ctx, KEY)
+    meta = store.load(path, restored, ctx, KEY)
     assert meta.step == 3
     assert snapshot(restored).keys() == saved.keys()
     assert all(torch.equal(restored_value, saved[k]) for k, restored_value in snapshot(restored).items())
@@ -92,28 +93,28 @@ def test_round_trip_is_exact(tmp_path: Path, ctx: DistContext, name: str) -> Non
 def test_retention_and_resume_lookup(tmp_path: Path, ctx: DistContext) -> None:
     cfg = make_cfg(tmp_path)
     root = Path(cfg.checkpoint.dir)
-    assert checkpoint_layout.find_resume(cfg) is None
+    assert layout.find_resume(cfg) is None
     cfg.checkpoint.resume = "auto"
-    assert checkpoint_layout.find_resume(cfg) is None  # nothing yet: a fresh start
+    assert layout.find_resume(cfg) is None  # nothing yet: a fresh start
     state = make_state(cfg)
     (root / ".tmp-step_000009").mkdir(parents=True)  # what a killed save leaves
     for step in (1, 2, 3):
-        checkpoint.save(checkpoint_layout.step_path(root, step), state, make_meta(state, step), ctx)
-        checkpoint.prune(root, keep=2)
-    assert [p.name for p in checkpoint_layout.list_checkpoints(root)] == ["step_000002", "step_000003"]
+        store.save(layout.step_path(root, step), state, make_meta(state, step), ctx)
+        store.prune(root, keep=2)
+    assert [p.name for p in layout.list_checkpoints(root)] == ["step_000002", "step_000003"]
     assert not list(root.glob(".tmp-*"))
-    assert checkpoint_layout.find_resume(cfg) == root / "step_000003"
+    assert layout.find_resume(cfg) == root / "step_000003"
     cfg.checkpoint.resume = str(root)  # a folder of checkpoints: its latest
-    assert checkpoint_layout.find_resume(cfg) == root / "step_000003"
+    assert layout.find_resume(cfg) == root / "step_000003"
     cfg.checkpoint.resume = str(root / "step_000002")
-    assert checkpoint_layout.find_resume(cfg) == root / "step_000002"
+    assert layout.find_resume(cfg) == root / "step_000002"
     cfg.checkpoint.resume = str(tmp_path / "nowhere")
     with pytest.raises(UserError, match="nowhere: no such file or folder"):
-        checkpoint_layout.find_resume(cfg)
+        layout.find_resume(cfg)
     (tmp_path / "empty").mkdir()
     cfg.checkpoint.resume = str(tmp_path / "empty")
     with pytest.raises(UserError, match="empty: no checkpoint there"):
-        checkpoint_layout.find_resume(cfg)
+        layout.find_resume(cfg)
 
 
 def test_a_damaged_checkpoint_is_passed_over_by_auto_and_refused_by_path(tmp_path: Path, ctx: DistContext) -> None:
@@ -124,60 +125,60 @@ def test_a_damaged_checkpoint_is_passed_over_by_auto_and_refused_by_path(tmp_pat
     root = Path(cfg.checkpoint.dir)
     state = make_state(cfg)
     for step in (1, 2, 3):
-        checkpoint.save(checkpoint_layout.step_path(root, step), state, make_meta(state, step), ctx)
-    cut = checkpoint_layout.step_path(root, 3) / checkpoint.STATE_FILE
+        store.save(layout.step_path(root, step), state, make_meta(state, step), ctx)
+    cut = layout.step_path(root, 3) / store.STATE_FILE
     cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
-    (checkpoint_layout.step_path(root, 2) / checkpoint_layout.META_FILE).write_text('{"step": 2, "form')
+    (layout.step_path(root, 2) / layout.META_FILE).write_text('{"step": 2, "form')
     cfg.checkpoint.resume = "auto"
     notes: list[str] = []
-    assert checkpoint_layout.find_resume(cfg, notes) == checkpoint_layout.step_path(root, 1)
+    assert layout.find_resume(cfg, notes) == layout.step_path(root, 1)
     assert [n.split(" (")[0] for n in notes] == [
         f"--resume: {cut} is not a torch.save archive, or one cut short",
-        f"--resume: {checkpoint_layout.step_path(root, 2) / checkpoint_layout.META_FILE} is not readable JSON"]
+        f"--resume: {layout.step_path(root, 2) / layout.META_FILE} is not readable JSON"]
     assert all(n.endswith(f"resuming from {root / 'step_000001'}, the newest intact checkpoint") for n in notes)
-    cfg.checkpoint.resume = str(checkpoint_layout.step_path(root, 3))
+    cfg.checkpoint.resume = str(layout.step_path(root, 3))
     with pytest.raises(UserError) as refused:
-        checkpoint_layout.find_resume(cfg)
+        layout.find_resume(cfg)
     assert str(refused.value).startswith(f"--resume {cfg.checkpoint.resume} cannot be resumed: {cut} is not a "
                                          f"torch.save archive, or one cut short")
     assert str(refused.value).endswith(f"; the newest intact checkpoint beside it is {root / 'step_000001'}: "
                                        f"--resume {root / 'step_000001'}")
-    (checkpoint_layout.step_path(root, 1) / checkpoint.STATE_FILE).write_bytes(b"")
+    (layout.step_path(root, 1) / store.STATE_FILE).write_bytes(b"")
     cfg.checkpoint.resume = "auto"
     with pytest.raises(UserError, match=f"every checkpoint in {root} is damaged \\(3; the latest: {cut} is not"):
-        checkpoint_layout.find_resume(cfg)
+        layout.find_resume(cfg)
     for name, content, problem in (("passwd", b"root:x:0:0:root:/root:/bin/bash\n", "is not a torch.save archive"),
                                    ("empty.pt", b"", "is empty")):
         (tmp_path / name).write_bytes(content)
         cfg.checkpoint.resume = str(tmp_path / name)
         with pytest.raises(UserError, match=f"cannot be resumed: {tmp_path / name} {problem}"):
-            checkpoint_layout.find_resume(cfg)
+            layout.find_resume(cfg)
 
 
 def test_a_fresh_start_supersedes_a_finished_run_and_refuses_an_unfinished_one(tmp_path: Path,
                                                                                ctx: DistContext) -> None:
-    """checkpoint_layout.earlier_run: what a run without --resume makes of the checkpoints already in its folder."""
+    """layout.earlier_run: what a run without --resume makes of the checkpoints already in its folder."""
     cfg = make_cfg(tmp_path)  # a 20-step run
     root = Path(cfg.checkpoint.dir)
-    assert checkpoint_layout.earlier_run(cfg) == []
+    assert layout.earlier_run(cfg) == []
     state = make_state(cfg)
 
     def save(step: int) -> None:  # with the run's config in meta.json, as the trainer writes it
-        checkpoint.save(checkpoint_layout.step_path(root, step), state,
+        store.save(layout.step_path(root, step), state,
                         replace(make_meta(state, step), config=cfg.to_dict()), ctx)
 
     save(3)
     with pytest.raises(UserError, match=r"holds an unfinished run \(up to step_000003 of 20 steps\); continue it with "
                                         r"--resume auto, or start a new run elsewhere with --set checkpoint.dir=DIR"):
-        checkpoint_layout.earlier_run(cfg)
+        layout.earlier_run(cfg)
     cfg.checkpoint.resume = "auto"  # continuing it is what the user asked: nothing to supersede
-    assert checkpoint_layout.earlier_run(cfg) == []
+    assert layout.earlier_run(cfg) == []
     cfg.checkpoint.resume = None
     save(20)
-    assert checkpoint_layout.earlier_run(cfg) == [root / "step_000003", root / "step_000020"]
-    (root / "step_000020" / checkpoint_layout.META_FILE).write_text("{")  # unreadable: the safe side
+    assert layout.earlier_run(cfg) == [root / "step_000003", root / "step_000020"]
+    (root / "step_000020" / layout.META_FILE).write_text("{")  # unreadable: the safe side
     with pytest.raises(UserError, match=r"holds an unfinished run \(up to step_000020 steps\)"):
-        checkpoint_layout.earlier_run(cfg)
+        layout.earlier_run(cfg)
 
 
 def test_a_folder_is_checked_writable_without_leaving_it_behind(tmp_path: Path) -> None:
@@ -197,51 +198,51 @@ def test_a_folder_is_checked_writable_without_leaving_it_behind(tmp_path: Path) 
 def test_refuses_another_dataset_model_shape_or_format(tmp_path: Path, ctx: DistContext) -> None:
     cfg = make_cfg(tmp_path)
     state = make_state(cfg)
-    path = checkpoint.save(tmp_path / "ckpt" / "step_000001", state, make_meta(state, 1), ctx)
+    path = store.save(tmp_path / "ckpt" / "step_000001", state, make_meta(state, 1), ctx)
     with pytest.raises(UserError, match=f"trained on dataset cache {KEY}, but this run uses other"):
-        checkpoint.load(path, make_state(cfg), ctx, "other")
+        store.load(path, make_state(cfg), ctx, "other")
     wider = make_state(make_cfg(tmp_path, hidden_size=64))
     with pytest.raises(UserError, match=r"different model shape: model.embed_tokens.weight is \[300, 32\] there "
                                         r"and \[300, 64\] here"):
-        checkpoint.load(path, wider, ctx, KEY)
-    meta = json.loads((path / checkpoint_layout.META_FILE).read_text())
-    (path / checkpoint_layout.META_FILE).write_text(json.dumps({**meta, "format": "sharded"}))
+        store.load(path, wider, ctx, KEY)
+    meta = json.loads((path / layout.META_FILE).read_text())
+    (path / layout.META_FILE).write_text(json.dumps({**meta, "format": "sharded"}))
     with pytest.raises(UserError, match="training.strategy=fsdp"):
-        checkpoint.load(path, make_state(cfg), ctx, KEY)
+        store.load(path, make_state(cfg), ctx, KEY)
 
 
 def test_meta_json_refuses_before_any_rank_builds_its_model(tmp_path: Path) -> None:
-    """checkpoint_layout.check_meta, what the supervisor and a rank by hand ask before torch: other data, another
+    """layout.check_meta, what the supervisor and a rank by hand ask before torch: other data, another
     shape and the other strategy's format are refused from meta.json alone; keys that do not change a shape, a vocabulary given as the tokenizer's
     own size, and a .pt file (its meta is among its tensors) are not."""
     cfg = make_cfg(tmp_path)
     path = tmp_path / "step_000001"
     path.mkdir()
-    meta = {"cache_key": KEY, "format": checkpoint_layout.FULL, "config": cfg.to_dict()}
-    (path / checkpoint_layout.META_FILE).write_text(json.dumps(meta))
-    checkpoint_layout.check_meta(path, cfg, KEY, 300)
+    meta = {"cache_key": KEY, "format": layout.FULL, "config": cfg.to_dict()}
+    (path / layout.META_FILE).write_text(json.dumps(meta))
+    layout.check_meta(path, cfg, KEY, 300)
     with pytest.raises(UserError, match=f"trained on dataset cache {KEY}, but this run uses other"):
-        checkpoint_layout.check_meta(path, cfg, "other", 300)
+        layout.check_meta(path, cfg, "other", 300)
     wider = make_cfg(tmp_path, hidden_size=64, num_layers=2)
     with pytest.raises(UserError) as refused:
-        checkpoint_layout.check_meta(path, wider, KEY, 300)
+        layout.check_meta(path, wider, KEY, 300)
     assert str(refused.value) == (f"checkpoint {path} holds a different model shape: model.hidden_size is 32 there "
                                   f"and 64 here, model.num_layers is 1 there and 2 here; resume with the same model "
                                   f"settings, or start fresh without --resume")
     same_shape = make_cfg(tmp_path, init_std=0.05, rope_theta=500000.0, gradient_checkpointing="full",
                           vocab_size=300)
-    checkpoint_layout.check_meta(path, same_shape, KEY, 300)
+    layout.check_meta(path, same_shape, KEY, 300)
     with pytest.raises(UserError, match="a vocabulary of 300 there and 512 here"):
-        checkpoint_layout.check_meta(path, make_cfg(tmp_path, vocab_size=512), KEY, 300)
+        layout.check_meta(path, make_cfg(tmp_path, vocab_size=512), KEY, 300)
     from_hub = make_cfg(tmp_path, name_or_path="someone/llama", hidden_size=64)
     with pytest.raises(UserError, match="shape: model.name_or_path is None there and someone/llama here; resume"):
-        checkpoint_layout.check_meta(path, from_hub, KEY, 300)  # its shape is the hub's: hidden_size is not compared
+        layout.check_meta(path, from_hub, KEY, 300)  # its shape is the hub's: hidden_size is not compared
     sharded = make_cfg(tmp_path)
     sharded.training.strategy = "fsdp"
     with pytest.raises(UserError, match="written in the full format; resume it with --set training.strategy=ddp"):
-        checkpoint_layout.check_meta(path, sharded, KEY, 300)
+        layout.check_meta(path, sharded, KEY, 300)
     (tmp_path / "nan_grad_step_3.pt").write_bytes(b"not read")
-    checkpoint_layout.check_meta(tmp_path / "nan_grad_step_3.pt", wider, "other", 300)
+    layout.check_meta(tmp_path / "nan_grad_step_3.pt", wider, "other", 300)
 
 
 def save_then_stall(folder: str) -> None:
@@ -252,7 +253,7 @@ def save_then_stall(folder: str) -> None:
     state = make_state(cfg)
     root = Path(cfg.checkpoint.dir)
     train_once(state, 0)
-    checkpoint.save(checkpoint_layout.step_path(root, 1), state, make_meta(state, 1), context)
+    store.save(layout.step_path(root, 1), state, make_meta(state, 1), context)
     train_once(state, 1)
 
     def stall(path: Path) -> None:
@@ -260,7 +261,7 @@ def save_then_stall(folder: str) -> None:
         time.sleep(120)
 
     durable.fsync_tree = stall  # publish() flushes before it renames: stall there
-    checkpoint.save(checkpoint_layout.step_path(root, 2), state, make_meta(state, 2), context)
+    store.save(layout.step_path(root, 2), state, make_meta(state, 2), context)
 
 
 def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path, ctx: DistContext) -> None:
@@ -276,14 +277,14 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path: Path
         os.kill(child.pid, signal.SIGKILL)
         assert child.wait(timeout=30) == -signal.SIGKILL
     root = tmp_path / "ckpt"
-    assert (root / ".tmp-step_000002" / checkpoint.STATE_FILE).is_file()  # the interrupted save, never published
+    assert (root / ".tmp-step_000002" / store.STATE_FILE).is_file()  # the interrupted save, never published
     assert not (root / "step_000002").exists()
-    assert checkpoint_layout.latest_checkpoint(root) == root / "step_000001"
+    assert layout.latest_checkpoint(root) == root / "step_000001"
     cfg = make_cfg(tmp_path)
     expected = make_state(cfg)
     train_once(expected, 0)
     restored = make_state(cfg)
-    assert checkpoint.load(root / "step_000001", restored, ctx, KEY).step == 1
+    assert store.load(root / "step_000001", restored, ctx, KEY).step == 1
     assert all(torch.equal(a, b) for a, b in zip(expected.model.parameters(), restored.model.parameters()))
-    checkpoint.save(checkpoint_layout.step_path(root, 2), restored, make_meta(restored, 2), ctx)  # the next save cleans up
-    assert not list(root.glob(".tmp-*")) and checkpoint_layout.latest_checkpoint(root) == root / "step_000002"
+    store.save(layout.step_path(root, 2), restored, make_meta(restored, 2), ctx)  # the next save cleans up
+    assert not list(root.glob(".tmp-*")) and layout.latest_checkpoint(root) == root / "step_000002"

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import BOUNDS, SECTIONS, Config, field_types, strip_json_comments
+from trainer.config import SECTIONS, Config, field_types
+from trainer.config.bounds import BOUNDS
+from trainer.config.json_text import strip_json_comments
 from trainer.errors import UserError
-from trainer.resolve import add_config_arguments, preset_names, presets_table, resolve
-from trainer.sizes import parameter_count
+from trainer.config.resolve import add_config_arguments, preset_names, presets_table, resolve
+from trainer.config.sizes import parameter_count
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +58,7 @@ def test_production_preset_is_llama3_8b_shaped() -> None:
 
 
 def test_1b_preset_is_llama32_1b_shaped_and_fits_one_80_gib_gpu() -> None:
-    from trainer.estimate import GiB, estimate
+    from trainer.model.estimate import GiB, estimate
 
     cfg = parse("--preset", "1b")
     m, t = cfg.model, cfg.training
@@ -187,7 +189,7 @@ def test_presets_table_rows() -> None:
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     code = ("import argparse, sys\n"
-            "from trainer.resolve import add_config_arguments, handle_inspection_flags\n"
+            "from trainer.config.resolve import add_config_arguments, handle_inspection_flags\n"
             "from trainer.errors import UserError\n"
             "p = argparse.ArgumentParser(); add_config_arguments(p)\n"
             "try:\n    handle_inspection_flags(p.parse_args(sys.argv[1:]))\n"

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from rank_support import SPAWNED_WORLD, assert_final_model_holds, save_full_params, spawn_ranks, tiny_config
-from trainer import checkpoint, checkpoint_layout
+from trainer.checkpoint import layout, store
 from trainer.config import Config
-from trainer.distributed import (
+from trainer.model.distributed import (
     RankEnvironment,
     agree_any,
     gradient_sync,
@@ -24,9 +24,9 @@ from trainer.distributed import (
     unwrap,
     wrap_model,
 )
-from trainer.loss import full_loss
-from trainer.model import build_model, shape_signature
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.model.loss import full_loss
+from trainer.model.build import build_model, shape_signature
+from trainer.model.optim import build_optimizer, build_scheduler
 
 WORLD = SPAWNED_WORLD
 
@@ -135,14 +135,14 @@ def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
         assert torch.allclose(flat_params(fsdp), flat_params(unwrap(ddp)), atol=1e-6)
 
         # Sharded checkpoint (torch.distributed.checkpoint) round trip into a fresh sharded model and optimizer.
-        state = checkpoint.TrainState(fsdp, optimizers[1], build_scheduler(optimizers[1], sharded_cfg))
-        meta = checkpoint.CheckpointMeta(step=1, format=state.format, cache_key="k", world_size=WORLD, data={},
+        state = store.TrainState(fsdp, optimizers[1], build_scheduler(optimizers[1], sharded_cfg))
+        meta = store.CheckpointMeta(step=1, format=state.format, cache_key="k", world_size=WORLD, data={},
                                          model_shapes=shape_signature(fsdp), config={})
-        path = checkpoint.save(root / "ckpt" / "step_000001", state, meta, ctx)
+        path = store.save(root / "ckpt" / "step_000001", state, meta, ctx)
         restored_model = wrap_model(fresh(sharded_cfg), sharded_cfg, ctx, None)
         restored_optim = build_optimizer(restored_model, sharded_cfg)
-        restored = checkpoint.TrainState(restored_model, restored_optim, build_scheduler(restored_optim, sharded_cfg))
-        assert checkpoint.load(path, restored, ctx, "k").format == checkpoint_layout.SHARDED
+        restored = store.TrainState(restored_model, restored_optim, build_scheduler(restored_optim, sharded_cfg))
+        assert store.load(path, restored, ctx, "k").format == layout.SHARDED
         assert torch.equal(flat_params(restored_model), flat_params(fsdp))
         for s in (state, restored):  # same optimizer state → same next update
             full_loss(s.model, batch_for(rank, seed=1)).backward()
@@ -150,7 +150,7 @@ def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
         assert torch.equal(flat_params(restored_model), flat_params(fsdp))
 
         # The final model is gathered from the shards onto rank 0 and saved with save_pretrained.
-        checkpoint.save_final(root / "final", fsdp, ctx, tokenizer, eos_id=0)
+        store.save_final(root / "final", fsdp, ctx, tokenizer, eos_id=0)
         save_full_params(fsdp, rank, root / "fsdp_params.pt")
     finally:
         teardown()

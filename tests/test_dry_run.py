@@ -9,10 +9,11 @@ import pytest
 
 from rank_support import MAIN, PYTHON, base_env
 from trainer.config import Config, apply_layer
-from trainer.estimate import GiB, estimate, format_estimate
+from trainer.model.estimate import GiB, estimate, format_estimate
+from supervisor.cli import main as supervisor_main
 from trainer.rank_cli import main
-from trainer.resolve import preset_layer
-from trainer.sizes import flops_per_token, human, parameter_count
+from trainer.config.resolve import preset_layer
+from trainer.config.sizes import flops_per_token, human, parameter_count
 
 PRODUCTION_PARAMETERS = 7_241_732_096
 
@@ -41,11 +42,11 @@ def test_debug_dry_run_prints_sizes_and_the_estimate(capsys: pytest.CaptureFixtu
 
 def test_dry_run_reports_the_gpus_this_process_may_use(capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Detection is the supervisor's: CUDA_VISIBLE_DEVICES limits it, as it limits the ranks."""
+    """The supervisor's detection: CUDA_VISIBLE_DEVICES limits it, as it limits the ranks."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("SUPERVISOR_FAKE_GPUS", "0,1,2,3")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,2")
-    assert main(["--debug", "--dry-run"]) == 0
+    assert supervisor_main(["--debug", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "GPUs: 2 × fake, 80.0 GiB each; estimate for 2 rank(s)" in out and "no GPU detected" not in out
 
@@ -72,8 +73,8 @@ def test_production_estimate_on_eight_80_gib_gpus() -> None:
 
 def test_the_supervisor_can_estimate_without_torch() -> None:
     code = ("import sys\n"
-            "from trainer.config import Config, apply_layer\nfrom trainer.resolve import preset_layer\n"
-            "from trainer.estimate import GiB, estimate, format_estimate\n"
+            "from trainer.config import Config, apply_layer\nfrom trainer.config.resolve import preset_layer\n"
+            "from trainer.model.estimate import GiB, estimate, format_estimate\n"
             "cfg = Config()\n"
             "apply_layer(cfg, preset_layer('production'), 'production')\n"
             "print(format_estimate(estimate(cfg, 8, 80 * GiB)))\n"

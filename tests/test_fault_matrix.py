@@ -46,7 +46,7 @@ from process_tree import watching
 from rank_scripts.harness import clean_env
 from rank_support import TINY, merged, set_flags
 from small_disk import fill, small_disk
-from trainer import checkpoint, checkpoint_layout
+from trainer.checkpoint import layout, store
 
 RANK_FAULTS = {"raise": 1, "exit": 3, "sigkill": 128 + signal.SIGKILL, "segv": 128 + signal.SIGSEGV, "hang": 124,
                "gpu_lost": 1}
@@ -231,13 +231,13 @@ def supervise(case: Case, tmp_path: Path, cache_dir: Path, resume: bool = False)
 
 def latest_loadable(root: Path) -> int | None:
     """The latest checkpoint's step, after checking every published one is complete and the latest loads."""
-    published = sorted(p for p in root.glob(f"{checkpoint_layout.STEP_PREFIX}*") if p.is_dir())
-    assert published == checkpoint_layout.list_checkpoints(root), "a published checkpoint is incomplete"
-    latest = checkpoint_layout.latest_checkpoint(root)
+    published = sorted(p for p in root.glob(f"{layout.STEP_PREFIX}*") if p.is_dir())
+    assert published == layout.list_checkpoints(root), "a published checkpoint is incomplete"
+    latest = layout.latest_checkpoint(root)
     if latest is None:
         return None
-    state = torch.load(latest / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
-    step = checkpoint_layout.step_of(latest)
+    state = torch.load(latest / store.STATE_FILE, map_location="cpu", weights_only=True)
+    step = layout.step_of(latest)
     assert state["meta"]["step"] == step and state["model"] and state["optimizer"]["state"]
     return step
 
@@ -246,8 +246,8 @@ def check_checkpoints(case: Case, root: Path) -> int | None:
     latest = latest_loadable(root)
     assert latest in case.allowed_checkpoints(), f"latest checkpoint at step {latest}"
     if case.phase == "checkpoint":  # the save that was cut short: written in part, never published
-        cut = checkpoint_layout.step_path(root, FAULT_STEP["checkpoint"] + 1)
-        assert (cut.with_name(checkpoint_layout.TMP_PREFIX + cut.name) / checkpoint.STATE_FILE).is_file()
+        cut = layout.step_path(root, FAULT_STEP["checkpoint"] + 1)
+        assert (cut.with_name(layout.TMP_PREFIX + cut.name) / store.STATE_FILE).is_file()
         assert not cut.exists()
     return latest
 
@@ -279,11 +279,11 @@ def test_fault(case: Case, tmp_path: Path, token_cache_dir: Path) -> None:
     if latest is None:
         assert f"no checkpoint in {root}; starting from step 0" in again.output
     else:
-        assert f"resumed from {checkpoint_layout.step_path(root, latest)} at step {latest}" in again.output, \
+        assert f"resumed from {layout.step_path(root, latest)} at step {latest}" in again.output, \
             again.output[-4000:]
     assert "run finished in" in again.output and f"step {case.max_steps}/{case.max_steps}" in again.output
     assert latest_loadable(root) == case.max_steps
-    assert not list(root.glob(f"{checkpoint_layout.TMP_PREFIX}*"))  # the next saves cleared what the cut one left
+    assert not list(root.glob(f"{layout.TMP_PREFIX}*"))  # the next saves cleared what the cut one left
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ def test_a_full_checkpoint_disk_is_named_and_the_earlier_checkpoints_stay(tmp_pa
                          rf"{ckpt} \(\d[\d,]* bytes free\); free space there, or set checkpoint.dir", run.output,
                          re.M), run.output[-4000:]
         assert latest_loadable(ckpt) == INTERVAL  # the earlier checkpoint intact
-        assert not list(ckpt.glob(f"{checkpoint_layout.TMP_PREFIX}*"))  # the partial save removed
+        assert not list(ckpt.glob(f"{layout.TMP_PREFIX}*"))  # the partial save removed
 
 
 @pytest.mark.slow
@@ -379,13 +379,13 @@ def test_a_damaged_latest_checkpoint_is_passed_over_for_the_newest_intact_one(tm
     first = run_supervisor(machine_flags(tmp_path, token_cache_dir, checkpoint={"keep": 3}), tmp_path, "run.txt",
                            clean_env())
     assert_ended_cleanly(first, 0)
-    state = checkpoint_layout.step_path(root, STEPS) / checkpoint.STATE_FILE
+    state = layout.step_path(root, STEPS) / store.STATE_FILE
     state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])  # a copy cut short
     again = run_supervisor(machine_flags(tmp_path, token_cache_dir, "--resume", "auto",
                                          training={"max_steps": STEPS + INTERVAL}), tmp_path, "resume.txt",
                            clean_env())
     assert_ended_cleanly(again, 0)
-    intact = checkpoint_layout.step_path(root, STEPS - INTERVAL)
+    intact = layout.step_path(root, STEPS - INTERVAL)
     assert f"supervisor: --resume: {state} is not a torch.save archive, or one cut short" in again.output
     # said once, by the supervisor before any rank starts; rank 0 (under the supervisor) does not repeat it
     assert again.output.count(f"resuming from {intact}, the newest intact checkpoint") == 1, again.output[-4000:]

@@ -190,10 +190,10 @@ import sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
 from test_checkpoint import make_cfg, make_meta, make_state, train_once
-from trainer import checkpoint, checkpoint_layout
+from trainer.checkpoint import layout, store
 from trainer.config import DebugConfig
 from trainer.diagnosis.faults import FaultInjector
-from trainer.distributed import init_distributed
+from trainer.model.distributed import init_distributed
 cfg = make_cfg(Path({folder!r}))
 ctx = init_distributed(cfg)
 state = make_state(cfg)
@@ -203,14 +203,14 @@ root = Path(cfg.checkpoint.dir)
 for step in range(3):
     faults.before_step(step)
     train_once(state, step)
-    checkpoint.save(checkpoint_layout.step_path(root, step + 1), state, make_meta(state, step + 1), ctx,
+    store.save(layout.step_path(root, step + 1), state, make_meta(state, step + 1), ctx,
                     before_publish=lambda: faults.during_checkpoint(step))
     print(f"saved step_{{step + 1}}", flush=True)
 """
 
 
 def test_fault_inside_a_checkpoint_leaves_it_unpublished(ranks: list[subprocess.Popen[str]], tmp_path: Path) -> None:
-    from trainer import checkpoint, checkpoint_layout
+    from trainer.checkpoint import layout, store
 
     proc = subprocess.Popen([sys.executable, "-c", SAVE_SCRIPT.format(tests=str(ROOT / "tests"), folder=str(tmp_path))],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -222,8 +222,8 @@ def test_fault_inside_a_checkpoint_leaves_it_unpublished(ranks: list[subprocess.
     assert "saved step_1" in out and "saved step_2" not in out
     root = tmp_path / "ckpt"
     partial = root / ".tmp-step_000002"
-    assert (partial / checkpoint.STATE_FILE).is_file() and not (partial / checkpoint_layout.META_FILE).exists()
+    assert (partial / store.STATE_FILE).is_file() and not (partial / layout.META_FILE).exists()
     assert not (root / "step_000002").exists()
-    assert checkpoint_layout.latest_checkpoint(root) == root / "step_000001"
-    state = torch.load(root / "step_000001" / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
+    assert layout.latest_checkpoint(root) == root / "step_000001"
+    state = torch.load(root / "step_000001" / store.STATE_FILE, map_location="cpu", weights_only=True)
     assert state["meta"]["step"] == 1 and "model" in state

@@ -26,7 +26,7 @@ from supervisor.diagnosis.gpu_fault import diagnose
 from supervisor.diagnosis.preflight import Health, check
 from supervisor.exclusion import Exclusion, gpus_phrase, regroup
 from trainer import loop
-from trainer.checkpoint import sample_order
+from trainer.checkpoint.store import sample_order
 
 CUDA_ECC = "RuntimeError: CUDA error: uncorrectable ECC error encountered"
 

@@ -13,17 +13,19 @@ import pytest
 import torch
 
 from rank_support import history, history_losses, tiny_config
-from trainer import checkpoint, checkpoint_layout, loop, optim
+from trainer.checkpoint import layout, store
+from trainer.model import optim
+from trainer import loop
 from trainer.config import Config
 from trainer.diagnosis.host_sync import HostSyncCounter
-from trainer.distributed import init_distributed, teardown
+from trainer.model.distributed import init_distributed, teardown
 from trainer.progress import ProgressReporter
 
 
 def final_weights(cfg: Config) -> dict[str, torch.Tensor]:
-    latest = checkpoint_layout.latest_checkpoint(Path(cfg.checkpoint.dir))
+    latest = layout.latest_checkpoint(Path(cfg.checkpoint.dir))
     assert latest is not None
-    return checkpoint.load_payload(latest / checkpoint.STATE_FILE)["model"]
+    return store.load_payload(latest / store.STATE_FILE)["model"]
 
 
 def test_accumulation_matches_one_big_batch(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:
@@ -116,7 +118,7 @@ def test_a_passed_over_checkpoint_is_said_by_the_rank_only_without_a_supervisor(
     assert loop.train(tiny_config(tmp_path, token_cache_dir, **sections)) == 0
     resumed = tiny_config(tmp_path, token_cache_dir, **{**sections, "checkpoint": {"interval": 2, "keep": 3,
                                                                                    "resume": "auto"}})
-    state = checkpoint_layout.step_path(Path(resumed.checkpoint.dir), 4) / checkpoint.STATE_FILE
+    state = layout.step_path(Path(resumed.checkpoint.dir), 4) / store.STATE_FILE
     intact = state.read_bytes()
     read, write = os.pipe()
     try:
@@ -150,7 +152,7 @@ def test_sigterm_finishes_the_step_saves_and_returns_0(tmp_path: Path, token_cac
     and the state after 3 steps is saved."""
     cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 50})
     assert loop.train(cfg, progress=SigtermAt(2)) == 0
-    assert [p.name for p in checkpoint_layout.list_checkpoints(Path(cfg.checkpoint.dir))] == ["step_000003"]
+    assert [p.name for p in layout.list_checkpoints(Path(cfg.checkpoint.dir))] == ["step_000003"]
     record = history(Path(cfg.logging.run_dir))
     assert record["run"]["status"] == "stopped" and [r["step"] for r in record["steps"]] == [0, 1, 2]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is only installed while training
@@ -185,7 +187,7 @@ def test_a_step_reads_nothing_back_from_the_device(tmp_path: Path, token_cache_d
 def test_weight_decay_on_matrices_only_and_the_schedule(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, tmp_path, training={"max_steps": 100, "warmup_steps": 10, "learning_rate": 1e-3,
                                                     "min_lr_ratio": 0.1, "weight_decay": 0.1})
-    from trainer.model import build_model
+    from trainer.model.build import build_model
 
     model = build_model(cfg, 300, 0, torch.device("cpu"))
     optimizer = optim.build_optimizer(model, cfg)

@@ -1,4 +1,4 @@
-"""The training objective (trainer.loss): the chunked lm_head + cross-entropy against the full one (values and
+"""The training objective (trainer.model.loss): the chunked lm_head + cross-entropy against the full one (values and
 gradients, alone and under DDP and FSDP2 on 2 CPU ranks), and which path each setting picks where."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from rank_support import assert_final_model_holds, save_full_params, spawn_ranks, tiny_config
-from trainer import checkpoint
+from trainer.checkpoint import store
 from trainer.config import Config
-from trainer.distributed import init_distributed, is_sharded, teardown, unwrap, wrap_model
+from trainer.model.distributed import init_distributed, is_sharded, teardown, unwrap, wrap_model
 from trainer.errors import UserError
-from trainer.loss import CausalLMLoss, choose_loss, chunked_cross_entropy, liger_installed
-from trainer.model import build_model, shape_signature
+from trainer.model.loss import CausalLMLoss, choose_loss, chunked_cross_entropy, liger_installed
+from trainer.model.build import build_model, shape_signature
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -100,7 +100,7 @@ def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
             assert abs(results["full"][0] - results["chunked"][0]) < 1e-5, strategy
             assert torch.allclose(results["full"][1], results["chunked"][1], rtol=1e-4, atol=1e-6), strategy
         assert is_sharded(model) and shape_signature(model) == shape_signature(fresh(cfg))
-        checkpoint.save_final(root / "final", model, ctx, tokenizer, eos_id=0)
+        store.save_final(root / "final", model, ctx, tokenizer, eos_id=0)
         save_full_params(model, rank, root / "fsdp_params.pt")
     finally:
         teardown()

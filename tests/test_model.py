@@ -9,20 +9,20 @@ import torch
 from transformers import LlamaForCausalLM
 
 from rank_support import tiny_config
-from trainer.choices import compile_enabled
+from trainer.config.choices import compile_enabled
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.model import (
+from trainer.model.build import (
     attention_backend,
     build_model,
     compile_layers,
     count_parameters,
     enable_gradient_checkpointing,
-    model_shape,
     shape_signature,
     use_maskless_causal_attention,
 )
-from trainer.sizes import parameter_count
+from trainer.config.sizes import parameter_count
+from trainer.model.estimate import model_shape
 
 CPU = torch.device("cpu")
 
@@ -81,7 +81,7 @@ def test_a_model_smaller_than_the_tokenizer_is_refused(tmp_path: Path) -> None:
 
 def test_meta_sizes_of_the_production_preset_allocate_nothing() -> None:
     from trainer.config import apply_layer
-    from trainer.resolve import preset_layer
+    from trainer.config.resolve import preset_layer
 
     cfg = Config()
     apply_layer(cfg, preset_layer("production"), "production")

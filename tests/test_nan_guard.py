@@ -87,7 +87,7 @@ class MiniLoop:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1, fused=self.fused)
 
     def save_checkpoint(self, path: Path) -> None:
-        """Like trainer.checkpoint.save: every rank calls it, rank 0 writes."""
+        """Like trainer.checkpoint.store.save: every rank calls it, rank 0 writes."""
         self.saved.append(path)
         if self.rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)

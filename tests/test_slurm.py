@@ -21,10 +21,10 @@ import pytest
 
 from rank_scripts.harness import CONTROL_SECRET, ROOT, clean_env, Run, start
 from rank_support import TINY, merged, set_flags
-from supervisor import slurm
-from supervisor.control_wire import SECRET_ENV
+from supervisor.slurm import layout as slurm_layout
+from supervisor.control.wire import SECRET_ENV
 from supervisor.exclusion import GPU_FAULT_FILE, NodeFault
-from trainer import checkpoint_layout
+from trainer.checkpoint import layout
 from trainer.errors import UserError
 
 SCRIPT = ROOT / "train_slurm.sbatch"
@@ -42,17 +42,17 @@ SCRIPT = ROOT / "train_slurm.sbatch"
     ("b7,a[1-2]", "b7"),  # scontrol keeps the list's order: the first named is node 0
 ])
 def test_first_host_expands_slurm_host_lists(nodelist: str, first: str) -> None:
-    assert slurm.first_host(nodelist) == first
+    assert slurm_layout.first_host(nodelist) == first
 
 
 def test_a_broken_host_list_is_a_user_error() -> None:
     with pytest.raises(UserError, match=r"SLURM_JOB_NODELIST='node\[01-' is not a Slurm host list"):
-        slurm.first_host("node[01-")
+        slurm_layout.first_host("node[01-")
 
 
 def test_the_port_is_the_same_on_every_node_and_leaves_room_for_the_control_channel() -> None:
-    ports = {job: slurm.master_port(job) for job in (0, 1, 2, 12345, 10_999, 11_000, 2**31 - 1)}
-    assert ports[12345] == slurm.master_port(12345)
+    ports = {job: slurm_layout.master_port(job) for job in (0, 1, 2, 12345, 10_999, 11_000, 2**31 - 1)}
+    assert ports[12345] == slurm_layout.master_port(12345)
     assert ports[0] != ports[1] and abs(ports[0] - ports[1]) >= 2  # neighbouring jobs: disjoint port pairs
     assert ports[11_000] == ports[0]
     assert all(1024 < port and port + 1 < 32768 for port in ports.values())  # unprivileged, below ephemeral ports
@@ -70,32 +70,32 @@ def no_flags(**given: object) -> argparse.Namespace:
 
 def test_a_multi_node_job_gives_every_flag() -> None:
     args = no_flags()
-    note = slurm.apply(args, job_env())
-    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port) == (2, 1, "gpu07", slurm.master_port(4242))
+    note = slurm_layout.apply(args, job_env())
+    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port) == (2, 1, "gpu07", slurm_layout.master_port(4242))
     assert note == ("Slurm job layout (SLURM_JOB_ID=4242, SLURM_NNODES=2, SLURM_NODEID=1, "
-                    f"SLURM_JOB_NODELIST=gpu[07-08]): --nnodes 2 --node-rank 1 --master-addr gpu07 --master-port {slurm.master_port(4242)}")
+                    f"SLURM_JOB_NODELIST=gpu[07-08]): --nnodes 2 --node-rank 1 --master-addr gpu07 --master-port {slurm_layout.master_port(4242)}")
 
 
 def test_flags_given_explicitly_win() -> None:
     args = no_flags(master_addr="10.0.0.1", master_port=29500)
-    slurm.apply(args, job_env())
+    slurm_layout.apply(args, job_env())
     assert (args.nnodes, args.node_rank, args.master_addr, args.master_port) == (2, 1, "10.0.0.1", 29500)
     args = no_flags(nnodes=2, node_rank=0, master_addr="h", master_port=1)
-    assert "not used" in str(slurm.apply(args, job_env()))
+    assert "not used" in str(slurm_layout.apply(args, job_env()))
 
 
 def test_job_num_nodes_stands_in_for_nnodes() -> None:
     env = job_env()
     env["SLURM_JOB_NUM_NODES"] = env.pop("SLURM_NNODES")
     args = no_flags()
-    slurm.apply(args, env)
+    slurm_layout.apply(args, env)
     assert args.nnodes == 2
 
 
 @pytest.mark.parametrize("env", [{}, job_env(nodes=1, node_id=0), {"SLURM_NNODES": "2", "SLURM_NODEID": "1"}])
 def test_no_layout_outside_a_multi_node_job(env: dict[str, str]) -> None:
     args = no_flags()
-    assert slurm.apply(args, env) is None
+    assert slurm_layout.apply(args, env) is None
     assert (args.nnodes, args.master_port) == (None, None)
 
 
@@ -106,11 +106,11 @@ def test_no_layout_outside_a_multi_node_job(env: dict[str, str]) -> None:
 ])
 def test_a_job_the_supervisor_cannot_read_is_a_user_error(env: dict[str, str], message: str) -> None:
     with pytest.raises(UserError, match=message):
-        slurm.layout(env)
+        slurm_layout.layout(env)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The job script's side (supervisor/slurm_job.py), with srun and scontrol stood in for by scripts that record their call
+# The job script's side (supervisor/slurm/job.py), with srun and scontrol stood in for by scripts that record their call
 
 
 @dataclass
@@ -308,7 +308,7 @@ def test_the_job_script_outside_a_job_is_one_line(tmp_path: Path) -> None:
 
 def test_the_job_script_only_delegates() -> None:
     lines = [line for line in SCRIPT.read_text().splitlines() if line and not line.startswith("#")]
-    assert lines == ["exec python3 supervisor/bootstrap.py -m supervisor.slurm_job \"$@\""]
+    assert lines == ["exec python3 supervisor/bootstrap.py -m supervisor.slurm.job \"$@\""]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -318,7 +318,7 @@ def test_the_job_script_only_delegates() -> None:
 def free_job_id() -> int:
     """A job id whose port pair (rendezvous, control channel) is free on loopback right now."""
     for job_id in range(os.getpid() % 10_000, 10**6, 7):
-        port = slurm.master_port(job_id)
+        port = slurm_layout.master_port(job_id)
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))
@@ -379,9 +379,9 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: P
         node.wait(timeout=120)
     assert [n.returncode for n in first] == [138, 138], first[0].stderr[-3000:] + first[1].stderr[-3000:]
     assert "SIGUSR1: stopping every rank" in first[0].stderr + first[1].stderr
-    saved = checkpoint_layout.latest_checkpoint(ckpt)
+    saved = layout.latest_checkpoint(ckpt)
     assert saved is not None, first[0].stdout[-3000:]
-    stopped_at = checkpoint_layout.step_of(saved)
+    stopped_at = layout.step_of(saved)
     assert stopped_at is not None
     assert 3 <= stopped_at < 60
     assert f"stopping after step {stopped_at - 1}: a stop was requested" in first[0].stdout

@@ -12,7 +12,7 @@ from supervisor.cli import check_fits_on_cpu
 from supervisor.plan import Plan, RankSpec
 from trainer.config import Config, apply_layer
 from trainer.errors import UserError
-from trainer.resolve import preset_layer
+from trainer.config.resolve import preset_layer
 
 
 @pytest.mark.parametrize("args, message", [

@@ -4,7 +4,7 @@ Per optimizer step (the order the NaN guard relies on; `step` counts from 0, lik
 
     faults.before_step(step); guard.start_step(step, batch)
     for each micro-batch (gradient sync only on the last), inside the SDPA backend context: the loss module's forward
-        under autocast (trainer.loss: the model and the cross-entropy) → loss / grad_accum → backward
+        under autocast (trainer.model.loss: the model and the cross-entropy) → loss / grad_accum → backward
     grad_norm = clip_grad_norm_(...)                      the pre-clip total norm, still on the device
     found_inf = guard.check(local_loss, grad_norm)        one tiny collective, no host read
     guard.step_optimizer(...); scheduler.step(); zero_grad; guard.after_step(...)
@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-from trainer import checkpoint, checkpoint_layout, compile_check
-from trainer.choices import compile_enabled
+from trainer.checkpoint import layout, store
+from trainer.model import compile_check
+from trainer.config.choices import compile_enabled
 from trainer.config import Config, check_world_size
 from trainer.data.batches import BatchSampler, StepLoader
 from trainer.data.cache import TokenCache, prepare
@@ -41,7 +42,7 @@ from trainer.diagnosis import flight_recorder, oom_report
 from trainer.diagnosis.faults import FaultInjector
 from trainer.diagnosis.nan_guard import NanGuard
 from trainer.diagnosis.step_timer import StepTimer
-from trainer.distributed import (
+from trainer.model.distributed import (
     DistContext,
     StopVote,
     agree_any,
@@ -55,22 +56,21 @@ from trainer.distributed import (
     wrap_model,
 )
 from trainer.errors import UserError
-from trainer.estimate import GiB
-from trainer.loss import CausalLMLoss, choose_loss
+from trainer.model.estimate import GiB, model_shape
+from trainer.model.loss import CausalLMLoss, choose_loss
 from trainer.metrics import EtaClock, History, StepRecord, Throughput, get_logger, memory_part, mfu, step_line
-from trainer.model import (
+from trainer.model.build import (
     attention_backend,
     build_model,
     compile_layers,
     count_parameters,
     enable_gradient_checkpointing,
-    model_shape,
     use_maskless_causal_attention,
 )
-from trainer.optim import build_optimizer, build_scheduler, resolve_precision
+from trainer.model.optim import build_optimizer, build_scheduler, resolve_precision
 from trainer.progress import ProgressReporter, device_label
 from trainer.run_dir import agree_run_dir
-from trainer.sizes import flops_per_token, human, tokens_per_step
+from trainer.config.sizes import flops_per_token, human, tokens_per_step
 from trainer.wandb_run import start_wandb
 
 
@@ -165,7 +165,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.module, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if self.precision.name == "fp16" else None
-        self.state = checkpoint.TrainState(self.module, self.optimizer, self.scheduler, self.scaler)
+        self.state = store.TrainState(self.module, self.optimizer, self.scheduler, self.scaler)
         self.ckpt_root = Path(cfg.checkpoint.dir)
         self.guard = NanGuard(self.module, cfg, rank=ctx.rank, world_size=ctx.world_size, gpu_id=ctx.gpu_id,
                               device=self.device, run_dir=run_dir, checkpoint_dir=self.ckpt_root)
@@ -201,15 +201,15 @@ class Trainer:
             tie_word_embeddings=s.tie_word_embeddings))
         return flops_per_token(shaped)
 
-    def meta(self) -> checkpoint.CheckpointMeta:
-        return checkpoint.CheckpointMeta(
+    def meta(self) -> store.CheckpointMeta:
+        return store.CheckpointMeta(
             step=self.completed, format=self.state.format, cache_key=self.cache.key, world_size=self.ctx.world_size,
-            data=checkpoint.data_position(self.cfg, self.ctx.world_size),
-            model_shapes=checkpoint.shape_signature(self.module), config=self.cfg.to_dict())
+            data=store.data_position(self.cfg, self.ctx.world_size),
+            model_shapes=store.shape_signature(self.module), config=self.cfg.to_dict())
 
     def resume(self) -> None:
         passed_over: list[str] = []  # damaged checkpoints `--resume` passed over for the newest intact one
-        path = checkpoint_layout.find_resume(self.cfg, passed_over) if self.ctx.is_main else None
+        path = layout.find_resume(self.cfg, passed_over) if self.ctx.is_main else None
         if not self.progress.supervised:  # a supervisor said so already, before any rank started
             for note in passed_over:
                 self.log.warning(note)
@@ -217,20 +217,20 @@ class Trainer:
         if path is None:
             if self.cfg.checkpoint.resume == "auto" and self.ctx.is_main:
                 self.log.info(f"no checkpoint in {self.ckpt_root}; starting from step 0")
-            if self.ctx.is_main and (superseded := checkpoint_layout.earlier_run(self.cfg)):
+            if self.ctx.is_main and (superseded := layout.earlier_run(self.cfg)):
                 self.superseded = superseded
                 self.log.info(f"{self.ckpt_root} holds a finished earlier run (up to {superseded[-1].name}): this run "
                               f"starts from step 0, and its first checkpoint replaces those (to extend that run "
                               f"instead: --resume auto with a larger --max-steps)")
             return
-        meta = checkpoint.load(path, self.state, self.ctx, self.cache.key)
+        meta = store.load(path, self.state, self.ctx, self.cache.key)
         self.completed = meta.step
-        if path.resolve() == checkpoint_layout.step_path(self.ckpt_root, meta.step).resolve():
+        if path.resolve() == layout.step_path(self.ckpt_root, meta.step).resolve():
             self.last_saved = meta.step  # already on disk where this run saves: no need to write it again
         if self.ctx.is_main:
             self.log.info(f"resumed from {path} at step {meta.step}")
-            here = checkpoint.data_position(self.cfg, self.ctx.world_size)
-            if checkpoint.sample_order(meta.data) != checkpoint.sample_order(here):
+            here = store.data_position(self.cfg, self.ctx.world_size)
+            if store.sample_order(meta.data) != store.sample_order(here):
                 self.log.warning(f"the data settings changed since {path} ({meta.data}); "
                                  f"batches will not continue the original order")
             elif meta.data != here:
@@ -276,7 +276,7 @@ class Trainer:
         return host, host.to(self.device, non_blocking=True)
 
     def compile_trial(self, step: int) -> None:
-        """Where torch.compile compiles, apart from any step (trainer.compile_check): the first micro-batch of `step`
+        """Where torch.compile compiles, apart from any step (trainer.model.compile_check): the first micro-batch of `step`
         forward and backward without gradient synchronisation, its gradients dropped. Decides `self.compiled` for the
         run alike on every rank and times the compilation for the log."""
         self.progress.phase("compile")
@@ -349,21 +349,21 @@ class Trainer:
     def save(self) -> Path:
         after_step = self.completed - 1  # the step this checkpoint follows (a fault may be set to fire inside it)
         self.progress.phase("checkpoint")  # a large save may take minutes: the start-up allowance, not the step's
-        path = checkpoint.save(checkpoint_layout.step_path(self.ckpt_root, self.completed), self.state, self.meta(),
+        path = store.save(layout.step_path(self.ckpt_root, self.completed), self.state, self.meta(),
                                self.ctx, before_publish=lambda: self.faults.during_checkpoint(after_step))
         if self.ctx.is_main:
             for old in self.superseded:
                 if old.name != path.name:  # one of the same name was just replaced by this run's
-                    checkpoint.remove(old)
+                    store.remove(old)
             self.superseded = []
-            checkpoint.prune(self.ckpt_root, self.cfg.checkpoint.keep)
+            store.prune(self.ckpt_root, self.cfg.checkpoint.keep)
             self.log.info(f"checkpoint saved: {path}")
         self.last_saved = self.completed
         return path
 
     def save_nan_checkpoint(self, path: Path) -> None:
         """For the NaN guard: a resumable checkpoint at the path it names (every rank calls it together)."""
-        checkpoint.save(path, self.state, self.meta(), self.ctx)
+        store.save(path, self.state, self.meta(), self.ctx)
 
     # -- the run -----------------------------------------------------------------------------------------------------
 
@@ -416,7 +416,7 @@ class Trainer:
             self.save()
         if cfg.checkpoint.save_final:
             self.progress.phase("checkpoint")
-            final = checkpoint.save_final(self.ckpt_root / checkpoint.FINAL_DIR, self.module, self.ctx,
+            final = store.save_final(self.ckpt_root / store.FINAL_DIR, self.module, self.ctx,
                                           self.cache.tokenizer_path, self.cache.eos_id)
             if self.ctx.is_main:
                 self.log.info(f"final model saved: {final} (AutoModelForCausalLM.from_pretrained)")

@@ -17,13 +17,13 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.checkpoint_layout import check_checkpoint_dir, check_resume, earlier_run, find_resume
-from trainer.choices import cpu_refusal
+from trainer.checkpoint.layout import check_checkpoint_dir, check_resume, earlier_run, find_resume
+from trainer.config.choices import cpu_refusal
 from trainer.config import RUNS_DIR, Config
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
-from trainer.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
+from trainer.config.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
 
 FAILURE_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         if cfg is None:
             return 0
         if args.dry_run:
-            from trainer.estimate import dry_run_report
+            from trainer.model.estimate import dry_run_report, torch_gpus
 
-            print(dry_run_report(cfg, args.nproc), flush=True)
+            print(dry_run_report(cfg, torch_gpus(), args.nproc), flush=True)
             return 0
         cache = None
         if run_dir is None:

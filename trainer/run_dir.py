@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.config import RUNS_DIR, Config
-from trainer.distributed import DistContext, broadcast_object
+from trainer.model.distributed import DistContext, broadcast_object
 from trainer.errors import UserError
 
 

@@ -7,7 +7,7 @@ Evidence, strongest first:
    in: it is the culprit, unless it is itself blocked ahead of others on another group (collectives issued in
    different orders: nobody is singled out).
 2. **The Python stacks** faulthandler wrote on SIGUSR1: a main thread inside torch.distributed (a collective, a
-   ``wait()``, a barrier), in the project's own agreements (``trainer/distributed.py``: the stop vote and friends) or
+   ``wait()``, a barrier), in the project's own agreements (``trainer/model/distributed.py``: the stop vote and friends) or
    in autograd's ``_engine_run_backward`` (DDP's reducer waits for the gradient all-reduce there) is waiting; any
    other main thread is not. The ranks that are not waiting, when some others are, are the culprits.
 
@@ -29,7 +29,7 @@ from typing import Any
 
 THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ ")
 FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
-WAITING_FILES = ("torch/distributed/", "trainer/distributed.py")
+WAITING_FILES = ("torch/distributed/", "trainer/model/distributed.py")
 WAITING_FUNCS = ("_engine_run_backward",)
 PROJECT_PACKAGES = ("trainer", "supervisor")
 

@@ -31,7 +31,7 @@ def sync_free_steps(config_path: str) -> None:
     import torch
 
     from trainer.config import Config
-    from trainer.distributed import StopVote, init_distributed, teardown
+    from trainer.model.distributed import StopVote, init_distributed, teardown
     from trainer.loop import StopRequest, Trainer
     from trainer.metrics import EtaClock, Throughput
     from trainer.progress import ProgressReporter

@@ -23,7 +23,7 @@ import torch
 
 from gpu_support import Machine, banner, gpu_layer, supervise
 from rank_support import history, history_losses
-from trainer import checkpoint, checkpoint_layout
+from trainer.checkpoint import layout, store
 from trainer.metrics import peak_flops
 
 pytestmark = pytest.mark.gpu
@@ -40,8 +40,8 @@ def trained(machine: Machine, tmp_path: Path, cache_dir: Path, tag: str = "", *e
 
 
 def final_state(ckpt: Path) -> dict:
-    latest = checkpoint_layout.latest_checkpoint(ckpt)
-    return torch.load(latest / checkpoint.STATE_FILE, map_location="cpu", weights_only=True)
+    latest = layout.latest_checkpoint(ckpt)
+    return torch.load(latest / store.STATE_FILE, map_location="cpu", weights_only=True)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32", "auto"])
@@ -83,13 +83,13 @@ def test_resume_continues_the_loss_trajectory(strategy: str, machine: Machine, t
                       debug={"inject_fault": "exit", "inject_fault_step": CUT_AT, "inject_fault_code": 3}, **shape)
     cut = supervise(machine, tmp_path, layer, tag="-cut")
     assert cut.code == 3, cut.output[-4000:]
-    assert checkpoint_layout.latest_checkpoint(cut_ckpt) == checkpoint_layout.step_path(cut_ckpt, INTERVAL)
-    sharded = (checkpoint_layout.step_path(cut_ckpt, INTERVAL) / checkpoint.DCP_DIR).is_dir()
+    assert layout.latest_checkpoint(cut_ckpt) == layout.step_path(cut_ckpt, INTERVAL)
+    sharded = (layout.step_path(cut_ckpt, INTERVAL) / store.DCP_DIR).is_dir()
     assert sharded == (strategy == "fsdp")
 
     resumed, again = trained(machine, tmp_path, token_cache_dir, "-resumed", "--resume", "auto",
                              checkpoint={"dir": str(cut_ckpt), "interval": INTERVAL}, **shape)
-    assert f"resumed from {checkpoint_layout.step_path(cut_ckpt, INTERVAL)} at step {INTERVAL}" in resumed.output
+    assert f"resumed from {layout.step_path(cut_ckpt, INTERVAL)} at step {INTERVAL}" in resumed.output
     assert sorted(again) == list(range(INTERVAL, STEPS))
     drift = {step: abs(again[step] - full[step]) for step in again}
     assert max(drift.values()) < TOLERANCE, f"resumed vs uninterrupted loss differences: {drift}"
@@ -141,7 +141,7 @@ print(json.dumps({"device": str(out.device), "prompt": prompt["input_ids"].shape
 def test_final_model_loads_and_generates_on_the_gpu(machine: Machine, tmp_path: Path, token_cache_dir: Path) -> None:
     run, _ = trained(machine, tmp_path, token_cache_dir, training={"max_steps": 4},
                      checkpoint={"dir": str(tmp_path / "ckpt"), "save_final": True})
-    final = tmp_path / "ckpt" / checkpoint.FINAL_DIR
+    final = tmp_path / "ckpt" / store.FINAL_DIR
     assert f"final model saved: {final}" in run.output
     done = subprocess.run([sys.executable, "-c", GENERATE, str(final)], env=machine.env, capture_output=True,
                           text=True, timeout=180)

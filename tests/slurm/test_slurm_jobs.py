@@ -168,7 +168,7 @@ def test_a_gpu_fault_requeues_the_job_without_its_node(cluster: Cluster, tmp_pat
     assert psutil.wait_procs(job_processes(job), timeout=60)[1] == []  # the first allocation is over
     first = job.text()
     assert "GPU0 (rank 1" in first and "GPU fault: GPU 0 (NVML: lost, its error: " in first, first[-4000:]
-    assert f"GPU fault on node n2: GPU 0 (NVML: lost, its error: " in first
+    assert "GPU fault on node n2: GPU 0 (NVML: lost, its error: " in first
     assert f"requeued job {job.id} without node n2 (ExcNodeList=n2); its next allocation resumes from the latest " \
            f"checkpoint" in first
     [record] = [json.loads(path.read_text()) for path in (tmp_path / "logs").glob("*/gpu_fault.json")]

@@ -33,7 +33,7 @@ Debug mode (``cfg.debug.nan_localize``; the debug preset, ``--debug``)
 
 Dump files (debug mode with ``debug.nan_dump``, and always when the run stops)
     ``<checkpoint.dir>/nan_grad_step_<step>.pt`` — written through the loop's ``save_checkpoint``, which every rank
-    calls at the same step with the same path (it may be a collective: ``trainer.checkpoint.save``); the run can
+    calls at the same step with the same path (it may be a collective: ``trainer.checkpoint.store.save``); the run can
     resume from it. The weights in it are the pre-step ones: a skipped step never touched them. (At a production
     stop, <step> is the log step where the run stopped: the state it holds.)
     ``<checkpoint.dir>/debug/nan_debug_step_<step>.pkl`` — a pickle of a dict: ``parameters`` and ``gradients``

@@ -3,7 +3,7 @@
 A ``torch.OutOfMemoryError`` (or an allocation failure outside the caching allocator, `is_out_of_memory`) ends the
 rank with `OOM_EXIT_CODE`, after it wrote ``oom-<label>.json`` beside its log:
 the step, the allocator's figures where the device has them (``torch.cuda.memory_allocated`` / ``_reserved`` /
-``max_memory_allocated`` and the GPU's total), the dry run's per-GPU estimate (`trainer.estimate`) and the full
+``max_memory_allocated`` and the GPU's total), the dry run's per-GPU estimate (`trainer.model.estimate`) and the full
 traceback. The rank prints one line on stderr; the supervisor's headline is built from this file
 (`supervisor.diagnosis.oom`), so the console never shows the allocator's multi-page traceback.
 
@@ -73,7 +73,7 @@ def collect(error: BaseException, cfg: Any, label: str, rank: int, world_size: i
     import torch
 
     from trainer.config import checkpointing_policy
-    from trainer.estimate import estimate
+    from trainer.model.estimate import estimate
 
     allocated = reserved = peak = total = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -14,7 +14,7 @@ A checkpoint is written into `.tmp-step_<n>/`, fsynced, then renamed into place,
 the previous checkpoints intact and only a stray `.tmp-*` folder (removed by the next save). `state.pt` is loaded
 with `weights_only=True`. In the full format a checkpoint can also be one file holding the same content (what the
 NaN guard asks for as `nan_grad_step_<n>.pt`); `--resume` accepts either. Names on disk and the choice of
-the checkpoint to resume from are in `trainer/checkpoint_layout.py` (no torch: the supervisor checks `--resume` too).
+the checkpoint to resume from are in `trainer/checkpoint/layout.py` (no torch: the supervisor checks `--resume` too).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import durable
-from trainer.checkpoint_layout import (
+from trainer.checkpoint.layout import (
     DCP_DIR,
     FULL,
     META_FILE,
@@ -54,9 +54,9 @@ from trainer.checkpoint_layout import (
     other_shape,
 )
 from trainer.config import Config
-from trainer.distributed import DistContext, broadcast_object, gather_objects, is_sharded
+from trainer.model.distributed import DistContext, broadcast_object, gather_objects, is_sharded
 from trainer.errors import UserError
-from trainer.model import shape_signature
+from trainer.model.build import shape_signature
 
 FINAL_DIR = "final"
 
@@ -64,7 +64,7 @@ FINAL_DIR = "final"
 @dataclass
 class TrainState:
     """The live objects a checkpoint captures. `model` is the unwrapped transformers model (inside the FSDP2 root
-    when sharded: the loss module, see trainer.loss); `scaler` exists only for fp16."""
+    when sharded: the loss module, see trainer.model.loss); `scaler` exists only for fp16."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.model import decoder_layers
+from trainer.model.build import decoder_layers
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 DDP_BUFFER_SYNC_ARG = ("forward_sync_buffers" if "forward_sync_buffers" in

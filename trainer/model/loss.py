@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.choices import CHUNK_ELEMENTS, auto_loss
+from trainer.config.choices import CHUNK_ELEMENTS, auto_loss
 from trainer.config import Config
 from trainer.errors import UserError
 

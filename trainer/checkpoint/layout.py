@@ -13,7 +13,8 @@ import json
 import zipfile
 from pathlib import Path
 
-from trainer.config import Config, parse_json
+from trainer.config import Config
+from trainer.config.json_text import parse_json
 from trainer.durable import check_writable
 from trainer.errors import UserError
 
@@ -196,7 +197,7 @@ def other_format(path: Path, written: str) -> UserError:
 def check_meta(path: Path, cfg: Config, cache_key: str, tokenizer_vocab: int) -> None:
     """Refuse a checkpoint folder whose meta.json says it was trained on other data, has another model shape or is
     in the other strategy's format: one line before any rank starts, where the rank would refuse it only after
-    building (and, on GPUs, sharding) the model. trainer.checkpoint.check_compatible still compares the tensors
+    building (and, on GPUs, sharding) the model. trainer.checkpoint.store.check_compatible still compares the tensors
     themselves when the rank loads them; a `.pt` file keeps its meta among its tensors and is checked there alone."""
     if not (path / META_FILE).is_file():
         return

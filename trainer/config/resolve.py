@@ -20,11 +20,11 @@ from trainer.config import (
     Config,
     apply_layer,
     closest,
-    read_json,
+    read_config_file,
     validate,
 )
 from trainer.errors import UserError
-from trainer.sizes import human, parameter_count, tokens_per_step
+from trainer.config.sizes import human, parameter_count, tokens_per_step
 
 PRESETS_DIR = PROJECT_ROOT / "presets"
 
@@ -44,7 +44,7 @@ def preset_layer(name: str) -> dict[str, Any]:
     path = PRESETS_DIR / f"{name}.json"
     if not path.is_file():
         raise UserError(f"unknown preset '{name}'{closest(name, preset_names(), 'presets')}")
-    raw = read_json(path)
+    raw = read_config_file(path)
     raw["preset"] = name
     return raw
 
@@ -108,7 +108,7 @@ def resolve(args: argparse.Namespace) -> Config:
     """Apply preset < config files < flags, then validate."""
     if args.debug and args.preset and args.preset != "debug":
         raise UserError(f"--debug selects the debug preset; drop it or drop --preset {args.preset}")
-    files = [(str(path), read_json(Path(path))) for path in args.config]
+    files = [(str(path), read_config_file(Path(path))) for path in args.config]
     name = "debug" if args.debug else args.preset
     if name is None:  # a config file may name its base preset
         name = next((raw["preset"] for _, raw in files if isinstance(raw.get("preset"), str)), DEFAULT_PRESET)

@@ -18,8 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, Pretrain
 
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.estimate import ModelShape
-from trainer.sizes import model_vocab_size
+from trainer.config.sizes import model_vocab_size
 
 ATTENTION = "sdpa"  # PyTorch's fused attention: flash / memory-efficient kernels on GPUs, a fused kernel on CPUs
 MASKLESS_ATTENTION = "sdpa_causal_no_mask"  # the same kernel, registered under a name no mask builder knows
@@ -183,21 +182,3 @@ def shape_signature(model: torch.nn.Module) -> dict[str, list[int]]:
     For a sharded model the global shapes are used, so the signature does not depend on the number of ranks.
     """
     return {name: list(p.shape) for name, p in model.named_parameters()}
-
-
-def model_shape(cfg: Config, vocab_size: int | None = None) -> ModelShape:
-    """Exact sizes from a model built on the meta device: no memory is allocated, even for billions of parameters."""
-    config = model_config(cfg, vocab_size)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
-    heads = config.num_attention_heads
-    return ModelShape(
-        parameters=count_parameters(model),
-        hidden_size=config.hidden_size,
-        num_layers=config.num_hidden_layers,
-        num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        ffn_hidden_size=getattr(config, "intermediate_size", 4 * config.hidden_size),
-        vocab_size=config.vocab_size,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-    )

@@ -1,12 +1,12 @@
-"""What the `auto` settings resolve to on a device type, torch-free: the rank (trainer.model, trainer.loss) and the
-memory estimate (trainer.estimate, called by the supervisor) resolve the fast path's the same way, and the supervisor
+"""What the `auto` settings resolve to on a device type, torch-free: the rank (trainer.model.build, trainer.model.loss) and the
+memory estimate (trainer.model.estimate, called by the supervisor) resolve the fast path's the same way, and the supervisor
 and a rank started by hand refuse the same configs when `system.device=auto` finds no GPU."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.sizes import human, parameter_count
+from trainer.config.sizes import human, parameter_count
 
 if TYPE_CHECKING:
     from trainer.config import Config

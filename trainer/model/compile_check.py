@@ -1,6 +1,6 @@
 """The first compiled forward and backward, tried on its own: a compiler that fails stops no run it need not stop.
 
-`torch.compile` is lazy: compiling the decoder layers (trainer.model.compile_layers) only marks them, and dynamo,
+`torch.compile` is lazy: compiling the decoder layers (trainer.model.build.compile_layers) only marks them, and dynamo,
 inductor and Triton do their work inside the first forward and backward, where a node without a working C/C++
 compiler (inductor's C++ kernels on CPUs, Triton's launcher on GPUs), an inductor or Triton error, or a graph that
 will not compile raises. Raised inside a real step, that error would leave DDP's reducer or FSDP's hooks half-way
@@ -29,9 +29,9 @@ import torch
 
 from trainer.config import Config
 from trainer.diagnosis.oom_report import is_out_of_memory
-from trainer.distributed import DistContext, gather_objects
+from trainer.model.distributed import DistContext, gather_objects
 from trainer.errors import UserError
-from trainer.model import decoder_layers
+from trainer.model.build import decoder_layers
 from trainer.progress import device_label
 
 # Where compiled code is built and launched: an error raised from inside these (not merely passing through them, as a
@@ -59,7 +59,7 @@ def compile_failure(error: BaseException) -> str | None:
 
 
 def uncompile(model: torch.nn.Module) -> None:
-    """Undo trainer.model.compile_layers: `nn.Module.compile` keeps the compiled call beside the module's own and has
+    """Undo trainer.model.build.compile_layers: `nn.Module.compile` keeps the compiled call beside the module's own and has
     no public inverse, so each decoder layer's compiled call is dropped (the layer calls its forward again)."""
     for layer in decoder_layers(model):
         layer._compiled_call_impl = None

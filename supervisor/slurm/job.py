@@ -1,7 +1,7 @@
 """The batch side of a Slurm job, what `train_slurm.sbatch` runs: one supervisor per node, and a requeue when Slurm's
 time-limit warning stopped the run at a checkpoint.
 
-Usage (inside an allocation): ``python -m supervisor.slurm_job [training flags...]``, which runs
+Usage (inside an allocation): ``python -m supervisor.slurm.job [training flags...]``, which runs
 
     srun --ntasks-per-node=1 --cpus-per-task=<the job's> bash run_training.sh --resume auto [training flags...]
 
@@ -12,7 +12,7 @@ Usage (inside an allocation): ``python -m supervisor.slurm_job [training flags..
   step asks for the job's CPUs per task explicitly: srun in Slurm 22.05 no longer inherits it, and a step confined to
   one CPU would squeeze a node's supervisor and ranks onto it wherever Slurm binds tasks to cores.
 - `SUPERVISOR_CONTROL_SECRET` is generated here unless already set: srun hands the job's environment to every node's
-  supervisor, so they share a secret that nobody outside the job has (supervisor/control_wire.py).
+  supervisor, so they share a secret that nobody outside the job has (supervisor/control/wire.py).
 - The time-limit warning (``#SBATCH --signal=B:USR1@120``) reaches this process alone, the batch step's (the job
   script execs into it), which passes it on to the supervisor of its node, the step's task there (``scontrol
   listpids``; ``run_training.sh`` and the bootstrap exec into the supervisor, so the task's pid is the supervisor's).
@@ -46,11 +46,11 @@ from pathlib import Path
 import hostlist
 
 from supervisor.cli import build_parser, split_entry_args
-from supervisor.control_wire import SECRET_ENV
+from supervisor.control.wire import SECRET_ENV
 from supervisor.exclusion import GPU_FAULT_FILE, NodeFault
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REQUEUE_EXIT_CODE = 128 + 10  # SIGUSR1: the time-limit warning, answered with a checkpoint
 NODE_EXCLUSION_ENV = "SUPERVISOR_NODE_EXCLUSION"
 

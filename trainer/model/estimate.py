@@ -7,7 +7,7 @@ weights, gradients and optimizer state are exact byte counts for this code's cho
 fp32 moments, DDP gradients living in its buckets); activations follow what autograd saves per decoder layer for the
 Llama block with SDPA attention (no score matrix), eager or compiled, under the activation-checkpointing policy, plus
 the loss's logits (all of them for the full loss, one chunk for the chunked and fused ones), and the overhead is a flat
-allowance. The fast-path choices are resolved as a GPU rank resolves them (trainer.choices).
+allowance. The fast-path choices are resolved as a GPU rank resolves them (trainer.config.choices).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from trainer.choices import CHUNK_ELEMENTS, auto_loss, compile_enabled
+from trainer.config.choices import CHUNK_ELEMENTS, auto_loss, compile_enabled
 from trainer.config import Config, checkpointing_policy
-from trainer.sizes import flops_per_token, human, model_vocab_size, parameter_count, tokens_per_step
+from trainer.config.sizes import flops_per_token, human, model_vocab_size, parameter_count, tokens_per_step
 
 GiB = 1024**3
 FP32 = 4
@@ -43,7 +43,7 @@ class ModelShape:
 
 def config_shape(cfg: Config) -> ModelShape:
     """The shape of the Llama the config's fields describe, by arithmetic (no torch: the supervisor can afford it).
-    `trainer.model.model_shape` gives the same from a meta-device build, and also covers model.name_or_path."""
+    `trainer.model.build.model_shape` gives the same from a meta-device build, and also covers model.name_or_path."""
     m = cfg.model
     return ModelShape(parameters=parameter_count(cfg), hidden_size=m.hidden_size, num_layers=m.num_layers,
                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, ffn_hidden_size=m.ffn_hidden_size,
@@ -151,8 +151,6 @@ def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None,
     the meta device instead (that imports torch and transformers).
     """
     if shape is None and cfg.model.name_or_path:
-        from trainer.model import model_shape
-
         shape = model_shape(cfg)
     s = shape or config_shape(cfg)
     n = max(1, world_size)
@@ -227,31 +225,30 @@ def format_estimate(est: MemoryEstimate) -> str:
     return "\n".join(lines)
 
 
-def detect_gpus() -> tuple[int, int | None, str | None]:
-    """(GPU count, the smallest GPU's memory in bytes, its name) of the GPUs this process may use; (0, None, None)
-    without any. The supervisor's discovery (NVML, then nvidia-smi, `CUDA_VISIBLE_DEVICES` honoured, so an empty one
-    means no GPU), else torch where neither tool is installed."""
-    from supervisor.gpus import discover
+@dataclass(frozen=True)
+class DetectedGpus:
+    """The GPUs a process may use, as `--dry-run` reports them: how many, the smallest one's memory, its name."""
 
-    inventory = discover()
-    if inventory.usable:
-        return (len(inventory.usable), min(g.memory_total for g in inventory.usable), inventory.usable[0].name)
-    if inventory.gpus:  # there are GPUs, all hidden by CUDA_VISIBLE_DEVICES
-        return 0, None, None
+    count: int = 0
+    memory: int | None = None  # bytes
+    name: str | None = None
+
+
+def torch_gpus() -> DetectedGpus:
+    """What torch sees (`CUDA_VISIBLE_DEVICES` honoured): a rank's own view, with no NVML needed."""
     import torch
 
     if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
-        return 0, None, None
-    _, total = torch.cuda.mem_get_info(0)
-    return torch.cuda.device_count(), int(total), torch.cuda.get_device_name(0)
+        return DetectedGpus()
+    properties = torch.cuda.get_device_properties(0)
+    return DetectedGpus(torch.cuda.device_count(), int(properties.total_memory), properties.name)
 
 
-def dry_run_report(cfg: Config, nproc: int | None = None) -> str:
+def dry_run_report(cfg: Config, gpus: DetectedGpus, nproc: int | None = None) -> str:
     """What `--dry-run` prints: sizes, throughput arithmetic and the memory estimate for the GPU count that would be
-    used (WORLD_SIZE, else --nproc, else the GPUs detected, else 1)."""
-    from trainer.model import model_shape
-
-    count, memory, name = detect_gpus()
+    used (WORLD_SIZE, else --nproc, else the GPUs detected, else 1). `gpus` is the caller's detection: the
+    supervisor's (NVML) or the rank's (torch)."""
+    count, memory, name = gpus.count, gpus.memory, gpus.name
     world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else (nproc or count or 1)
     est = estimate(cfg, world, memory, shape=model_shape(cfg))  # exact sizes from the meta device
     s, t, d = est.shape, cfg.training, cfg.data
@@ -273,3 +270,27 @@ def dry_run_report(cfg: Config, nproc: int | None = None) -> str:
         format_estimate(est),
     ]
     return "\n".join(lines)
+
+
+def model_shape(cfg: Config, vocab_size: int | None = None) -> ModelShape:
+    """Exact sizes from a model built on the meta device: no memory is allocated, even for billions of parameters.
+    Imports torch and transformers, so only when called: the rest of this module is the supervisor's too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model.build import ATTENTION, count_parameters, model_config
+
+    config = model_config(cfg, vocab_size)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
+    heads = config.num_attention_heads
+    return ModelShape(
+        parameters=count_parameters(model),
+        hidden_size=config.hidden_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        ffn_hidden_size=getattr(config, "intermediate_size", 4 * config.hidden_size),
+        vocab_size=config.vocab_size,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )

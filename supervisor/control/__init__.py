@@ -1,7 +1,7 @@
 """Multi-node: a failure on any node stops the ranks of every node within moments, not after an NCCL timeout.
 
 Node 0's supervisor runs a small TCP server on ``master-addr:master-port + 1`` (`CONTROL_PORT_OFFSET`); every other
-node's supervisor connects to it and proves it holds the run's secret (supervisor/control_wire.py: a
+node's supervisor connects to it and proves it holds the run's secret (supervisor/control/wire.py: a
 challenge-response, then an HMAC on every line). Once authenticated, the messages are:
 
     abort <node> <label> <code>    anyone → everyone: <label> on <node> ended the run with exit code <code> (0-255)
@@ -41,7 +41,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from supervisor.control_wire import (LOST_CODE, MAX_LINE, SECRET_ENV, LineReader, Session, abort_message, hello_proof, is_nonce,
+from supervisor.control.wire import (LOST_CODE, MAX_LINE, SECRET_ENV, LineReader, Session, abort_message, hello_proof, is_nonce,
                                      matches, new_nonce, parse_abort, welcome_proof)
 from supervisor.worker import describe_exit
 from trainer.errors import UserError

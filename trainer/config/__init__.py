@@ -1,6 +1,6 @@
 """The run's configuration: typed sections, layers applied onto them, validation.
 
-What a config is and what makes one valid; where its layers come from (presets, files, flags) is `trainer.resolve`.
+What a config is and what makes one valid; where its layers come from (presets, files, flags) is `trainer.config.resolve`.
 The supervisor resolves once and writes the result to the run folder; ranks read that file and never re-resolve.
 
 No torch import here: the supervisor and `prepare_dataset.py` must start fast.
@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.config.bounds import check_bounds, value_of
+from trainer.config.json_text import read_json, shown
 from trainer.errors import UserError
 from trainer.progress import restart_count
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 RUNS_DIR = Path("logs")  # where run folders go, under the working directory: the supervisor's and by hand
 DEFAULT_PRESET = "production"
 
@@ -158,7 +160,7 @@ class Config:
     @classmethod
     def load(cls, path: str | Path) -> "Config":
         """Read a resolved config written by `save` (what every rank does)."""
-        return cls.from_dict(read_json(Path(path)), origin=str(path))
+        return cls.from_dict(read_config_file(Path(path)), origin=str(path))
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -186,185 +188,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-@dataclass(frozen=True)
-class Bound:
-    """The values one numeric key accepts: `low` and `high` inclusive unless open (None: no limit on that side);
-    a float must be finite as well. The caps keep a value inside what the libraries it reaches take (an int64, a
-    `timedelta`, `time.sleep`), so an absurd value is one line here rather than a traceback minutes later."""
 
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def refusal(self, value: float) -> str | None:
-        """What `value` breaks, as the error message says it ('must be positive', 'must be within [0, 1)'), or
-        None when it is admitted. Only the side it breaks is named: a cap of two billion says nothing to a user
-        who typed -1."""
-        if isinstance(value, float) and not math.isfinite(value):
-            return "must be a finite number"
-        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
-        too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
-        if not (too_low or too_high):
-            return None
-        if isinstance(value, float) and self.low is not None and self.high is not None:
-            return (f"must be within {'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}"
-                    f"{')' if self.high_open else ']'}")
-        if too_high:
-            return f"must be {'below' if self.high_open else 'at most'} {number(self.high)}"
-        if self.low == 0 and self.low_open or (isinstance(value, int) and self.low == 1 and not self.low_open):
-            return "must be positive"
-        if self.low == 0:
-            return "must be 0 or more"
-        return f"must be {'above' if self.low_open else 'at least'} {number(self.low)}"
-
-
-def number(value: float) -> str:
-    """31,536,000 rather than 3.1536e+07; 0.5 as it is."""
-    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
-
-
-def shown(value: Any, limit: int = 60) -> str:
-    """A value as JSON in an error message, cut short: one line, even for a 5,000-digit number."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text):,} characters)"
-
-
-COUNT_MAX = 2**31 - 1  # steps, sizes, intervals: an int32, far beyond any run, inside every index type torch uses
-POSITIVE, NON_NEGATIVE = Bound(1, COUNT_MAX), Bound(0, COUNT_MAX)
-POSITIVE_FLOAT, FRACTION = Bound(0, low_open=True), Bound(0, 1)
-# Every int and float key, beside the dataclasses so that a new key gets its line here (tests/test_config.py checks
-# none is missing). Cross-key rules (context within positions, heads dividing the width) stay in `validate`.
-BOUNDS: dict[str, Bound] = {
-    "system.device_id": Bound(0, 4095),
-    "system.seed": Bound(0, 2**64 - 1),  # torch.manual_seed's range
-    "system.dist_timeout_s": Bound(0, 365 * 86400, low_open=True),
-    "model.hidden_size": POSITIVE,
-    "model.num_layers": POSITIVE,
-    "model.num_heads": POSITIVE,
-    "model.num_kv_heads": POSITIVE,
-    "model.ffn_hidden_size": POSITIVE,
-    "model.max_position_embeddings": POSITIVE,
-    "model.vocab_size": POSITIVE,
-    "model.init_std": Bound(0, 10, low_open=True),
-    "model.rope_theta": POSITIVE_FLOAT,
-    "data.vocab_size": Bound(256 + 1, 2**32),  # the 256 bytes and a merge at least; ids are stored as uint32 at most
-    "data.context_length": POSITIVE,
-    "data.max_samples": Bound(1, 2**53),  # '5.5b' goes through a float: exact up to 2**53
-    "data.val_fraction": Bound(0, 1, high_open=True),
-    "training.max_steps": POSITIVE,
-    "training.batch_size": POSITIVE,
-    "training.grad_accum_nums": POSITIVE,
-    "training.num_workers": Bound(0, 1024),
-    "training.learning_rate": POSITIVE_FLOAT,
-    "training.min_lr_ratio": FRACTION,
-    "training.warmup_steps": NON_NEGATIVE,
-    "training.weight_decay": Bound(0),
-    "training.beta1": Bound(0, 1, high_open=True),  # torch.optim.AdamW's range
-    "training.beta2": Bound(0, 1, high_open=True),
-    "training.max_grad_norm": POSITIVE_FLOAT,
-    "training.eval_interval": NON_NEGATIVE,
-    "training.eval_steps": POSITIVE,
-    "checkpoint.interval": NON_NEGATIVE,
-    "checkpoint.keep": POSITIVE,
-    "logging.log_interval": POSITIVE,
-    "debug.max_nonfinite_steps": POSITIVE,
-    "debug.inject_nan_step": NON_NEGATIVE,
-    "debug.inject_nan_rank": NON_NEGATIVE,
-    "debug.inject_fault_step": NON_NEGATIVE,
-    "debug.inject_fault_rank": NON_NEGATIVE,
-    "debug.inject_fault_restart": NON_NEGATIVE,  # 0: the first group
-    "debug.inject_fault_code": Bound(0, 255),  # an exit status
-    "debug.inject_fault_delay_s": Bound(0, 86400, low_open=True),
-}
-# Folders, files and names where an empty string would quietly mean the working folder or nothing at all.
-NON_EMPTY = ("data.source", "data.cache_dir", "data.tokenizer", "data.text_field", "data.split", "checkpoint.dir",
-             "checkpoint.resume", "model.name_or_path", "logging.run_dir", "logging.wandb_project")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Reading JSON (with // comments, as people paste them from docs)
-
-
-def strip_json_comments(text: str) -> str:
-    """Remove `//` line comments outside strings, keeping line numbers intact for error messages."""
-    out: list[str] = []
-    in_string = escaped = False
-    i = 0
-    while i < len(text):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-            out.append(ch)
-        elif ch == '"':
-            in_string = True
-            out.append(ch)
-        elif text.startswith("//", i):
-            while i < len(text) and text[i] != "\n":
-                i += 1
-            continue
-        else:
-            out.append(ch)
-        i += 1
-    return "".join(out)
-
-
-MAX_CONFIG_BYTES = 16 << 20  # a config is a few kilobytes; anything this large is another file given by mistake
-
-
-def refuse_constant(name: str) -> float:
-    """`json.loads` takes NaN and Infinity, which JSON does not have: a config holding one is refused by name."""
-    raise ValueError(f"{name} is not a JSON number; give a finite number")
-
-
-MAX_INTEGER_DIGITS = 100
-
-
-def parse_integer(text: str) -> int:
-    """Python refuses to convert more than 4,300 digits with advice about `sys`; a config's numbers are short."""
-    if len(text) > MAX_INTEGER_DIGITS:
-        raise ValueError(f"a number of {len(text):,} digits")
-    return int(text)
-
-
-def parse_json(text: str) -> Any:
-    """JSON as the config files use it: no NaN or Infinity, no number of thousands of digits. A nesting too deep for
-    the parser is a ValueError like any other malformed input."""
-    try:
-        return json.loads(text, parse_constant=refuse_constant, parse_int=parse_integer)
-    except RecursionError:
-        raise ValueError("nested too deeply to be a config") from None
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    """A config file, read defensively: UTF-8 text (a BOM allowed), JSON with // comments, an object at the top."""
-    if not path.is_file():
-        raise UserError(f"config file {path} does not exist" if not path.exists() else
-                        f"config file {path} is not a file")
-    try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise UserError(f"config file {path} is {path.stat().st_size:,} bytes, too large for a config; is it the "
-                            f"right file?")
-        text = path.read_bytes().decode("utf-8-sig")
-    except OSError as e:
-        raise UserError(f"cannot read config file {path}: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (byte {e.start}); save the config as UTF-8 JSON") from None
-    try:
-        raw = parse_json(strip_json_comments(text))
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    except ValueError as e:
-        raise UserError(f"{path}: invalid JSON: {e}") from None
+def read_config_file(path: Path) -> dict[str, Any]:
+    """One config layer from a file: JSON as `json_text.read_json` reads it, an object of sections at the top."""
+    raw = read_json(path)
     if not isinstance(raw, dict):
         raise UserError(f"{path}: the top level must be a JSON object with sections {', '.join(SECTIONS)}")
     return raw
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Layers and types
@@ -495,24 +325,6 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise UserError(message)
     check_injection(cfg.debug, t.max_steps)
-
-
-def value_of(cfg: Config, dotted: str) -> Any:
-    section, key = dotted.split(".")
-    return getattr(getattr(cfg, section), key)
-
-
-def check_bounds(cfg: Config) -> None:
-    """Every numeric key within its `BOUNDS` (finite, for a float); no folder, file or name left empty."""
-    for dotted, bound in BOUNDS.items():
-        value = value_of(cfg, dotted)
-        if value is not None and (refusal := bound.refusal(value)):
-            raise UserError(f"{dotted} {refusal}, got {shown(value) if isinstance(value, int) else f'{value:g}'}")
-    for dotted in NON_EMPTY:
-        value = value_of(cfg, dotted)
-        if value is not None and not value.strip():
-            raise UserError(f"{dotted} is empty; give a value (an empty one would quietly mean the working folder "
-                            f"or nothing)")
 
 
 def check_injection(d: DebugConfig, max_steps: int | None = None) -> None:

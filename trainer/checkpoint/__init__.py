@@ -1,0 +1,7 @@
+"""Checkpoints: what a save writes and a resume reads (`store`: the full state or DCP's shards, `final/`, imports
+torch), and their names on disk, damage found from the files alone, and which one `--resume` means (`layout`:
+torch-free, so the supervisor refuses a bad `--resume` before any rank starts). Both publish through
+`trainer.durable` (temporary name → fsync → rename).
+
+Imports `trainer.config`, `trainer.model` and the leaves; this file imports nothing, so `layout` stays torch-free.
+"""
