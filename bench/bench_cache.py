@@ -1,7 +1,6 @@
 """Token cache benchmark: figures measured side by side in one run, printed as ratios against the anchors.
 
     python bench/bench_cache.py [--rounds 3] [--vocab-size 8192] [--skip-large]
-    python bench/bench_cache.py --scale [--scale-mb 1024] [--hit-mb 100] [--hit-gb 10]
 
 1. Throughput on the default corpus (every stdlib `*.py` file, byte-level BPE trained once on it; training time is
    reported apart and excluded, as the anchor does), each method in its own fresh process, interleaved over rounds:
@@ -16,18 +15,7 @@
 4. Reading: 2 processes memory-map a large cache and read all of it through BatchSampler; their private memory (USS)
    and anonymous memory growth against the file size, next to a reader that loads a private copy (np.fromfile).
 
---scale, instead: corpora of the size users bring, generated (the standard library's text repeated; nothing is
-downloaded) in a temporary folder: `--scale-mb` of JSONL (one document per row) and the same text as ONE .txt document.
-Each is built by `prepare_dataset.py` (the BPE trained once on the standard library, given by path) and, on the same
-files, by `datasets.map(num_proc=<cores>)`: tokens/s and peak RSS. A single-document .txt cannot go through
-`datasets` at all (one row of the whole file), so its map baseline reads the file with `sample_by="paragraph"`. At
-`--hit-mb` the same pair is built, plus the .txt cut by paragraphs (one huge document against many small ones, same
-text); then the wall time of a cache hit (`python prepare_dataset.py`, a fresh process) at both sizes, next to a hit
-that must re-read the sources (digest memo removed). Last, the hit on a `--hit-gb` corpus (files of `--scale-mb`, each
-its own copy on disk): the first launch hashes every byte, the next ones stat; the cache holds the first
-`HIT_CORPUS_SAMPLES` documents (`data.max_samples`), which leaves the key, and so the hit's work, that of the whole
-corpus, while sparing a build of billions of tokens. The page cache is dropped before the cold launches where the
-machine allows it, so those read from the disk.
+Corpora of the size users bring (1 GB, 10 GB) are `bench_cache_scale.py`'s.
 """
 
 from __future__ import annotations
@@ -52,15 +40,22 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 from trainer.config import Config  # noqa: E402
-from trainer.data.cache import (OFFSETS_FILE, TOKENS_FILE, VAL_OFFSETS_FILE, VAL_TOKENS_FILE, TokenCache,  # noqa: E402
-                                digest, prepare, write_manifest)
+from trainer.data.cache import (  # noqa: E402
+    OFFSETS_FILE,
+    TOKENS_FILE,
+    VAL_OFFSETS_FILE,
+    VAL_TOKENS_FILE,
+    TokenCache,
+    digest,
+    prepare,
+    write_manifest,
+)
 from trainer.data.corpus import StdlibCorpus  # noqa: E402
 from trainer.data.staging import publish, staging  # noqa: E402
 from trainer.data.token_stream import TokenStream  # noqa: E402
 from trainer.data.tokenizer import export, load_fast  # noqa: E402
 
 ANCHORS = {"map": 0.47, "raw": 0.74}  # M tokens/s on the reference 2-core machine (ANCHORS.md)
-HIT_CORPUS_SAMPLES = 2_000  # documents cached of the --hit-gb corpus (its key still covers every byte)
 
 
 def config_for(cache_dir: Path, **data: object) -> Config:
@@ -350,116 +345,6 @@ def reading_memory(work: Path, cfg: Config) -> None:
 # Scale: generated corpora of the size users bring
 
 
-def generate_corpus(folder: Path, megabytes: int) -> tuple[Path, Path]:
-    """The standard library's text repeated to `megabytes`: as JSONL rows, and as one .txt document (files joined by
-    blank lines). Written in streaming fashion; the same characters either way."""
-    documents = [d for d in StdlibCorpus().documents() if "\0" not in d]
-    jsonl, txt = folder / f"corpus_{megabytes}mb.jsonl", folder / f"corpus_{megabytes}mb.txt"
-    written = 0
-    with open(jsonl, "w") as rows, open(txt, "w") as text:
-        while written < megabytes * 1_000_000:
-            for document in documents:
-                rows.write(json.dumps({"text": document}) + "\n")
-                text.write(document + "\n\n")
-                written += len(document.encode()) + 2
-                if written >= megabytes * 1_000_000:
-                    break
-    return jsonl, txt
-
-
-def build_ours(work: Path, tokenizer: Path, source: Path, sample_by: str = "document") -> tuple[dict, Path]:
-    config = work / f"{source.name}-{sample_by}.json"
-    config_for(work / "scale-cache", source=str(source), tokenizer=str(tokenizer), sample_by=sample_by).save(config)
-    return child("ours", str(config)), config
-
-
-def scale(work: Path, tokenizer: Path, megabytes: int, hit_megabytes: int) -> None:
-    """The figures as they come (a long run on a shared machine: each line is printed when measured). Rates are given
-    per second of wall time and per CPU-second (all threads and worker processes), the second barely moved by other
-    load on the machine."""
-    rates: dict[tuple[str, int], tuple[float, float]] = {}
-
-    def measure(label: str, size: int, result: dict) -> None:
-        rates[label, size] = result["tokens"] / result["seconds"], result["tokens"] / result["cpu"]
-        print(f"  {label:<38} {size:>5} MB {result['tokens']:>12,} tokens {rates[label, size][0] / 1e6:6.2f} M tok/s "
-              f"{rates[label, size][1] / 1e6:6.2f} M tok/CPU-s  peak RSS {result['rss_peak_mb']:>5.0f} MB "
-              f"({result['seconds']:.0f} s)", flush=True)
-
-    def ratio(a: str, b: str, size: int) -> str:
-        return (f"{rates[a, size][0] / rates[b, size][0]:.2f}x per second, "
-                f"{rates[a, size][1] / rates[b, size][1]:.2f}x per CPU-second")
-
-    for size in (hit_megabytes, megabytes):
-        jsonl, txt = generate_corpus(work, size)
-        print(f"{size} MB corpus: {jsonl.stat().st_size / 1e6:,.0f} MB JSONL, {txt.stat().st_size / 1e6:,.0f} MB .txt",
-              flush=True)
-        measure("ours, .txt as one document", size, build_ours(work, tokenizer, txt)[0])
-        result, config = build_ours(work, tokenizer, jsonl)
-        measure("ours, JSONL", size, result)
-        if size == hit_megabytes:
-            measure("ours, the same .txt cut by paragraphs", size, build_ours(work, tokenizer, txt, "paragraph")[0])
-            print(f"  one huge document / many small ones (same text): "
-                  f"{ratio('ours, .txt as one document', 'ours, the same .txt cut by paragraphs', size)} "
-                  f"(target: within 15 %)", flush=True)
-        hit_seconds(config, runs=1)  # the first launch after the build remembers the digests of the new files
-        hit = hit_seconds(config)
-        (work / "scale-cache" / ".file-digests.json").unlink()
-        cold = hit_seconds(config, runs=1)
-        print(f"  cache hit, python prepare_dataset.py: median {hit[0]:.2f} s wall, {hit[1]:.2f} s CPU over 5 launches "
-              f"(target <= 1 s); {cold[0]:.2f} s wall, {cold[1]:.2f} s CPU when the sources must be read again "
-              f"(digest memo removed)", flush=True)
-        if size == megabytes:
-            measure("datasets.map, JSONL", size, child("map_files", str(tokenizer), str(jsonl)))
-            print(f"  ours/map, JSONL: {ratio('ours, JSONL', 'datasets.map, JSONL', size)} (target >= 1.5x)",
-                  flush=True)
-            measure("datasets.map, .txt by paragraphs", size, child("map_files", str(tokenizer), str(txt)))
-            print(f"  ours/map, .txt: {ratio('ours, .txt as one document', 'datasets.map, .txt by paragraphs', size)}"
-                  f" (target >= 1.5x)", flush=True)
-        for path in (jsonl, txt):
-            path.unlink()
-
-
-def drop_page_cache() -> bool:
-    """Ask the kernel to forget cached file pages (root only), so the next reads come from the disk."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def large_corpus_hit(work: Path, tokenizer: Path, gigabytes: int, file_mb: int) -> None:
-    """The hit on a corpus of `gigabytes`: files of `file_mb` each, copies of one generated JSONL file."""
-    folder = work / f"corpus_{gigabytes}gb"
-    folder.mkdir()
-    first, txt = generate_corpus(work, file_mb)
-    txt.unlink()
-    files = [folder / f"part_{i:03d}.jsonl" for i in range(-(-gigabytes * 1000 // file_mb))]
-    for path in files:
-        shutil.copyfile(first, path)
-    first.unlink()
-    config = work / "hit-corpus.json"
-    config_for(work / "hit-cache", source=str(folder), tokenizer=str(tokenizer),
-               max_samples=HIT_CORPUS_SAMPLES).save(config)
-    size = sum(path.stat().st_size for path in files)
-    cold = drop_page_cache()
-    build = hit_seconds(config, runs=1)  # hashes every byte, builds the capped cache, remembers the digests
-    hit = hit_seconds(config)
-    dropped = drop_page_cache()
-    hit_cold = hit_seconds(config, runs=1)
-    print(f"{size / 1e9:.1f} GB corpus ({len(files)} files): first launch (hash every byte{', page cache dropped' * cold}"
-          f", build the first {HIT_CORPUS_SAMPLES:,} documents) {build[0]:.1f} s; cache hit, python prepare_dataset.py: "
-          f"median {hit[0]:.2f} s wall, {hit[1]:.2f} s CPU over 5 launches, {hit_cold[0]:.2f} s wall "
-          f"{'after dropping the page cache' if dropped else '(page cache not droppable here)'} (target <= 1 s)",
-          flush=True)
-    shutil.rmtree(folder)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Scaling with cores: bench_gpu.py's cache section, for a machine with cores to spare
-
-
 SMOKE_SCALING_DOCUMENTS = 12  # the first stdlib files, about 100 kB: a build a second long
 
 
@@ -509,10 +394,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--skip-large", action="store_true", help="skip the 3x-source and 1 GB-cache memory runs")
-    parser.add_argument("--scale", action="store_true", help="only the scale section: generated corpora, see above")
-    parser.add_argument("--scale-mb", type=int, default=1024, help="the large generated corpus, in MB")
-    parser.add_argument("--hit-mb", type=int, default=100, help="the smaller one (hit time, one vs many documents)")
-    parser.add_argument("--hit-gb", type=int, default=10, help="the corpus whose cache hit is timed last (0: skip)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -528,17 +409,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
     started = time.perf_counter()
     try:
-        if args.scale:
-            tokenizer = prepare(config_for(work / "scale-cache"), show_progress=False).path  # BPE 8192, stdlib
-            scale(work, tokenizer, args.scale_mb, args.hit_mb)
-            if args.hit_gb:
-                large_corpus_hit(work, tokenizer, args.hit_gb, args.scale_mb)
-        else:
-            cfg, config = throughput(work, args.rounds, args.vocab_size)
-            hit_wall(config)
-            if not args.skip_large:
-                large_source_rss(work, cfg)
-                reading_memory(work, cfg)
+        cfg, config = throughput(work, args.rounds, args.vocab_size)
+        hit_wall(config)
+        if not args.skip_large:
+            large_source_rss(work, cfg)
+            reading_memory(work, cfg)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"(benchmark wall time {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at the end)")

@@ -70,9 +70,26 @@ from functools import partial
 from pathlib import Path
 
 from bench_cache import core_scaling  # beside this file
-from gpu_runs import (GIB, NO_FINAL_MODEL, RANK_RUNS, ROOT, RUN_KINDS, SHAPES, SMOKE_ABLATIONS, SMOKE_DATA,
-                      SMOKE_RUNS, SMOKE_SHAPE, Options, RankRun, Result, Shape, ablations, loop_throughput, rank_job,
-                      rank_throughput)
+from gpu_runs import (
+    GIB,
+    NO_FINAL_MODEL,
+    RANK_RUNS,
+    ROOT,
+    RUN_KINDS,
+    SHAPES,
+    SMOKE_ABLATIONS,
+    SMOKE_DATA,
+    SMOKE_RUNS,
+    SMOKE_SHAPE,
+    Options,
+    RankRun,
+    Result,
+    Shape,
+    ablations,
+    loop_throughput,
+    rank_job,
+    rank_throughput,
+)
 
 SECTIONS = ("training", "ablation", "cache", "logpump")
 

@@ -180,9 +180,9 @@ def interleaved(config_path: str, blocks: int, block_steps: int) -> None:
     same machine at the same moments."""
     import torch.distributed as dist
 
-    from trainer.model.distributed import StopVote, init_distributed, teardown
-    from trainer.loop import StopRequest, Trainer
+    from trainer.loop import Trainer
     from trainer.metrics import EtaClock, Throughput
+    from trainer.model.distributed import StopRequest, StopVote, init_distributed, teardown
     from trainer.progress import ProgressReporter
 
     cfg = Config.load(config_path)

@@ -22,12 +22,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.config.choices import compile_enabled  # noqa: E402
+from textbook_loop import parse_anchor_line  # noqa: E402  (beside this file)
+
 from trainer.config import Config  # noqa: E402
-from trainer.metrics import HISTORY_JSON, peak_flops  # noqa: E402
+from trainer.config.choices import compile_enabled  # noqa: E402
 from trainer.config.resolve import add_config_arguments, resolve  # noqa: E402
 from trainer.config.sizes import flops_per_token, model_vocab_size, parameter_count  # noqa: E402
-from textbook_loop import parse_anchor_line  # noqa: E402  (beside this file)
+from trainer.metrics import HISTORY_JSON, peak_flops  # noqa: E402
 
 GIB = 2**30
 RUN_KINDS = ("eager", "compiled", "shipped")  # the rank's rows, the choices of --runs

@@ -24,19 +24,19 @@ from itertools import count
 from pathlib import Path
 
 from supervisor import gpus
-from supervisor.diagnosis import preflight
 from supervisor.console import Console
 from supervisor.control.wire import read_secret
-from supervisor.launcher import Launcher, run_folder_writes
-from supervisor.slurm import layout as slurm_layout
+from supervisor.diagnosis import preflight
 from supervisor.exclusion import default_min_gpus
+from supervisor.launcher import Launcher, run_folder_writes
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
+from supervisor.slurm import layout as slurm_layout
 from trainer.checkpoint.layout import check_checkpoint_dir, earlier_run, find_resume
-from trainer.config.choices import cpu_refusal
 from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
+from trainer.config.choices import cpu_refusal
+from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
-from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2

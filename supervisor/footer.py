@@ -9,8 +9,8 @@ from typing import Callable
 
 from rich.table import Table
 
+from supervisor.liveness import RankState
 from supervisor.report import duration
-from supervisor.watch import RankState
 from supervisor.worker import Worker
 
 Rows = Callable[[], list[tuple[Worker, RankState, str]]]

@@ -55,7 +55,7 @@ from trainer.data.prepare_cli import interrupt_once
 from trainer.errors import UserError
 
 if TYPE_CHECKING:
-    from supervisor.control import ControlChannel
+    from supervisor.control.channel import ControlChannel
 
 
 @contextmanager

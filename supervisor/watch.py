@@ -5,14 +5,7 @@ rank to die is the first we see), a signal (SIGCHLD, or a stop request), a progr
 multi-node control channel, or the next deadline (a hang allowance running out, the end of the stack-dump pause,
 the end of the grace period). There is no polling interval.
 
-The failure is the rank that failed first, not the first to exit: a rank that catches an error says ``failing`` on
-the progress channel before it leaves its process group, and a peer whose collective that cuts short (gloo's
-"Connection closed by peer") says so too, but may exit before it. So at the first non-zero exit (or death by a
-signal) the records already in the pipes are read; if the exiting rank said ``failing``, the rank with the earliest
-``failing`` record, when it is still running, is the failure: it is left to exit on its own (its exit code and its
-headline come then), the others are stopped. A rank that exits without saying it (killed, crashed, or ended outside
-the trainer's error handler) failed hard, and is the failure itself: the records its peers write once it is gone come
-after its end, however early they are read. Stopping the others: SIGTERM to each rank process,
+Which rank's failure is the run's, when several fail one after another, is `supervisor.failure`'s rule. Stopping the others: SIGTERM to each rank process,
 then SIGKILL to its whole process group once the grace period ends. SIGTERM goes to the rank alone, not its group,
 so its DataLoader workers keep serving it while it finishes its step and checkpoints; the moment a rank exits, its
 group is SIGKILLed, so nothing it started outlives it. After the last exit, a sweep kills any descendant that left
@@ -39,18 +32,19 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
 from supervisor.control.wire import LOST_CODE
-from supervisor.diagnosis import culprit, oom, stragglers
+from supervisor.diagnosis import culprit, stragglers
+from supervisor.failure import FailureRule
+from supervisor.liveness import RankState
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
 from supervisor.signals import STOP_SIGNALS, SignalInbox
 from supervisor.worker import Worker, describe_exit
-from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.errors import USER_ERROR_EXIT_CODE
 from trainer.progress import Progress
 
 if TYPE_CHECKING:
-    from supervisor.control import ControlChannel
+    from supervisor.control.channel import ControlChannel
 
 DUMP_WAIT = 1.0  # after SIGUSR1: time for faulthandler to write every thread's stack before the stop begins
 KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
@@ -65,39 +59,6 @@ STOPPED = "stopped by the supervisor"
 KILLED = "killed (SIGKILL)"
 STUCK = "did not die (left behind)"
 
-
-@dataclass
-class RankState:
-    """What a rank last said on the progress channel."""
-
-    last_seen: float  # monotonic
-    last_seen_wall: float
-    console_mark: float = 0.0  # Console.writing_time() when last seen
-    event: str | None = None
-    phase: str | None = None
-    step: int = 0
-    total: int = 0
-    loss: float | None = None
-    tok_s: float | None = None
-    eta_s: float | None = None
-    pending: bytes = b""
-
-    def update(self, record: Progress, console_mark: float) -> None:
-        self.last_seen, self.last_seen_wall, self.console_mark = time.monotonic(), time.time(), console_mark
-        self.event = record.event
-        if record.event == "phase":
-            self.phase = record.phase
-        else:
-            self.step, self.total = record.step, record.total or self.total
-            self.loss = record.loss if record.loss is not None else self.loss
-            self.tok_s, self.eta_s = record.tok_s, record.eta_s
-
-    def allowance(self, hang_timeout: float, startup_timeout: float) -> float:
-        return hang_timeout if self.event == "step" else startup_timeout
-
-    def silence(self, now: float, console_time: float) -> float:
-        """Seconds without progress, not counting those the console held the rank's output back."""
-        return now - self.last_seen - (console_time - self.console_mark)
 
 
 @dataclass
@@ -146,7 +107,7 @@ class Watch:
         self.endings: dict[int, str] = {}
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
-        self.failing: dict[int, float] = {}  # rank → when it said ``failing`` (wall clock, as it wrote the record)
+        self.failures = FailureRule(plan.run_dir, tails)
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
@@ -247,15 +208,12 @@ class Watch:
         for other in self.workers:
             if other.progress_fd >= 0:
                 self.on_progress(other)
-        culprit = w
-        if w.spec.rank in self.failing:  # an error it reported: the earliest report names the failure
-            first = next(x for x in self.workers if x.spec.rank == self.first_failing())
-            culprit = first if first.alive else w
+        culprit = self.failures.culprit(w, self.workers)
         if culprit is w:
             self.endings[w.spec.rank] = FAILED_FIRST
             if code != USER_ERROR_EXIT_CODE:  # a bad input fails every rank alike: their lines are no fallout
-                self.quiet_fallout(w.spec.rank)
-            self.begin_stop(Stop("failure", code, self.failure_detail(w, code), worker=w))
+                self.failures.quiet_fallout(w.spec.rank)
+            self.begin_stop(Stop("failure", code, self.failures.detail(w, code), worker=w))
             self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}; "
                              f"stopping the other ranks", style="bold red")
             return
@@ -271,18 +229,10 @@ class Watch:
         """The culprit that announced its error has exited: its code and headline are the run's."""
         stop = self.stop
         assert stop is not None
-        stop.awaiting, stop.exit_code, stop.detail = False, code, self.failure_detail(w, code)
+        stop.awaiting, stop.exit_code, stop.detail = False, code, self.failures.detail(w, code)
         self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}",
                          style="bold red")
         self.abort_other_nodes(stop)
-
-    def failure_detail(self, w: Worker, code: int) -> str:
-        if code == OOM_EXIT_CODE:
-            return oom.describe(self.plan.run_dir, w.label, w.spec.rank)
-        if w.killed:
-            return (f"{w.label} (rank {w.spec.rank}) failed: it reported an error, then was killed after the grace "
-                    f"period ({describe_exit(code)})")
-        return f"{w.label} (rank {w.spec.rank}) failed: {describe_exit(code)}"
 
     # -- stopping --------------------------------------------------------------------------------------------------
 
@@ -363,26 +313,9 @@ class Watch:
         node, label, code, why = event
         if self.stop is None:
             self.console.say(f"node {node}: {why}; stopping this node's ranks", style="bold red")
-            self.quiet_fallout(None)
+            self.failures.quiet_fallout(None)
             # an abort always says how a rank failed; were it to say 0, the run must still not look finished
             self.begin_stop(Stop("remote", code or LOST_CODE, f"node {node}: {why}"))
-
-    def quiet_fallout(self, failing: int | None) -> None:
-        """Keep the other ranks' stderr off the console from now on (it goes on into their log files): their
-        collectives are cut short by `failing`'s failure (or another node's), and their tracebacks would bury its
-        lines. Called until the stop begins, each time with the earliest failure known (an earlier announcement
-        read after a later one takes over); `None` quiets every rank here."""
-        for rank, stream in self.tails.items():
-            stream.mute(rank != failing)
-
-    def announce(self, w: Worker, at: float) -> None:
-        """A ``failing`` record written at `at`, before the stop: the earliest one names the failure (`on_failure`)."""
-        if self.stop is None:
-            self.failing.setdefault(w.spec.rank, at)
-            self.quiet_fallout(self.first_failing())
-
-    def first_failing(self) -> int:
-        return min(self.failing, key=self.failing.__getitem__)
 
     # -- progress and hangs ----------------------------------------------------------------------------------------
 
@@ -407,7 +340,8 @@ class Watch:
             except (ValueError, TypeError):
                 continue  # a malformed record says nothing about progress
             if record.event == "failing":
-                self.announce(w, record.time)
+                if self.stop is None:  # before the stop: the earliest one names the failure (`on_failure`)
+                    self.failures.announce(w.spec.rank, record.time)
             elif record.event == "step" and (found := self.stragglers.add(w.spec.rank, record.step, record.ready_s,
                                                                         record.step_s)):
                 self.console.say(found.message(), style="bold yellow")

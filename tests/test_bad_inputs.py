@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from process_tree import watching
-from supervisor import cli
 from rank_scripts.harness import ROOT, clean_env, project_pythonpath
 from small_disk import FILLER, fill, small_disk
+from supervisor import cli
 from trainer.checkpoint.layout import STEP_PREFIX, TMP_PREFIX
 from trainer.data.cache_folder import list_caches
 from trainer.data.staging import BUILD_PREFIX

@@ -1,6 +1,8 @@
 """The token cache: keys and hits, the files and manifest, round trips, races, SIGKILLed builds, corruption, bad input.
 
 Corpora stay tiny (a few dozen stdlib files, a 300-token BPE, short contexts) so the whole file runs in seconds.
+
+Length: one test per behaviour of the one cache contract (`trainer.data.cache`), sharing its small fixtures.
 """
 
 from __future__ import annotations

@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from rank_support import PYTHON, ROOT, base_env, kill_on_exit, tiny_config
-from trainer.checkpoint import layout, store
 from trainer import durable
+from trainer.checkpoint import layout, store
 from trainer.checkpoint.store import CheckpointMeta, TrainState
 from trainer.config import Config
-from trainer.model.distributed import DistContext, init_distributed, teardown
 from trainer.errors import UserError
-from trainer.model.loss import full_loss
 from trainer.model.build import build_model, shape_signature
+from trainer.model.distributed import DistContext, init_distributed, teardown
+from trainer.model.loss import full_loss
 from trainer.model.optim import build_optimizer, build_scheduler
 
 CPU = torch.device("cpu")

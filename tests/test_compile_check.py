@@ -1,4 +1,4 @@
-"""A compile that fails cannot strand a run (trainer.model.compile_check), with a real failure: inductor's CPU kernels are
+"""A compile that fails cannot strand a run (trainer.compile_check), with a real failure: inductor's CPU kernels are
 C++ that it compiles at the first forward, and a rank whose C++ compiler does not exist fails there as a node without
 one does (`CXX=/nonexistent`; its own, fresh inductor cache, so nothing compiled earlier hides the compiler's absence).
 
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from rank_support import base_env, run_main, spawn_ranks, tiny_config
-from trainer.model.compile_check import compile_failure, verdict
+from trainer.compile_check import compile_failure, verdict
 from trainer.errors import UserError
 
 STEPS = 2
@@ -43,10 +43,10 @@ def worker(rank: int, folder: Path, cache_dir: Path, tokenizer: Path) -> None:
     """Rank 0 has no C++ compiler; rank 1 compiles with dynamo's `eager` backend. Both run the loop's first steps."""
     import torch._inductor.config as inductor
 
-    from trainer.model.distributed import StopVote, init_distributed, teardown
-    from trainer.loop import StopRequest, Trainer
+    from trainer.loop import Trainer
     from trainer.metrics import EtaClock, Throughput
     from trainer.model.build import compile_layers, decoder_layers
+    from trainer.model.distributed import StopRequest, StopVote, init_distributed, teardown
     from trainer.progress import ProgressReporter
 
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder / f"inductor-{rank}")
@@ -120,9 +120,9 @@ def test_a_compiler_that_is_not_there_on_a_rank(setting: bool | str, tmp_path: P
     (auto) or stops with the UserError (true)."""
     import torch._inductor.config as inductor
 
-    from trainer.model.compile_check import check
-    from trainer.model.distributed import init_distributed, teardown
+    from trainer.compile_check import check
     from trainer.model.build import compile_layers
+    from trainer.model.distributed import init_distributed, teardown
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GPU_RANK"):
         monkeypatch.delenv(name, raising=False)

@@ -15,9 +15,9 @@ import pytest
 from trainer.config import SECTIONS, Config, field_types
 from trainer.config.bounds import BOUNDS
 from trainer.config.json_text import strip_json_comments
-from trainer.errors import UserError
 from trainer.config.resolve import add_config_arguments, preset_names, presets_table, resolve
 from trainer.config.sizes import parameter_count
+from trainer.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 

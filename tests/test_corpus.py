@@ -13,8 +13,16 @@ from pathlib import Path
 import pytest
 
 from trainer.config import PROJECT_ROOT, DataConfig
-from trainer.data.corpus import (Corpus, HubCorpus, LocalCorpus, StdlibCorpus, is_validation, open_corpus,
-                                 split_documents, training_pieces)
+from trainer.data.corpus import (
+    Corpus,
+    HubCorpus,
+    LocalCorpus,
+    StdlibCorpus,
+    is_validation,
+    open_corpus,
+    split_documents,
+    training_pieces,
+)
 from trainer.data.digests import DigestMemo
 from trainer.errors import UserError
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from rank_support import SPAWNED_WORLD, assert_final_model_holds, save_full_params, spawn_ranks, tiny_config
 from trainer.checkpoint import layout, store
 from trainer.config import Config
+from trainer.model.build import build_model, shape_signature
 from trainer.model.distributed import (
     RankEnvironment,
     agree_any,
@@ -25,7 +26,6 @@ from trainer.model.distributed import (
     wrap_model,
 )
 from trainer.model.loss import full_loss
-from trainer.model.build import build_model, shape_signature
 from trainer.model.optim import build_optimizer, build_scheduler
 
 WORLD = SPAWNED_WORLD

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from rank_support import MAIN, PYTHON, base_env
-from trainer.config import Config, apply_layer
-from trainer.model.estimate import GiB, estimate, format_estimate
 from supervisor.cli import main as supervisor_main
-from trainer.rank_cli import main
+from trainer.config import Config, apply_layer
 from trainer.config.resolve import preset_layer
 from trainer.config.sizes import flops_per_token, human, parameter_count
+from trainer.model.estimate import GiB, estimate, format_estimate
+from trainer.rank_cli import main
 
 PRODUCTION_PARAMETERS = 7_241_732_096
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from rank_support import history, history_losses, tiny_config
-from trainer.checkpoint import layout, store
-from trainer.model import optim
 from trainer import loop
+from trainer.checkpoint import layout, store
 from trainer.config import Config
 from trainer.diagnosis.host_sync import HostSyncCounter
-from trainer.model.distributed import init_distributed, teardown
+from trainer.model import optim
+from trainer.model.distributed import StopRequest, init_distributed, teardown
 from trainer.progress import ProgressReporter
 
 
@@ -175,7 +175,7 @@ def test_a_step_reads_nothing_back_from_the_device(tmp_path: Path, token_cache_d
     cfg = tiny_config(tmp_path, token_cache_dir, training={"max_steps": 10, "grad_accum_nums": 2})
     ctx = init_distributed(cfg)
     try:
-        trainer = loop.Trainer(cfg, ctx, tmp_path / "run", ProgressReporter(fd=None), loop.StopRequest())
+        trainer = loop.Trainer(cfg, ctx, tmp_path / "run", ProgressReporter(fd=None), StopRequest())
         trainer.train_step(0)
         with HostSyncCounter() as counter:
             trainer.train_step(1)

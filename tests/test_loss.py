@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from rank_support import assert_final_model_holds, save_full_params, spawn_ranks, tiny_config
 from trainer.checkpoint import store
 from trainer.config import Config
-from trainer.model.distributed import init_distributed, is_sharded, teardown, unwrap, wrap_model
 from trainer.errors import UserError
-from trainer.model.loss import CausalLMLoss, choose_loss, chunked_cross_entropy, liger_installed
 from trainer.model.build import build_model, shape_signature
+from trainer.model.distributed import init_distributed, is_sharded, teardown, unwrap, wrap_model
+from trainer.model.loss import CausalLMLoss, choose_loss, chunked_cross_entropy, liger_installed
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -9,8 +9,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 from rank_support import tiny_config
-from trainer.config.choices import compile_enabled
 from trainer.config import Config
+from trainer.config.choices import compile_enabled
+from trainer.config.sizes import parameter_count
 from trainer.errors import UserError
 from trainer.model.build import (
     attention_backend,
@@ -21,7 +22,6 @@ from trainer.model.build import (
     shape_signature,
     use_maskless_causal_attention,
 )
-from trainer.config.sizes import parameter_count
 from trainer.model.estimate import model_shape
 
 CPU = torch.device("cpu")

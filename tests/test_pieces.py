@@ -10,8 +10,16 @@ import pytest
 
 from trainer.data import pieces as pieces_module
 from trainer.data.corpus import StdlibCorpus
-from trainer.data.pieces import (CUT, MAX_PIECE_CHARS, PIECE_CHARS, cut_positions, mark_ends, separator_of,
-                                 split_text, text_file_items)
+from trainer.data.pieces import (
+    CUT,
+    MAX_PIECE_CHARS,
+    PIECE_CHARS,
+    cut_positions,
+    mark_ends,
+    separator_of,
+    split_text,
+    text_file_items,
+)
 from trainer.data.tokenizer import EOS_TOKEN, load_fast, locate_pretrained, train_bpe, write_tokenizer_config
 
 # A Llama-3/tiktoken-style pattern: a newline glued to the punctuation before it, letters taking one leading

@@ -19,11 +19,11 @@ from pathlib import Path
 import hostlist
 import pytest
 
-from rank_scripts.harness import CONTROL_SECRET, ROOT, clean_env, Run, start
+from rank_scripts.harness import CONTROL_SECRET, ROOT, Run, clean_env, start
 from rank_support import TINY, merged, set_flags
-from supervisor.slurm import layout as slurm_layout
 from supervisor.control.wire import SECRET_ENV
 from supervisor.exclusion import GPU_FAULT_FILE, NodeFault
+from supervisor.slurm import layout as slurm_layout
 from trainer.checkpoint import layout
 from trainer.errors import UserError
 

@@ -11,8 +11,8 @@ from rank_scripts.harness import WORKER, run
 from supervisor.cli import check_fits_on_cpu
 from supervisor.plan import Plan, RankSpec
 from trainer.config import Config, apply_layer
-from trainer.errors import UserError
 from trainer.config.resolve import preset_layer
+from trainer.errors import UserError
 
 
 @pytest.mark.parametrize("args, message", [

@@ -16,9 +16,8 @@ import psutil
 import pytest
 
 from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, start, survivors
-from supervisor.control import remote_failure
-from supervisor.control.wire import (SECRET_ENV, LineReader, Session, hello_proof, new_nonce, read_secret,
-                                     welcome_proof)
+from supervisor.control.channel import remote_failure
+from supervisor.control.wire import SECRET_ENV, LineReader, Session, hello_proof, new_nonce, read_secret, welcome_proof
 from trainer.errors import UserError
 
 

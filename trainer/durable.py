@@ -17,7 +17,6 @@ from typing import Any
 
 from trainer.errors import UserError
 
-
 MIN_FREE_BYTES = 1 << 20  # a folder a run writes into with less than this free is full for it
 
 

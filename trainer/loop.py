@@ -22,43 +22,36 @@ import logging
 import math
 import platform
 import random
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from trainer.checkpoint import layout, store
-from trainer.model import compile_check
-from trainer.config.choices import compile_enabled
+from trainer import compile_check
+from trainer.checkpoint import store
+from trainer.checkpoint.manager import Checkpointer
 from trainer.config import Config, check_world_size
+from trainer.config.choices import compile_enabled
+from trainer.config.sizes import flops_per_token, human, tokens_per_step
 from trainer.data.batches import BatchSampler, StepLoader
 from trainer.data.cache import TokenCache, prepare
 from trainer.diagnosis import flight_recorder, oom_report
 from trainer.diagnosis.faults import FaultInjector
 from trainer.diagnosis.nan_guard import NanGuard
 from trainer.diagnosis.step_timer import StepTimer
-from trainer.model.distributed import (
-    DistContext,
-    StopVote,
-    agree_any,
-    all_reduce_mean,
-    broadcast_object,
-    gather_objects,
-    gradient_sync,
-    init_distributed,
-    teardown,
-    unwrap,
-    wrap_model,
-)
 from trainer.errors import UserError
-from trainer.model.estimate import GiB, model_shape
-from trainer.model.loss import CausalLMLoss, choose_loss
-from trainer.metrics import EtaClock, History, StepRecord, Throughput, get_logger, memory_part, mfu, step_line
+from trainer.metrics import (
+    EtaClock,
+    History,
+    StepRecord,
+    Throughput,
+    get_logger,
+    memory_part,
+    mfu,
+    peak_memory,
+    step_line,
+)
 from trainer.model.build import (
     attention_backend,
     build_model,
@@ -67,43 +60,25 @@ from trainer.model.build import (
     enable_gradient_checkpointing,
     use_maskless_causal_attention,
 )
+from trainer.model.distributed import (
+    DistContext,
+    StopRequest,
+    StopVote,
+    agree_any,
+    all_reduce_mean,
+    gather_objects,
+    gradient_sync,
+    init_distributed,
+    teardown,
+    unwrap,
+    wrap_model,
+)
+from trainer.model.estimate import GiB, model_shape
+from trainer.model.loss import CausalLMLoss, choose_loss
 from trainer.model.optim import build_optimizer, build_scheduler, resolve_precision
 from trainer.progress import ProgressReporter, device_label
 from trainer.run_dir import agree_run_dir
-from trainer.config.sizes import flops_per_token, human, tokens_per_step
 from trainer.wandb_run import start_wandb
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Peak memory and stop requests
-
-
-def peak_memory(device: torch.device) -> tuple[int, int] | None:
-    """(the caching allocator's peak reservation since start, the GPU's total memory) in bytes; None off CUDA.
-    Reserved rather than allocated: it is what has to fit, the allocator's fragmentation included."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
-
-
-class StopRequest:
-    """SIGTERM only sets a flag; the loop acts on it at the next step boundary, together with every other rank."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.previous: Any = None
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-    @contextmanager
-    def installed(self) -> Iterator["StopRequest"]:
-        self.previous = signal.signal(signal.SIGTERM, self._handler)
-        try:
-            yield self
-        finally:
-            signal.signal(signal.SIGTERM, self.previous)
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The trainer
@@ -127,8 +102,6 @@ class Trainer:
         self.total = cfg.training.max_steps
         self.accum = cfg.training.grad_accum_nums
         self.completed = 0  # optimizer steps done (the step index to run next)
-        self.last_saved: int | None = None
-        self.superseded: list[Path] = []  # a finished earlier run's checkpoints, removed at this run's first save
         self.history: History | None = None
 
         progress.phase("dataset")
@@ -165,10 +138,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.module, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if self.precision.name == "fp16" else None
-        self.state = store.TrainState(self.module, self.optimizer, self.scheduler, self.scaler)
-        self.ckpt_root = Path(cfg.checkpoint.dir)
+        self.checkpoints = Checkpointer(cfg, ctx, store.TrainState(self.module, self.optimizer, self.scheduler,
+                                                                   self.scaler), self.cache, self.log, progress,
+                                        before_publish=self.faults.during_checkpoint)
         self.guard = NanGuard(self.module, cfg, rank=ctx.rank, world_size=ctx.world_size, gpu_id=ctx.gpu_id,
-                              device=self.device, run_dir=run_dir, checkpoint_dir=self.ckpt_root)
+                              device=self.device, run_dir=run_dir, checkpoint_dir=self.checkpoints.root)
 
         t, d = cfg.training, cfg.data
         self.sampler = BatchSampler(self.cache.train, d.context_length, t.batch_size, self.accum, ctx.world_size,
@@ -186,7 +160,7 @@ class Trainer:
                             else platform.processor() or platform.machine() or "cpu")
 
         progress.phase("resume")
-        self.resume()
+        self.completed = self.checkpoints.resume()
 
     # -- set-up helpers ----------------------------------------------------------------------------------------------
 
@@ -200,43 +174,6 @@ class Trainer:
             num_kv_heads=s.num_kv_heads, ffn_hidden_size=s.ffn_hidden_size, vocab_size=s.vocab_size,
             tie_word_embeddings=s.tie_word_embeddings))
         return flops_per_token(shaped)
-
-    def meta(self) -> store.CheckpointMeta:
-        return store.CheckpointMeta(
-            step=self.completed, format=self.state.format, cache_key=self.cache.key, world_size=self.ctx.world_size,
-            data=store.data_position(self.cfg, self.ctx.world_size),
-            model_shapes=store.shape_signature(self.module), config=self.cfg.to_dict())
-
-    def resume(self) -> None:
-        passed_over: list[str] = []  # damaged checkpoints `--resume` passed over for the newest intact one
-        path = layout.find_resume(self.cfg, passed_over) if self.ctx.is_main else None
-        if not self.progress.supervised:  # a supervisor said so already, before any rank started
-            for note in passed_over:
-                self.log.warning(note)
-        path = broadcast_object(path, self.ctx)  # one decision for every rank
-        if path is None:
-            if self.cfg.checkpoint.resume == "auto" and self.ctx.is_main:
-                self.log.info(f"no checkpoint in {self.ckpt_root}; starting from step 0")
-            if self.ctx.is_main and (superseded := layout.earlier_run(self.cfg)):
-                self.superseded = superseded
-                self.log.info(f"{self.ckpt_root} holds a finished earlier run (up to {superseded[-1].name}): this run "
-                              f"starts from step 0, and its first checkpoint replaces those (to extend that run "
-                              f"instead: --resume auto with a larger --max-steps)")
-            return
-        meta = store.load(path, self.state, self.ctx, self.cache.key)
-        self.completed = meta.step
-        if path.resolve() == layout.step_path(self.ckpt_root, meta.step).resolve():
-            self.last_saved = meta.step  # already on disk where this run saves: no need to write it again
-        if self.ctx.is_main:
-            self.log.info(f"resumed from {path} at step {meta.step}")
-            here = store.data_position(self.cfg, self.ctx.world_size)
-            if store.sample_order(meta.data) != store.sample_order(here):
-                self.log.warning(f"the data settings changed since {path} ({meta.data}); "
-                                 f"batches will not continue the original order")
-            elif meta.data != here:
-                self.log.info(f"{path} was written by {meta.world_size} ranks × accumulation "
-                              f"{meta.data['grad_accum']}, resumed on {self.ctx.world_size} × {self.accum}: the same "
-                              f"global batch, the same batches")
 
     def banner(self) -> None:
         labels = gather_objects(f"{device_label(self.device.type == 'cuda')} ({self.device_name})", self.ctx)
@@ -276,7 +213,7 @@ class Trainer:
         return host, host.to(self.device, non_blocking=True)
 
     def compile_trial(self, step: int) -> None:
-        """Where torch.compile compiles, apart from any step (trainer.model.compile_check): the first micro-batch of `step`
+        """Where torch.compile compiles, apart from any step (trainer.compile_check): the first micro-batch of `step`
         forward and backward without gradient synchronisation, its gradients dropped. Decides `self.compiled` for the
         run alike on every rank and times the compilation for the log."""
         self.progress.phase("compile")
@@ -324,7 +261,8 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.completed = step + 1
-        self.guard.after_step(step, local_loss, grad_norm, found_inf, self.save_nan_checkpoint)
+        self.guard.after_step(step, local_loss, grad_norm, found_inf,
+                              lambda path: self.checkpoints.save_to(path, self.completed))
         self.timer.end()
         return StepOutput(local_loss, grad_norm, lr)
 
@@ -343,27 +281,6 @@ class Trainer:
                 total += self.loss_module(batch)
         self.module.train()
         return float(all_reduce_mean(total / self.cfg.training.eval_steps, self.ctx).item())
-
-    # -- checkpoints -------------------------------------------------------------------------------------------------
-
-    def save(self) -> Path:
-        after_step = self.completed - 1  # the step this checkpoint follows (a fault may be set to fire inside it)
-        self.progress.phase("checkpoint")  # a large save may take minutes: the start-up allowance, not the step's
-        path = store.save(layout.step_path(self.ckpt_root, self.completed), self.state, self.meta(),
-                               self.ctx, before_publish=lambda: self.faults.during_checkpoint(after_step))
-        if self.ctx.is_main:
-            for old in self.superseded:
-                if old.name != path.name:  # one of the same name was just replaced by this run's
-                    store.remove(old)
-            self.superseded = []
-            store.prune(self.ckpt_root, self.cfg.checkpoint.keep)
-            self.log.info(f"checkpoint saved: {path}")
-        self.last_saved = self.completed
-        return path
-
-    def save_nan_checkpoint(self, path: Path) -> None:
-        """For the NaN guard: a resumable checkpoint at the path it names (every rank calls it together)."""
-        store.save(path, self.state, self.meta(), self.ctx)
 
     # -- the run -----------------------------------------------------------------------------------------------------
 
@@ -408,18 +325,12 @@ class Trainer:
         for step in range(self.completed, self.total):
             if self.iteration(step, vote, eta, throughput):
                 self.log.info(f"[GPU {self.ctx.gpu_id}] stopping after step {step}: a stop was requested (SIGTERM)")
-                if self.last_saved != self.completed:
-                    self.save()
+                self.checkpoints.save(self.completed)
                 self.progress.phase("stopped")
                 return "stopped"
-        if self.last_saved != self.completed:
-            self.save()
+        self.checkpoints.save(self.completed)
         if cfg.checkpoint.save_final:
-            self.progress.phase("checkpoint")
-            final = store.save_final(self.ckpt_root / store.FINAL_DIR, self.module, self.ctx,
-                                          self.cache.tokenizer_path, self.cache.eos_id)
-            if self.ctx.is_main:
-                self.log.info(f"final model saved: {final} (AutoModelForCausalLM.from_pretrained)")
+            self.checkpoints.save_final()
         self.progress.done(self.completed, self.total)
         return "completed"
 
@@ -442,7 +353,7 @@ class Trainer:
         else:
             self.progress.step(self.completed, self.total, eta_s=eta_s, **self.step_times())
         if cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last:
-            self.save()
+            self.checkpoints.save(self.completed)
         return vote.result() and not last
 
     def step_times(self) -> dict[str, float | None]:

@@ -13,7 +13,10 @@ import sys
 from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 LOGGER_NAME = "trainer"
 HISTORY_JSON = "training_history.json"
@@ -66,6 +69,16 @@ def step_line(gpu_id: str, step: int, total: int, loss: float, lr: float, grad_n
     """The per-rank step report, without the level prefix (the logger adds it)."""
     return (f"[GPU {gpu_id}] Step [{step}/{total}] | Loss: {loss:.4f} | LR: {lr:.2e} | Grad Norm: {grad_norm:.4f} | "
             f"ETA: {format_eta(eta_s)}")
+
+
+def peak_memory(device: torch.device) -> tuple[int, int] | None:
+    """(the caching allocator's peak reservation since start, the GPU's total memory) in bytes; None off CUDA.
+    Reserved rather than allocated: it is what has to fit, the allocator's fragmentation included."""
+    if device.type != "cuda":
+        return None
+    import torch  # a CUDA rank has it loaded; the rest of this module is read without torch (benchmarks, tests)
+
+    return torch.cuda.max_memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
 
 
 def memory_part(peak_bytes: int, total_bytes: int) -> str:

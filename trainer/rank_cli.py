@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 
 from trainer.checkpoint.layout import check_checkpoint_dir, check_resume, earlier_run, find_resume
-from trainer.config.choices import cpu_refusal
 from trainer.config import RUNS_DIR, Config
+from trainer.config.choices import cpu_refusal
+from trainer.config.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
-from trainer.config.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
 
 FAILURE_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130

@@ -9,8 +9,8 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.config import RUNS_DIR, Config
-from trainer.model.distributed import DistContext, broadcast_object
 from trainer.errors import UserError
+from trainer.model.distributed import DistContext, broadcast_object
 
 
 def new_run_dir(cfg: Config) -> Path:

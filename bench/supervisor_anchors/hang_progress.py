@@ -1,8 +1,16 @@
 # The hang anchor (hang.py) plus the project's progress channel: rank 1 stalls at step 20 and says when.
-import faulthandler, signal
+import faulthandler
+import signal
+
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the rank contract: stacks on SIGUSR1
-import os, sys, time, torch, torch.distributed as dist
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
 from trainer.progress import ProgressReporter
+
 reporter = ProgressReporter()
 dist.init_process_group("gloo")
 r = dist.get_rank()

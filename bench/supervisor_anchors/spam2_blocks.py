@@ -1,5 +1,7 @@
 # spam2.py writing its stdout in 8 KiB blocks whatever PYTHONUNBUFFERED says: how the anchor's direct run wrote.
-import os, sys
+import os
+import sys
+
 sys.stdout = open(sys.stdout.fileno(), "w", buffering=8192, closefd=False)
 r = os.environ.get("RANK", "0")
 w = sys.stdout.write

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from trainer.diagnosis.fake_gpu_state import FAKE_STATE_ENV, read_state
 from trainer.errors import UserError
+
 MIB = 1 << 20
 THROTTLE_REASONS = {  # NVML's clocks-event bits that mean the GPU runs slower than it should
     0x8: "HW_SLOWDOWN", 0x20: "SW_THERMAL_SLOWDOWN", 0x40: "HW_THERMAL_SLOWDOWN", 0x80: "HW_POWER_BRAKE_SLOWDOWN",

@@ -31,9 +31,9 @@ def sync_free_steps(config_path: str) -> None:
     import torch
 
     from trainer.config import Config
-    from trainer.model.distributed import StopVote, init_distributed, teardown
-    from trainer.loop import StopRequest, Trainer
+    from trainer.loop import Trainer
     from trainer.metrics import EtaClock, Throughput
+    from trainer.model.distributed import StopRequest, StopVote, init_distributed, teardown
     from trainer.progress import ProgressReporter
     from trainer.run_dir import agree_run_dir
 

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+from slurm_cluster import Cluster, Job, missing
 
 from rank_scripts.harness import ROOT, clean_env
-from slurm_cluster import Cluster, Job, missing
 
 pytestmark = pytest.mark.slurm
 SCRIPT = ROOT / "train_slurm.sbatch"

@@ -54,9 +54,9 @@ from trainer.checkpoint.layout import (
     other_shape,
 )
 from trainer.config import Config
-from trainer.model.distributed import DistContext, broadcast_object, gather_objects, is_sharded
 from trainer.errors import UserError
 from trainer.model.build import shape_signature
+from trainer.model.distributed import DistContext, broadcast_object, gather_objects, is_sharded
 
 FINAL_DIR = "final"
 

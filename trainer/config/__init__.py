@@ -1,9 +1,17 @@
 """The run's configuration: typed sections, layers applied onto them, validation.
 
-What a config is and what makes one valid; where its layers come from (presets, files, flags) is `trainer.config.resolve`.
-The supervisor resolves once and writes the result to the run folder; ranks read that file and never re-resolve.
+The description of a run that the supervisor and every rank share. The supervisor resolves it once and writes the
+result to the run folder; ranks read that file and never re-resolve. This package holds:
 
-No torch import here: the supervisor and `prepare_dataset.py` must start fast.
+* here — the dataclasses (`Config` and its sections), applying a layer onto them, the cross-key rules;
+* `bounds` — the values every numeric key accepts, and the names that may not be empty;
+* `json_text` — config files read defensively, JSON values quoted in one-line errors;
+* `resolve` — where the layers come from: presets, `--config` files, the flags every entry point shares;
+* `choices` — what the `auto` settings resolve to on a device type;
+* `sizes` — parameters, tokens per step and FLOPs per token from a config alone.
+
+Imports only `trainer.errors` and `trainer.progress`. No torch: the supervisor and `prepare_dataset.py` must start
+fast.
 """
 
 from __future__ import annotations

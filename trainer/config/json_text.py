@@ -12,6 +12,7 @@ from typing import Any
 
 from trainer.errors import UserError
 
+
 def shown(value: Any, limit: int = 60) -> str:
     """A value as JSON in an error message, cut short: one line, even for a 5,000-digit number."""
     text = json.dumps(value)

@@ -23,8 +23,8 @@ from trainer.config import (
     read_config_file,
     validate,
 )
-from trainer.errors import UserError
 from trainer.config.sizes import human, parameter_count, tokens_per_step
+from trainer.errors import UserError
 
 PRESETS_DIR = PROJECT_ROOT / "presets"
 

@@ -56,8 +56,14 @@ class BuildProgress:
         self.reporter.phase(f"prepare: {name}"[:200])
         if self.mode == "rich":
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
-                                       TimeElapsedColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("documents{task.fields[tokens]}"), TimeElapsedColumn(),

@@ -31,6 +31,9 @@ Build protocol, safe against races and against a builder killed at any instant:
   3. build into `.build-<key>-<pid>-<start time>/`, fsync every file, write manifest.json last, rename into place.
 A killed builder leaves only its `.build-…` folder; the next run sees its process is gone (psutil, start time against
 pid reuse) and deletes it (`trainer.data.staging`). The hit path imports neither torch, transformers, datasets nor rich.
+
+Length: the key, the build and the open share the manifest's format and the cache's file names, one contract kept
+in one file; the pieces that stand alone (corpus, tokenizer, token stream, staging, digests) are beside it.
 """
 
 from __future__ import annotations
@@ -53,8 +56,19 @@ from trainer.data.corpus import Corpus, open_corpus, split_documents, training_p
 from trainer.data.digests import DigestMemo, file_digest
 from trainer.data.staging import build_lock, ensure_writable, publish, remove_dead_leftovers, staging
 from trainer.data.token_stream import BATCH_CHARS, DTYPES, TokenStream, encode_pipelined, piece_batches
-from trainer.data.tokenizer import (BPE, TokenizerSpec, bpe_recipe, check_vocab_size, eos_id_of, eos_token_of, export,
-                                    load_fast, locate_pretrained, tokenizer_digest, train_bpe)
+from trainer.data.tokenizer import (
+    BPE,
+    TokenizerSpec,
+    bpe_recipe,
+    check_vocab_size,
+    eos_id_of,
+    eos_token_of,
+    export,
+    load_fast,
+    locate_pretrained,
+    tokenizer_digest,
+    train_bpe,
+)
 from trainer.errors import UserError
 
 FORMAT_VERSION = 2  # bump when the layout or the preprocessing changes: every key changes with it

@@ -29,8 +29,15 @@ from typing import Any, Protocol
 
 from trainer.config import DataConfig
 from trainer.data.digests import DigestMemo, fingerprint
-from trainer.data.pieces import (SAMPLE_BY_DOCUMENT, Piece, describe_sample_by, document_items, mark_ends,
-                                 separator_of, text_file_items)
+from trainer.data.pieces import (
+    SAMPLE_BY_DOCUMENT,
+    Piece,
+    describe_sample_by,
+    document_items,
+    mark_ends,
+    separator_of,
+    text_file_items,
+)
 from trainer.errors import UserError
 
 STDLIB_SOURCE = "stdlib"

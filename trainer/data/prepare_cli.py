@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 from trainer.config import Config
+from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.data.cache import CacheInfo, TokenCache, cache_root, prepare
 from trainer.data.cache_folder import CacheEntry, list_caches, remove_cache
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
-from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,6 +46,9 @@ Dump files (debug mode with ``debug.nan_dump``, and always when the run stops)
 
 That the production path adds no host synchronisation is checked with ``trainer.diagnosis.host_sync.HostSyncCounter``.
 The report's text and the helpers the dumps are written with are in ``trainer/diagnosis/nan_report.py``.
+
+Length: one mechanism whose parts share the guard's state across a step (the device-side check, the skipped step,
+the debug mode's hooks that localise the first non-finite module); the report and dumps are `nan_report`'s.
 """
 
 from __future__ import annotations
@@ -61,8 +64,14 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Config
-from trainer.diagnosis.nan_report import (ForwardFault, NonFiniteStep, report_text, shown_path, to_host,
-                                          write_pickle_atomically)
+from trainer.diagnosis.nan_report import (
+    ForwardFault,
+    NonFiniteStep,
+    report_text,
+    shown_path,
+    to_host,
+    write_pickle_atomically,
+)
 
 FLAG_LOSS, FLAG_NORM, FLAG_LOCAL_GRAD = 0, 1, 2  # the per-rank flags check() gathers
 FLAGS_PER_RANK = 3

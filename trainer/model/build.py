@@ -17,8 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from trainer.config import Config
-from trainer.errors import UserError
 from trainer.config.sizes import model_vocab_size
+from trainer.errors import UserError
 
 ATTENTION = "sdpa"  # PyTorch's fused attention: flash / memory-efficient kernels on GPUs, a fused kernel on CPUs
 MASKLESS_ATTENTION = "sdpa_causal_no_mask"  # the same kernel, registered under a name no mask builder knows

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -138,6 +139,25 @@ def agree_any(flag: bool, ctx: DistContext) -> bool:
     value = torch.tensor([int(flag)], dtype=torch.int32)
     dist.all_reduce(value, op=dist.ReduceOp.MAX, group=ctx.control)
     return bool(value.item())
+
+
+class StopRequest:
+    """SIGTERM only sets a flag; the loop acts on it at the next step boundary, together with every other rank."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    @contextmanager
+    def installed(self) -> Iterator["StopRequest"]:
+        self.previous = signal.signal(signal.SIGTERM, self._handler)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 class StopVote:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from trainer.config.choices import CHUNK_ELEMENTS, auto_loss, compile_enabled
 from trainer.config import Config, checkpointing_policy
+from trainer.config.choices import CHUNK_ELEMENTS, auto_loss, compile_enabled
 from trainer.config.sizes import flops_per_token, human, model_vocab_size, parameter_count, tokens_per_step
 
 GiB = 1024**3

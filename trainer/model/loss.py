@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config.choices import CHUNK_ELEMENTS, auto_loss
 from trainer.config import Config
+from trainer.config.choices import CHUNK_ELEMENTS, auto_loss
 from trainer.errors import UserError
 
 LIGER_MODULE = "liger_kernel"

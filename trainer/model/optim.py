@@ -12,6 +12,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from trainer.config import Config
 from trainer.errors import UserError
 
+
 @dataclass(frozen=True)
 class Precision:
     """How the step computes: `dtype` is the autocast (and FSDP gather) dtype, None for plain fp32."""

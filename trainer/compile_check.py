@@ -29,9 +29,9 @@ import torch
 
 from trainer.config import Config
 from trainer.diagnosis.oom_report import is_out_of_memory
-from trainer.model.distributed import DistContext, gather_objects
 from trainer.errors import UserError
 from trainer.model.build import decoder_layers
+from trainer.model.distributed import DistContext, gather_objects
 from trainer.progress import device_label
 
 # Where compiled code is built and launched: an error raised from inside these (not merely passing through them, as a

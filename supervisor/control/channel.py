@@ -1,0 +1,179 @@
+"""What both ends of the control channel share: one authenticated connection (`Peer`), the channel's thread and
+event pipe (`ControlChannel`), the rate-limited notes on dropped connections, and the timing constants.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import selectors
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from supervisor.control.wire import MAX_LINE, LineReader, Session, parse_abort
+from supervisor.worker import describe_exit
+
+CONTROL_PORT_OFFSET = 1
+RETRY_INTERVAL = 0.2
+HELLO_TIMEOUT = 3.0  # seconds a new connection has to authenticate
+MAX_PENDING = 32  # connections waiting to authenticate, at most
+ACCEPT_PAUSE = 0.1  # out of file descriptors with none to free: seconds before accepting again
+SEND_TIMEOUT = 2.0
+NOTE_INTERVAL = 10.0
+RECV_BYTES = 4096
+
+Event = tuple[int, str, int, str]  # node, label, exit code, why
+
+
+def remote_failure(node: int, label: str, code: int) -> Event:
+    if label == "supervisor":  # no rank failed there: the supervisor itself stopped (a signal such as Slurm's USR1)
+        return node, label, code, f"its supervisor stopped with {describe_exit(code)}"
+    return node, label, code, f"{label} failed with {describe_exit(code)}"
+
+
+def shown(line: str) -> str:
+    return repr(line[:60] + ("..." if len(line) > 60 else ""))
+
+
+class Notes:
+    """What the channel dropped, for the console: each kind at most once per `NOTE_INTERVAL`, with the number left
+    unsaid since, so a flood of bad connections cannot flood the console."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.last: dict[str, float] = {}
+        self.unsaid: dict[str, int] = {}
+
+    def note(self, kind: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self.last.get(kind, -math.inf) < NOTE_INTERVAL:
+            self.unsaid[kind] = self.unsaid.get(kind, 0) + 1
+            return
+        self.last[kind] = now
+        more = self.unsaid.pop(kind, 0)
+        self.say(f"control port: {message}" + (f" (and {more} more like it since the last such note)" if more else ""))
+
+
+@dataclass
+class Peer:
+    """One connection, seen from either end."""
+
+    sock: socket.socket
+    address: str
+    nonce: str  # this end's nonce
+    opened: float = field(default_factory=time.monotonic)
+    reader: LineReader = field(default_factory=LineReader)
+    session: Session | None = None  # set once authenticated
+    node: int | None = None  # server side: the node it proved to be
+    done: bool = False
+    closed: bool = False
+    backlog: list[str] = field(default_factory=list)  # lines read during the handshake, not yet handled
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send_plain(self, line: str) -> None:
+        """A handshake line (nothing in it is secret)."""
+        try:
+            self.sock.sendall(line.encode() + b"\n")
+        except OSError:
+            pass
+
+    def send(self, message: str) -> None:
+        """An authenticated message; the lock keeps sequence numbers and bytes on the wire in the same order."""
+        assert self.session is not None
+        with self.send_lock:
+            try:
+                self.sock.sendall(self.session.seal(message))
+            except OSError:
+                pass
+
+    def read_line(self) -> str:
+        """The next line, blocking (within the socket's timeout): the client's handshake."""
+        while not self.backlog:
+            data = self.sock.recv(RECV_BYTES)
+            if not data:
+                raise ConnectionError("node 0 closed the connection")
+            lines = self.reader.feed(data)
+            if lines is None:
+                raise ConnectionError(f"node 0 sent a line over {MAX_LINE} bytes")
+            self.backlog.extend(lines)
+        return self.backlog.pop(0)
+
+    def shutdown(self) -> None:
+        """Close cleanly: the last lines sent still arrive (a plain close could reset them)."""
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class ControlChannel(ABC):
+    """What the server and the client share: the secret, the event pipe, the thread, the notes."""
+
+    def __init__(self, node_rank: int, nnodes: int, secret: bytes, say: Callable[[str], None]) -> None:
+        self.node_rank, self.nnodes, self.secret = node_rank, nnodes, secret
+        self.notes = Notes(say)
+        self.fd, self._events_w = os.pipe()
+        os.set_blocking(self.fd, False)
+        self._events: list[Event] = []
+        self._lock = threading.Lock()
+        self.stopping = False  # an abort went out or came in: closed connections are expected from now on
+        self.closing = False
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self.thread = threading.Thread(target=self._run, name="supervisor-control", daemon=True)
+
+    def _event(self, event: Event) -> None:
+        with self._lock:
+            self._events.append(event)
+        self.stopping = True
+        os.write(self._events_w, b"!")
+
+    def read_events(self) -> list[Event]:
+        try:
+            os.read(self.fd, 4096)
+        except BlockingIOError:
+            pass
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def _wake(self) -> None:
+        os.write(self._wake_w, b"x")
+
+    def _abort_words(self, peer: Peer, message: str) -> tuple[int, str, int] | None:
+        """An authenticated abort's node, label and code, or None (and a note) when it is not one to act on."""
+        parsed = parse_abort(message.split(), self.nnodes)
+        if isinstance(parsed, str):
+            self.notes.note("invalid", f"dropped an abort from {peer.address}: {parsed}")
+            return None
+        return parsed
+
+    @abstractmethod
+    def _run(self) -> None:
+        """The networking thread."""
+
+    @abstractmethod
+    def abort(self, node: int, label: str, code: int) -> None:
+        """Tell every other node to stop: <label> on <node> ended the run with <code>."""
+
+    @abstractmethod
+    def done(self) -> None:
+        """This node's ranks all finished."""
+
+    @abstractmethod
+    def close(self, wait: float) -> None:
+        """End the channel (after the node's ranks are gone)."""
+
+    def _finish_thread(self, timeout: float) -> None:
+        self.closing = True
+        self._wake()
+        self.thread.join(timeout)
+        for fd in (self.fd, self._events_w, self._wake_r, self._wake_w):
+            os.close(fd)

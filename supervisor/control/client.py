@@ -1,0 +1,168 @@
+"""The end of every node but 0: connects to node 0 (retrying until the connect timeout), proves the secret, and
+passes aborts both ways.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import time
+from collections.abc import Callable
+
+from supervisor.control.channel import (
+    HELLO_TIMEOUT,
+    RECV_BYTES,
+    RETRY_INTERVAL,
+    ControlChannel,
+    Peer,
+    remote_failure,
+    shown,
+)
+from supervisor.control.wire import (
+    LOST_CODE,
+    SECRET_ENV,
+    Session,
+    abort_message,
+    hello_proof,
+    is_nonce,
+    matches,
+    new_nonce,
+    welcome_proof,
+)
+
+
+class ControlClient(ControlChannel):
+    """Every node but node 0."""
+
+    def __init__(self, node_rank: int, nnodes: int, addr: str, port: int, connect_timeout: float, secret: bytes,
+                 say: Callable[[str], None]) -> None:
+        super().__init__(node_rank, nnodes, secret, say)
+        self.addr, self.port, self.connect_timeout = addr, port, connect_timeout
+        self.server: Peer | None = None  # once connected and authenticated
+        self.outbox: list[str] = []  # messages from before that
+        self.bye = False
+        self.thread.start()
+
+    def _send(self, message: str) -> None:
+        with self._lock:
+            if self.server is None:
+                self.outbox.append(message)  # not authenticated yet: goes out right after the handshake
+                return
+            server = self.server
+        server.send(message)
+
+    def _join(self) -> Peer | None:
+        """Connect and authenticate, retrying until `connect_timeout`: node 0 may not be listening yet, or may have
+        closed this connection among a flood of others. None when it cannot be done (the reason is an event)."""
+        deadline = time.monotonic() + self.connect_timeout
+        why = "no answer"
+        while not self.closing:
+            try:
+                sock = socket.create_connection((self.addr, self.port), timeout=HELLO_TIMEOUT)
+            except OSError as e:
+                why = e.strerror or str(e)
+            else:
+                result = self._handshake(Peer(sock, f"{self.addr}:{self.port}", new_nonce()))
+                if isinstance(result, Peer):
+                    return result
+                sock.close()
+                if result == "refused":
+                    self._event((0, "supervisor", LOST_CODE, f"node 0's control server refused this node's hello: "
+                                                             f"{SECRET_ENV} differs between the nodes"))
+                    return None
+                why = result
+            if time.monotonic() >= deadline:
+                if not self.stopping:
+                    self._event((0, "supervisor", LOST_CODE,
+                                 f"cannot reach node 0's control server at {self.addr}:{self.port} ({why})"))
+                return None
+            time.sleep(RETRY_INTERVAL)
+        return None
+
+    def _handshake(self, server: Peer) -> Peer | str:
+        """The authenticated connection, "refused", or what went wrong."""
+        try:
+            words = server.read_line().split()
+            if len(words) != 2 or words[0] != "challenge" or not is_nonce(words[1]):
+                return "node 0 sent no challenge"
+            server_nonce = words[1]
+            server.send_plain(f"hello {self.node_rank} {server.nonce} "
+                              f"{hello_proof(self.secret, self.node_rank, server_nonce, server.nonce)}")
+            answer = server.read_line()
+        except OSError as e:
+            return f"handshake: {e}"
+        if answer == "refused":
+            return "refused"
+        words = answer.split()
+        expected = welcome_proof(self.secret, self.node_rank, server_nonce, server.nonce)
+        if len(words) != 2 or words[0] != "welcome" or not matches(words[1], expected):
+            return "node 0's answer does not prove the run's secret"
+        server.session = Session.derive(self.secret, server_nonce, server.nonce, server=False)
+        return server
+
+    def _run(self) -> None:
+        server = self._join()
+        if server is None:
+            return
+        with self._lock:  # an abort that waited for the connection goes out first
+            for message in self.outbox:
+                server.send(message)
+            self.server, self.outbox = server, []
+        for line in server.backlog:
+            self._message(server, line)
+        self.selector.register(server.sock, selectors.EVENT_READ, "server")
+        while not self.closing:
+            for key, _ in self.selector.select():
+                if key.data is None:
+                    os.read(self._wake_r, 64)
+                elif not self._read(server):
+                    return
+
+    def _read(self, server: Peer) -> bool:
+        """Handle what node 0 sent; False once the connection is over."""
+        try:
+            data = server.sock.recv(RECV_BYTES)
+        except OSError:
+            data = b""
+        lines = server.reader.feed(data) if data else None
+        if lines is None:
+            self.selector.unregister(server.sock)
+            if not self.bye and not self.stopping and not self.closing:
+                self._event((0, "supervisor", LOST_CODE, "lost contact with node 0's supervisor"))
+            return False
+        for line in lines:
+            self._message(server, line)
+        return True
+
+    def _message(self, server: Peer, line: str) -> None:
+        assert server.session is not None
+        message = server.session.open(line)
+        if message is None:
+            self.notes.note("mac", f"dropped a line from node 0 whose MAC is wrong or out of sequence: {shown(line)}")
+        elif message == "bye":
+            self.bye = True
+        elif message.startswith("abort "):
+            if (parsed := self._abort_words(server, message)) is not None:
+                self._event(remote_failure(*parsed))
+        else:
+            self.notes.note("unknown", f"dropped an unknown message from node 0: {shown(message)}")
+
+    def abort(self, node: int, label: str, code: int) -> None:
+        self.stopping = True
+        self._send(abort_message(node, label, code))
+
+    def done(self) -> None:
+        self._send("done")
+
+    def close(self, wait: float) -> None:
+        """Close the connection; an abort not yet delivered (node 0 not reached so far) gets up to `wait` seconds."""
+        deadline = time.monotonic() + wait
+        while self.stopping and self.server is None and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._finish_thread(timeout=1.0)
+        with self._lock:
+            server, self.server = self.server, None
+        if server is not None:
+            server.shutdown()
+        self.selector.close()

@@ -1,0 +1,247 @@
+"""Node 0's end: the server every other node's supervisor connects to; it authenticates strangers, relays aborts and
+says `bye` when the run is over.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import socket
+import time
+from collections.abc import Callable
+
+from supervisor.control.channel import (
+    ACCEPT_PAUSE,
+    CONTROL_PORT_OFFSET,
+    HELLO_TIMEOUT,
+    MAX_PENDING,
+    RECV_BYTES,
+    SEND_TIMEOUT,
+    ControlChannel,
+    Peer,
+    remote_failure,
+    shown,
+)
+from supervisor.control.wire import (
+    LOST_CODE,
+    MAX_LINE,
+    SECRET_ENV,
+    Session,
+    abort_message,
+    hello_proof,
+    is_nonce,
+    matches,
+    new_nonce,
+    welcome_proof,
+)
+from trainer.errors import UserError
+
+
+class ControlServer(ControlChannel):
+    """Node 0."""
+
+    def __init__(self, node_rank: int, nnodes: int, addr: str, port: int, secret: bytes,
+                 say: Callable[[str], None]) -> None:
+        super().__init__(node_rank, nnodes, secret, say)
+        try:
+            self.listener = socket.create_server((addr, port))
+        except OSError:
+            try:  # master-addr may name this node by an address it cannot bind (NAT, a DNS alias)
+                self.listener = socket.create_server(("", port))
+            except OSError as e:
+                raise UserError(f"cannot open the control port {port} (--master-port + {CONTROL_PORT_OFFSET}) "
+                                f"on node 0: {e.strerror}; choose another --master-port") from None
+        self.listener.setblocking(False)
+        self.selector.register(self.listener, selectors.EVENT_READ, "listener")
+        self.peers: list[Peer] = []  # authenticated or not
+        self.abort_message: str | None = None  # the abort, for nodes that connect after it
+        self.nodes_seen: set[int] = set()
+        self.accept_paused_until: float | None = None
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.closing:
+            for key, _ in self.selector.select(self._timeout()):
+                if key.data is None:
+                    os.read(self._wake_r, 64)
+                elif key.data == "listener":
+                    self._accept()
+                elif not key.data.closed:
+                    self._read(key.data)
+            self._expire()
+
+    def _waiting(self) -> list[Peer]:
+        """The connections that have not authenticated yet, oldest first."""
+        return [p for p in self.peers if p.session is None]
+
+    def _timeout(self) -> float | None:
+        deadlines = [p.opened + HELLO_TIMEOUT for p in self._waiting()]
+        if self.accept_paused_until is not None:
+            deadlines.append(self.accept_paused_until)
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for peer in self._waiting():
+            if now >= peer.opened + HELLO_TIMEOUT:
+                self._drop(peer, "silent", f"closed the connection from {peer.address}: it did not authenticate "
+                                           f"within {HELLO_TIMEOUT:g} s")
+        if self.accept_paused_until is not None and now >= self.accept_paused_until:
+            self.accept_paused_until = None
+            self.selector.register(self.listener, selectors.EVENT_READ, "listener")
+
+    def _accept(self) -> None:
+        try:
+            sock, address = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:  # EMFILE, ENFILE, ENOBUFS: the connection stays in the backlog until there is room
+            waiting = self._waiting()
+            if waiting:
+                self._drop(waiting[0], "descriptors", f"out of file descriptors ({e.strerror}): closed the oldest "
+                                                      f"connection still to authenticate, from {waiting[0].address}")
+            else:
+                self.selector.unregister(self.listener)
+                self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE
+                self.notes.note("descriptors", f"cannot accept a connection ({e.strerror}); trying again in "
+                                               f"{ACCEPT_PAUSE:g} s")
+            return
+        waiting = self._waiting()
+        if len(waiting) >= MAX_PENDING:
+            self._drop(waiting[0], "crowded", f"{MAX_PENDING} connections waiting to authenticate: closed the "
+                                              f"oldest, from {waiting[0].address}")
+        sock.settimeout(SEND_TIMEOUT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = Peer(sock, f"{address[0]}:{address[1]}", new_nonce())
+        with self._lock:
+            self.peers.append(peer)
+        self.selector.register(sock, selectors.EVENT_READ, peer)
+        peer.send_plain(f"challenge {peer.nonce}")
+
+    def _read(self, peer: Peer) -> None:
+        try:
+            data = peer.sock.recv(RECV_BYTES)
+        except OSError:
+            data = b""
+        if not data:
+            if peer.session is None:
+                self.notes.note("closed", f"a connection from {peer.address} closed before authenticating (a port "
+                                          f"scan or a probe); ignored")
+            self._close(peer)
+            return
+        lines = peer.reader.feed(data)
+        if lines is None:
+            self._drop(peer, "long", f"closed the connection from {peer.address}: a line over {MAX_LINE} bytes")
+            return
+        for line in lines:
+            if peer.closed:
+                return
+            if peer.session is None:
+                self._hello(peer, line)
+            else:
+                self._message(peer, line)
+
+    def _hello(self, peer: Peer, line: str) -> None:
+        words = line.split()
+        if len(words) != 4 or words[0] != "hello" or not words[1].isdecimal() or not is_nonce(words[2]):
+            self._drop(peer, "malformed", f"closed the connection from {peer.address}: {shown(line)} is not a hello")
+            return
+        node, client_nonce = int(words[1]), words[2]
+        if not matches(words[3], hello_proof(self.secret, node, peer.nonce, client_nonce)):
+            peer.send_plain("refused")
+            self._drop(peer, "forged", f"refused a hello from {peer.address} that does not prove this run's secret "
+                                       f"(a stranger, or a node started with another {SECRET_ENV})")
+            return
+        if not 0 < node < self.nnodes or any(p.node == node for p in self.peers):
+            self._drop(peer, "node", f"closed the connection from {peer.address}: node {node} is not one of this "
+                                     f"run's other nodes, or is connected already")
+            return
+        peer.send_plain(f"welcome {welcome_proof(self.secret, node, peer.nonce, client_nonce)}")
+        with self._lock:  # from here on, abort() and close() reach this peer (after its welcome, never before)
+            peer.session = Session.derive(self.secret, peer.nonce, client_nonce, server=True)
+            peer.node = node
+            self.nodes_seen.add(node)
+            late_abort = self.abort_message
+        if late_abort is not None:
+            peer.send(late_abort)
+
+    def _message(self, peer: Peer, line: str) -> None:
+        assert peer.session is not None
+        message = peer.session.open(line)
+        if message is None:
+            self.notes.note("mac", f"dropped a line from node {peer.node} ({peer.address}) whose MAC is wrong or out "
+                                   f"of sequence: {shown(line)}")
+        elif message == "done":
+            peer.done = True
+        elif message.startswith("abort "):
+            parsed = self._abort_words(peer, message)
+            if parsed is None:
+                return
+            node, label, code = parsed
+            if node != peer.node:
+                self.notes.note("invalid", f"dropped an abort from node {peer.node} in node {node}'s name")
+                return
+            with self._lock:
+                self.abort_message = self.abort_message or message
+            self._broadcast(message, skip=peer)
+            self._event(remote_failure(node, label, code))
+        else:
+            self.notes.note("unknown", f"dropped an unknown message from node {peer.node}: {shown(message)}")
+
+    def _drop(self, peer: Peer, kind: str, note: str) -> None:
+        self.notes.note(kind, note)
+        self._close(peer)
+
+    def _close(self, peer: Peer) -> None:
+        """Forget a connection; an authenticated node's, closed before it was done and while nobody has aborted, means
+        its supervisor died."""
+        if peer.closed:
+            return
+        self.selector.unregister(peer.sock)
+        peer.closed = True
+        peer.sock.close()
+        with self._lock:
+            self.peers.remove(peer)
+        if peer.session is not None and not peer.done and not self.stopping and not self.closing:
+            node = peer.node if peer.node is not None else -1
+            self._broadcast(abort_message(node, "supervisor", LOST_CODE))
+            self._event((node, "supervisor", LOST_CODE, f"lost contact with node {node}'s supervisor"))
+
+    def _broadcast(self, message: str, skip: Peer | None = None) -> None:
+        with self._lock:
+            peers = [p for p in self.peers if p.session is not None and p is not skip]
+        for peer in peers:
+            peer.send(message)
+
+    def abort(self, node: int, label: str, code: int) -> None:
+        self.stopping = True
+        message = abort_message(node, label, code)
+        with self._lock:
+            self.abort_message = self.abort_message or message
+        self._broadcast(message)
+
+    def done(self) -> None:
+        """Node 0 says nothing: its `close` waits for the others."""
+
+    def settled(self) -> bool:
+        """After an abort: every other node has connected, so it has the abort. Otherwise: the connected nodes are
+        done."""
+        with self._lock:
+            if self.stopping:
+                return len(self.nodes_seen) >= self.nnodes - 1
+            return all(p.done for p in self.peers if p.session is not None)
+
+    def close(self, wait: float) -> None:
+        """Give the other nodes up to `wait` seconds to finish (or to receive an abort), say ``bye``, and close
+        every connection cleanly."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not self.settled():
+            time.sleep(0.05)
+        self._broadcast("bye")
+        self._finish_thread(timeout=1.0)
+        with self._lock:
+            peers, self.peers = self.peers, []
+        for peer in peers:
+            peer.shutdown()
+        self.listener.close()
+        self.selector.close()
