@@ -1,5 +1,5 @@
 """bench/gpu_session.py, the GPU checks in three commands, as far as a machine without a GPU can check it: the three
-calls it prints (and the README shows), that each step's parts are commands that parse, what each step leaves under
+calls it prints (and docs/testing.md shows), that each step's parts are commands that parse, what each step leaves under
 $OUT, the folders it needs before a step starts, the checkout's exclude file, a step with real wheels and processes
 (what goes on whose path, the summary after every stage), and a stage's deadline (SIGINT, then SIGKILL, what the
 parts wrote kept, none left running)."""
@@ -27,7 +27,7 @@ import gpu_runs  # noqa: E402
 import gpu_session  # noqa: E402
 
 
-def test_the_three_calls_are_printed_and_in_the_readme() -> None:
+def test_the_three_calls_are_printed_and_in_the_docs() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_session.py"), "calls"], capture_output=True,
                           text=True, timeout=60, env=clean_env())
     assert done.returncode == 0, done.stderr
@@ -35,8 +35,8 @@ def test_the_three_calls_are_printed_and_in_the_readme() -> None:
     assert [c["command"] for c in calls] == [f"bash bench/gpu_session.sh {s}" for s in ("tests", "presets", "ablation")]
     assert all(c["carry"] == [".whl", ".anchors"] and c["timeout_s"] == 600 and len(c["command"]) <= 2000
                for c in calls)
-    readme = (ROOT / "README.md").read_text()
-    assert all(json.dumps(call) in readme for call in calls)
+    docs = "\n".join(page.read_text() for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    assert all(json.dumps(call) in docs for call in calls)
 
 
 def test_every_part_is_a_command_that_parses(tmp_path: Path) -> None:

@@ -1,12 +1,15 @@
-"""Every shell command the README shows is run here, so the manual cannot rot.
+"""Every shell command the README and the docs pages show is run here, so the manual cannot rot.
 
-Each line of a ```bash block runs, in order, in a fresh copy of the project (with this interpreter as `PYTHON` and as
-`python` on the PATH, so nothing is installed). Lines whose comment says they need hardware or a network CI lacks are skipped:
-`# needs a GPU`, `# needs a network`, `# needs two machines`; `bash run_tests.sh` is what CI itself runs. A line that
-says `# needs the <name> extra` is skipped, with the reason, where that optional extra is not installed. A pipeline
-whose left side the README also shows by itself (`bash run_training.sh --debug 2>&1 | grep CPU1:`) runs its right side on
-that command's output: the same run, not trained again. Where the README says what a command prints, SAYS holds those
-lines and they are checked in its output.
+The pages are README.md and every `docs/*.md`. Each line of a ```bash block runs, in order (the README's first, then
+the docs pages' by name; a command shown on several pages runs once, where it first appears), in a fresh copy of the
+project (with this interpreter as `PYTHON` and as `python` on the PATH, so nothing is installed). Lines whose comment
+says they need hardware or a network CI lacks are skipped: `# needs a GPU`, `# needs a network`, `# needs two
+machines`; `bash run_tests.sh` is what CI itself runs. A line that says `# needs the <name> extra` is skipped, with the
+reason, where that optional extra is not installed. A pipeline whose left side the pages also show by themselves
+(`bash run_training.sh --debug 2>&1 | grep CPU1:`) runs its right side on that command's output: the same run, not
+trained again. Where a page says what a command prints, SAYS holds those lines and they are checked in its output.
+The pages' relative links must lead to a file of the project (and a `#fragment` to one of that page's headings), and
+each docs page opens with its title, one sentence of what it covers, and a link back to the README.
 """
 
 from __future__ import annotations
@@ -35,15 +38,21 @@ SAYS = {
 }
 
 
-def readme_commands() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
-    commands = []
-    for block in blocks:
-        for line in block.splitlines():
-            line = line.strip()
-            if line and not line.startswith("#") and not any(m in line for m in SKIP_MARKERS):
-                if not line.startswith(NOT_HERE):
-                    commands.append(line)
+def pages() -> list[Path]:
+    """The pages whose commands run: the README, then the docs pages by name."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def documented_commands() -> list[str]:
+    """Every command of every page's ```bash blocks, in page order, each once."""
+    commands: list[str] = []
+    for page in pages():
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
+            for line in block.splitlines():
+                line = line.strip()
+                if line and not line.startswith("#") and not any(m in line for m in SKIP_MARKERS):
+                    if not line.startswith(NOT_HERE) and line not in commands:
+                        commands.append(line)
     return commands
 
 
@@ -99,11 +108,49 @@ def outputs() -> dict[str, str]:
 
 
 def test_readme_shows_commands() -> None:
-    assert "bash run_training.sh --debug" in readme_commands()
-    assert SAYS.keys() <= set(readme_commands())
+    assert "bash run_training.sh --debug" in documented_commands()
+    assert SAYS.keys() <= set(documented_commands())
 
 
-@pytest.mark.parametrize("command", readme_commands())
+def without_code(text: str) -> str:
+    """The page without its fenced blocks and inline code: what is left is prose, headings and links."""
+    return re.sub(r"`[^`]*`", "", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M))
+
+
+def anchors(page: Path) -> set[str]:
+    """The `#fragment`s a page's headings get, as GitHub makes them: lower case, punctuation dropped, spaces to '-'."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.replace("`", "").strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_readme_and_docs_links_lead_somewhere() -> None:
+    broken = []
+    for page in pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", without_code(page.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.is_relative_to(ROOT) or not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif fragment and (linked.suffix != ".md" or fragment not in anchors(linked)):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_each_docs_page_opens_with_its_title_and_a_link_back_and_the_readme_links_it() -> None:
+    docs = pages()[1:]
+    assert docs, "no docs/*.md pages"
+    readme = (ROOT / "README.md").read_text()
+    for page in docs:
+        title, blank, *rest = page.read_text().split("\n")
+        opening = "\n".join(rest).split("\n\n")[0]
+        assert title.startswith("# ") and blank == "" and opening.strip(), f"{page.name}: a title, then one sentence"
+        assert "](../README.md)" in opening, f"{page.name}: its opening does not link back to the README"
+        assert f"](docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
+
+
+@pytest.mark.parametrize("command", documented_commands())
 def test_readme_command_runs(command: str, project: Path, outputs: dict[str, str]) -> None:
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])  # `python` = this interpreter
     env = {**os.environ, "PYTHON": sys.executable, "PATH": path}

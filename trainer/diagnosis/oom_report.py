@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-OOM_EXIT_CODE = 99  # a rank that ran out of device memory (documented in README, "Exit codes")
+OOM_EXIT_CODE = 99  # a rank that ran out of device memory (documented in docs/diagnosis.md, "Exit codes")
 
 
 @dataclass
