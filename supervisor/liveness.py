@@ -1,20 +1,38 @@
-"""What the watcher knows of each rank's life between its start and its exit: what it last said on the progress
-channel, when, and how long it may stay silent before the watchdog calls it stalled (its allowance: `--hang-timeout`
-after a step, `--startup-timeout` before the first one and during a phase). Time the console spent blocked (a paused
-pager) is not silence: a rank waiting to write its output is not stalled.
+"""What the watcher knows of each rank's life between its start and its exit, and when it calls it stalled.
+
+The project's trainer reports on the progress channel: a rank is alive while it does, and may stay silent for its
+allowance (`--hang-timeout` after a step, `--startup-timeout` before the first one and during a phase).
+
+A program written for torchrun reports nothing, so its life is observed from outside instead, with no cooperation:
+a rank is active while it writes output (its log file grows) or uses CPU time (its process and every descendant:
+DataLoader workers compute for it), sampled every few seconds (`sample_interval`). Its group is stalled when no rank
+has been active for `--hang-timeout`: a rank blocked in a collective uses no CPU while it waits, and a frozen rank
+(SIGSTOP, a deadlock) none at all; a rank that computes alone for a long time (preprocessing while the others wait in
+a barrier) keeps the whole group alive. No timeout runs from the start: a healthy program may run for weeks.
+
+Either way, time the console spent blocked (a paused pager) is not silence: a rank waiting to write its output is
+not stalled.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
 
 from trainer.progress import Progress
+
+CPU_FLOOR_S = 0.05  # CPU seconds between two samples that count as activity: idle threads use far less
+SAMPLE_INTERVAL_MAX = 5.0  # seconds between samples of a program that reports nothing
 
 
 @dataclass
 class RankState:
-    """What a rank last said on the progress channel."""
+    """What a rank last said on the progress channel, or, for a program that reports nothing, when it last showed a
+    sign of life."""
 
     last_seen: float  # monotonic
     last_seen_wall: float
@@ -27,6 +45,8 @@ class RankState:
     tok_s: float | None = None
     eta_s: float | None = None
     pending: bytes = b""
+    cpu_seconds: float = 0.0  # a rank that reports nothing: its process tree's CPU time at the last sample
+    output_bytes: int = 0  # … and its log file's size then
 
     def update(self, record: Progress, console_mark: float) -> None:
         self.last_seen, self.last_seen_wall, self.console_mark = time.monotonic(), time.time(), console_mark
@@ -44,3 +64,39 @@ class RankState:
     def silence(self, now: float, console_time: float) -> float:
         """Seconds without progress, not counting those the console held the rank's output back."""
         return now - self.last_seen - (console_time - self.console_mark)
+
+
+    def observe(self, cpu_seconds: float, output_bytes: int, console_mark: float) -> None:
+        """A sample of a rank that reports nothing: output or CPU time since the last sample is a sign of life."""
+        if cpu_seconds - self.cpu_seconds >= CPU_FLOOR_S or output_bytes != self.output_bytes:
+            self.last_seen, self.last_seen_wall, self.console_mark = time.monotonic(), time.time(), console_mark
+        self.cpu_seconds, self.output_bytes = cpu_seconds, output_bytes
+
+
+def sample_interval(hang_timeout: float) -> float:
+    """Often enough to see a stall within a fraction of the timeout, rarely enough to cost nothing."""
+    return max(0.2, min(SAMPLE_INTERVAL_MAX, hang_timeout / 5))
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of a process and of every descendant alive now (user + system); 0 for one already gone."""
+    total = 0.0
+    try:
+        process = psutil.Process(pid)
+        family = [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return total
+    for member in family:
+        try:
+            times = member.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+def output_size(log: Path) -> int:
+    try:
+        return os.stat(log).st_size
+    except OSError:
+        return 0

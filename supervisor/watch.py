@@ -11,14 +11,7 @@ so its DataLoader workers keep serving it while it finishes its step and checkpo
 group is SIGKILLed, so nothing it started outlives it. After the last exit, a sweep kills any descendant that left
 the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to init).
 
-Hang watchdog: a rank that reports nothing for its allowance is stalled. The allowance depends on what it said
-last: after a ``step`` record, ``--hang-timeout``; before its first step, or after a ``phase`` (start-up,
-evaluation, checkpoint) or ``done`` record, ``--startup-timeout``. Time the console spent blocked (a paused pager)
-does not count: a rank waiting to write its output is not stalled. A stalled group first gets SIGUSR1 on every
-rank (faulthandler prints all Python thread stacks into each log) and a flight-recorder dump request, a short pause,
-then `supervisor.diagnosis.culprit` names the rank that holds the others up (the headline). The stop that follows
-SIGKILLs at once every rank that has been silent for half its allowance or more (a stalled rank, or one waiting for
-it, can no longer checkpoint); a rank still making progress gets the normal SIGTERM and grace period.
+Hang watchdog: `supervisor.hangs` says when a group is stalled and which rank holds it up (the headline).
 """
 
 from __future__ import annotations
@@ -32,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
 from supervisor.control.wire import LOST_CODE
-from supervisor.diagnosis import culprit, stragglers
+from supervisor.diagnosis import stragglers
 from supervisor.failure import FailureRule
+from supervisor.hangs import HangWatchdog, Stall
 from supervisor.liveness import RankState
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
@@ -46,7 +40,6 @@ from trainer.progress import Progress
 if TYPE_CHECKING:
     from supervisor.control.channel import ControlChannel
 
-DUMP_WAIT = 1.0  # after SIGUSR1: time for faulthandler to write every thread's stack before the stop begins
 KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
 PUMP_WAIT = 2.0  # after the last exit: time for the pump to reach end-of-file on every pipe
 EXIT_HANG = 124  # a stalled group, as timeout(1) reports a command that ran out of time
@@ -77,6 +70,7 @@ class Stop:
     awaiting: bool = False  # a failure: `worker` said ``failing`` and has not exited yet; its exit sets the code
     silence: float = 0.0  # a hang: how long the rank that tripped the watchdog had been silent
     evidence: list[str] = field(default_factory=list)  # a hang: each rank's evidence, for the report
+    stall: Stall | None = None  # a hang: what the watchdog found
 
 
 @dataclass
@@ -109,6 +103,7 @@ class Watch:
         self.selector = selectors.DefaultSelector()
         self.failures = FailureRule(plan.run_dir, tails)
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
+        self.hangs = HangWatchdog(plan, workers, self.states, console, tails)
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
 
@@ -155,13 +150,8 @@ class Watch:
         deadlines = []
         stop = self.stop
         if stop is None:
-            if self.plan.hang_timeout > 0:
-                now, console_time = time.monotonic(), self.console.writing_time()
-                for w in self.workers:
-                    if w.alive:
-                        st = self.states[w.spec.rank]
-                        allowance = st.allowance(self.plan.hang_timeout, self.plan.startup_timeout)
-                        deadlines.append(now + allowance - st.silence(now, console_time))
+            if (deadline := self.hangs.deadline()) is not None:
+                deadlines.append(deadline)
         elif not stop.terminated:
             deadlines.append(stop.term_at)
         elif not stop.killed:
@@ -254,12 +244,22 @@ class Watch:
         now = time.monotonic()
         stop = self.stop
         if stop is None:
-            self.check_hangs(now)
+            if (stall := self.hangs.check(now)) is not None:
+                for rank in stall.culprits:
+                    self.endings[rank] = STALLED
+                self.begin_stop(Stop("hang", EXIT_HANG, stall.detail, worker=stall.worker, silence=stall.silence,
+                                     evidence=stall.evidence, stall=stall), pause=stall.pause)
             return
         if not stop.terminated and now >= stop.term_at:
             stop.terminated = True
             stop.kill_at = now + self.plan.grace_period
-            stalled = self.diagnose_stall(now) if stop.reason == "hang" else set()
+            stalled: set[int] = set()
+            if stop.stall is not None:
+                stall = self.hangs.diagnose(stop.stall, now)
+                stop.detail, stop.evidence, stop.worker = stall.detail, stall.evidence, stall.worker
+                for rank in stall.culprits:
+                    self.endings[rank] = STALLED
+                stalled = stall.kill_now
             for w in self.workers:
                 if w.spec.rank in stalled:
                     w.kill_group()
@@ -348,58 +348,6 @@ class Watch:
                 self.straggler_history.append(found)
                 if failure := stragglers.record(self.plan.run_dir, self.straggler_history):
                     self.console.say(failure, style="yellow")
-
-    def check_hangs(self, now: float) -> None:
-        if self.plan.hang_timeout <= 0:
-            return
-        console_time = self.console.writing_time()
-        for w in self.workers:
-            if not w.alive:
-                continue
-            st = self.states[w.spec.rank]
-            allowance = st.allowance(self.plan.hang_timeout, self.plan.startup_timeout)
-            silence = st.silence(now, console_time)
-            if silence < allowance:
-                continue
-            since = time.strftime("%H:%M:%S", time.localtime(st.last_seen_wall))
-            last = "no step yet" if st.step == 0 else f"last step {st.step}" + (f"/{st.total}" if st.total else "")
-            if st.event == "phase" and st.phase:
-                last += f", last phase '{st.phase}'"
-            detail = f"{w.label} (rank {w.spec.rank}) stalled: no progress for {silence:.1f} s " \
-                     f"(since {since}; {last})"
-            self.console.say(f"{detail}; dumping every rank's Python stacks (SIGUSR1) and flight records, then "
-                             f"stopping", style="bold red")
-            for other in self.workers:
-                other.signal(signal.SIGUSR1)
-                culprit.request_dump(culprit.recorder_pipe(self.plan.run_dir, other.label))
-            self.begin_stop(Stop("hang", EXIT_HANG, detail, worker=w, silence=silence), pause=DUMP_WAIT)
-            return
-
-    def diagnose_stall(self, now: float) -> set[int]:
-        """After the dump pause: name the culprit (headline and report), and return the ranks to SIGKILL now."""
-        stop = self.stop
-        assert stop is not None
-        console_time = self.console.writing_time()
-        evidence, stalled = [], set()
-        for w in self.workers:
-            st = self.states[w.spec.rank]
-            if st.silence(now, console_time) >= st.allowance(self.plan.hang_timeout, self.plan.startup_timeout) / 2:
-                stalled.add(w.spec.rank)
-            when = f"in phase '{st.phase}' after step {st.step}" if st.event == "phase" else f"at step {st.step}"
-            tail = self.tails.get(w.spec.rank)
-            evidence.append(culprit.RankEvidence(
-                w.spec.rank, w.label, when, culprit.main_stack(tail.tail.decode(errors="replace")) if tail else None,
-                culprit.load_recorder(culprit.recorder_pipe(self.plan.run_dir, w.label).with_suffix(".json"))))
-        verdict = culprit.find_culprit(evidence)
-        stop.detail, stop.evidence = verdict.headline(stop.silence), verdict.lines
-        by_rank = {w.spec.rank: w for w in self.workers}
-        stop.worker = by_rank[verdict.culprits[0].rank] if len(verdict.culprits) == 1 else stop.worker
-        for c in verdict.culprits or ([] if stop.worker is None else [evidence[self.workers.index(stop.worker)]]):
-            self.endings[c.rank] = STALLED
-        self.console.say(stop.detail, style="bold red")
-        for line in verdict.lines:
-            self.console.log(f"stall evidence: {line}")
-        return {rank for rank in stalled if by_rank[rank].alive}
 
     # -- the sweep -------------------------------------------------------------------------------------------------
 

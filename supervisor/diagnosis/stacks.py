@@ -1,0 +1,130 @@
+"""Every rank's Python stacks, read from outside without the rank's cooperation.
+
+A program written for torchrun installs no handler for the stack request the project's own trainer answers
+(SIGUSR1 → faulthandler): that signal would kill it. py-spy reads a CPython process's stacks from its memory instead
+(``--nonblocking``: the process is not paused, and one that is stopped already — SIGSTOP, a debugger — is read as it
+is), so a frozen rank gives its stack too. The dumps of every rank run at once, each bounded by `DUMP_TIMEOUT`.
+
+py-spy is a dependency of the project (a binary installed beside the interpreter); where it is missing, or may not
+read other processes (no ptrace permission in a container without ``SYS_PTRACE``), the dump says why instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor.diagnosis.culprit import Frame, RankEvidence, Verdict, find_culprit, waiting_in
+
+DUMP_TIMEOUT = 10.0  # seconds for all the dumps: py-spy takes well under one per process
+PY_SPY = "py-spy"
+STOPPED = "while its process is stopped (SIGSTOP, or a debugger)"
+
+
+@dataclass
+class Stacks:
+    """One rank's threads as py-spy read them, or why it could not."""
+
+    pid: int
+    threads: list[tuple[str, list[Frame]]] = field(default_factory=list)  # (thread name, frames innermost first)
+    error: str | None = None
+
+    @property
+    def main(self) -> list[Frame] | None:
+        """The main thread's frames: the one whose OS thread id is the process id."""
+        return next((frames for name, frames in self.threads if name == "MainThread"), None)
+
+    def text(self) -> list[str]:
+        """The dump as lines for the console and the log, innermost frame first (as faulthandler prints)."""
+        if self.error:
+            return [f"no stack: {self.error}"]
+        lines = []
+        for name, frames in self.threads:
+            lines.append(f"thread {name}:")
+            lines += [f"  {frame.func} ({frame.file}:{frame.line})" for frame in frames]
+        return lines
+
+
+def find_py_spy() -> str | None:
+    """The py-spy installed with this interpreter (a virtual environment's bin/), else one on PATH."""
+    beside = Path(sys.executable).parent / PY_SPY
+    return str(beside) if os.access(beside, os.X_OK) else shutil.which(PY_SPY)
+
+
+def parse(pid: int, output: str) -> Stacks:
+    """py-spy's ``--json`` dump: a list of threads, each with its frames innermost first."""
+    threads = []
+    for thread in json.loads(output):
+        frames = [Frame(f.get("filename") or "?", int(f.get("line") or 0), f.get("name") or "?")
+                  for f in thread.get("frames", [])]
+        name = "MainThread" if thread.get("os_thread_id") == pid else thread.get("thread_name") or "thread"
+        threads.append((name, frames))
+    threads.sort(key=lambda item: item[0] != "MainThread")  # the main thread first
+    return Stacks(pid, threads)
+
+
+def dump(pids: list[int]) -> dict[int, Stacks]:
+    """Every process's stacks, read concurrently; pid → its `Stacks` (with `error` set where none could be read)."""
+    tool = find_py_spy()
+    if tool is None:
+        return {pid: Stacks(pid, error="py-spy is not installed (pip install py-spy)") for pid in pids}
+    running = {pid: subprocess.Popen([tool, "dump", "--pid", str(pid), "--nonblocking", "--json"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     stdin=subprocess.DEVNULL) for pid in pids}
+    deadline = time.monotonic() + DUMP_TIMEOUT
+    found = {}
+    for pid, process in running.items():
+        try:
+            out, err = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            found[pid] = Stacks(pid, error=f"py-spy did not answer within {DUMP_TIMEOUT:g} s")
+            continue
+        if process.returncode != 0:
+            reason = next((line for line in err.splitlines() if line.strip()), f"exit {process.returncode}")
+            found[pid] = Stacks(pid, error=f"py-spy: {reason.removeprefix('Error: ')}")
+            continue
+        try:
+            found[pid] = parse(pid, out)
+        except (ValueError, TypeError, AttributeError):
+            found[pid] = Stacks(pid, error="py-spy's output was not the JSON it writes")
+    return found
+
+
+def read_stalled(ranks: dict[int, tuple[str, int]]) -> tuple[Verdict, dict[int, list[str]]]:
+    """A stalled group of a program that reports nothing: every rank's stacks read from outside (`dump`), and the
+    verdict on them (`culprit.find_culprit`: the ranks in their own code while the others wait in a collective).
+    `ranks`: rank → (label, pid). Returns the verdict and each rank's stack as lines."""
+    found = dump([pid for _, pid in ranks.values()])
+    evidence, lines, stopped = [], {}, []
+    for rank, (label, pid) in sorted(ranks.items()):
+        stacks = found[pid]
+        evidence.append(RankEvidence(rank, label, STOPPED if is_stopped(pid) else "while running", stacks.main))
+        lines[rank] = stacks.text()
+        if evidence[-1].when == STOPPED:
+            stopped.append(evidence[-1])
+    verdict = find_culprit(evidence)
+    if stopped and len(stopped) < len(evidence):
+        # A stopped process cannot run, wherever its stack stands (even inside a collective it was stopped in):
+        # the ranks still running wait for it.
+        verdict.culprits, verdict.method = stopped, "process state"
+        verdict.waits = {e.name: f"{frame.short()}" for e in evidence if e not in stopped and e.stack
+                         and (frame := waiting_in(e.stack))}
+    return verdict, lines
+
+
+def is_stopped(pid: int) -> bool:
+    """Stopped by a signal (SIGSTOP, SIGTSTP) or a debugger: it cannot run until someone continues it."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False

@@ -1,0 +1,75 @@
+"""Supervising a program written for torchrun, which reports nothing: no timeout kills it while it works, however long;
+a frozen rank is seen (no output and no CPU time anywhere in the group), every rank's Python stack is read from
+outside (py-spy) and the frozen rank is named; no rank is ever sent a stack request it cannot answer."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from rank_scripts.harness import ROOT, clean_env, start, survivors
+
+QUIET = ROOT / "tests" / "rank_scripts" / "quiet_ddp.py"
+
+
+def wait_for_pids(folder: Path, count: int, run_proc, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(files := sorted(folder.glob("rank*.pid"))) < count:
+        assert run_proc.poll() is None and time.monotonic() < deadline, "the ranks did not train a step"
+        time.sleep(0.05)
+    return [int(f.read_text()) for f in files]
+
+
+def test_a_quiet_program_outlasts_the_startup_timeout(tmp_path: Path) -> None:
+    """No progress records and no output for longer than both timeouts, but CPU time all along: it is working."""
+    r = start(tmp_path, "--nproc", "2", "--startup-timeout", "1", "--hang-timeout", "2", entry=QUIET,
+              entry_args=("--seconds", "6")).wait(timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"rank 0: \d+ steps, loss", r.stdout)
+    assert "stalled" not in r.stderr and "SIGUSR1" not in r.stderr
+
+
+def test_a_frozen_rank_is_named_with_every_rank_stack(tmp_path: Path) -> None:
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    run = start(tmp_path, "--nproc", "2", "--hang-timeout", "3", "--grace-period", "5", entry=QUIET,
+                entry_args=("--seconds", "600", "--pid-dir", str(pid_dir)))
+    pids = wait_for_pids(pid_dir, 2, run.proc)
+    os.kill(pids[1], signal.SIGSTOP)  # what a hung host or a deadlocked rank looks like from outside
+    r = run.wait(timeout=60)
+    assert r.returncode == 124, r.stderr[-4000:]
+    err = r.stderr
+    assert re.search(r"no rank has written output or used CPU time for [\d.]+ s; reading every rank's Python "
+                     r"stacks from outside \(py-spy\)", err), err[-4000:]
+    # both ranks' stacks, read without their cooperation (the frozen one included)
+    for rank, pid in enumerate(pids):
+        block = err[err.index(f"CPU{rank} (rank {rank}, pid {pid}) Python stacks:"):]
+        assert "thread MainThread:" in block.splitlines()[1], block[:2000]
+        assert "quiet_ddp.py" in block[:4000]
+    headline = re.search(r"^supervisor: (CPU1 \(rank 1\) stalled while its process is stopped .*)$", err, re.M)
+    assert headline, err[-4000:]
+    assert "CPU0 (rank 0) waits for it in" in headline[1] and "by process state" in headline[1]
+    assert survivors(pids, timeout=5.0) == []  # a stopped rank is SIGKILLed, not left behind
+    report = err[err.index("supervisor: run failed"):]
+    assert re.search(r"CPU1\s+1\s+\d+\s+\S+ \(\d+\)\s+stalled", report), report
+
+
+def test_no_stack_request_by_signal_reaches_a_quiet_program(tmp_path: Path) -> None:
+    """A hang of a program that installed no SIGUSR1 handler: the ranks are killed by the stop, not by a request."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    run = start(tmp_path, "--nproc", "2", "--hang-timeout", "2", "--grace-period", "5", entry=QUIET,
+                entry_args=("--seconds", "600", "--pid-dir", str(pid_dir)), env=clean_env())
+    pids = wait_for_pids(pid_dir, 2, run.proc)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    r = run.wait(timeout=60)
+    assert r.returncode == 124, r.stderr[-3000:]
+    assert "SIGUSR1" not in r.stderr
+    # every rank stopped: nobody is singled out rather than a guess
+    assert re.search(r"stalled \(no progress for [\d.]+ s\); the evidence singles out no rank", r.stderr), \
+        r.stderr[-3000:]
+    assert survivors(pids, timeout=5.0) == []
