@@ -31,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -403,17 +405,25 @@ def main() -> None:
         if result:
             print(json.dumps(result))
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still remove the work folder below
-    print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; load average "
-          f"{os.getloadavg()[0]:.1f} at start")
-    work = Path(tempfile.mkdtemp(prefix="bench-cache-"))
-    started = time.perf_counter()
-    try:
+    with work_folder("bench-cache-") as work:
         cfg, config = throughput(work, args.rounds, args.vocab_size)
         hit_wall(config)
         if not args.skip_large:
             large_source_rss(work, cfg)
             reading_memory(work, cfg)
+
+
+@contextmanager
+def work_folder(prefix: str) -> Iterator[Path]:
+    """A bench's temporary folder, removed however the bench ends (SIGTERM included), between a line that says the
+    machine and its load at the start and one with the wall time and the load at the end."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; load average "
+          f"{os.getloadavg()[0]:.1f} at start")
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    started = time.perf_counter()
+    try:
+        yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"(benchmark wall time {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at the end)")

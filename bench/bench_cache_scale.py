@@ -23,14 +23,9 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import sys
-import tempfile
-import time
 from pathlib import Path
 
-import psutil
-from bench_cache import child, config_for, hit_seconds, prepare  # beside this file (it puts the project on the path)
+from bench_cache import child, config_for, hit_seconds, prepare, work_folder  # beside this file (it puts the project on the path)
 
 from trainer.data.corpus import StdlibCorpus
 
@@ -153,20 +148,11 @@ def main() -> None:
     parser.add_argument("--hit-mb", type=int, default=100, help="the smaller one (hit time, one vs many documents)")
     parser.add_argument("--hit-gb", type=int, default=10, help="the corpus whose cache hit is timed last (0: skip)")
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still remove the work folder below
-    print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; load average "
-          f"{os.getloadavg()[0]:.1f} at start")
-    work = Path(tempfile.mkdtemp(prefix="bench-cache-scale-"))
-    started = time.perf_counter()
-    try:
+    with work_folder("bench-cache-scale-") as work:
         tokenizer = prepare(config_for(work / "scale-cache"), show_progress=False).path  # BPE 8192, stdlib
         scale(work, tokenizer, args.scale_mb, args.hit_mb)
         if args.hit_gb:
             large_corpus_hit(work, tokenizer, args.hit_gb, args.scale_mb)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"(benchmark wall time {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at the end)")
-
 
 if __name__ == "__main__":
     main()
