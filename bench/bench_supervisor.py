@@ -6,8 +6,10 @@ The rank programs are the anchors of ANCHORS.md ("Launcher"), copied into bench/
 1. failure → every rank gone: fail.py (rank 1 ``os._exit(3)`` at step 20, the others inside a gloo all-reduce);
    seconds from its death to the launcher's exit, median over the repeats, and the exit code each launcher returns.
    Goal: ≤ 0.15 s and the rank's own code.
-2. a stalled rank: hang_progress.py (hang.py plus the progress channel); when the supervisor notices, and whether
-   every rank's stack reached its log; torchrun is given the same time and more. Goal: hang timeout + 1 s.
+2. a stalled rank, twice: hang_progress.py (hang.py plus the progress channel and faulthandler, as the project's
+   trainer) and hang_quiet.py (hang.py as a torchrun program is written: nothing reported, no handler); when the
+   supervisor notices, whether it names rank 1, and whether every rank's stack was shown; torchrun is given the same
+   time and more. Goal: hang timeout + 1 s (a program that reports nothing: + one sample, a fifth of the timeout).
 3. 2 ranks × 3 M log lines: wall time (and CPU seconds, steadier on a shared machine) against the same two ranks
    writing straight to /dev/null, medians of rounds that interleave the two. Goal: ≤ 1.3× direct. Twice: spam2.py
    in the environment every launcher gives its ranks here (PYTHONUNBUFFERED=1, the rank contract: one write per
@@ -139,11 +141,13 @@ def failure(launcher: str, repeats: int) -> tuple[float, list[int]]:
 # 2. a stalled rank
 
 
-def stall(launcher: str, hang_timeout: float) -> str:
+def stall(launcher: str, hang_timeout: float, script: Path) -> str:
+    """`script` stalls rank 1 and writes when to its argument: when the launcher notices, how it knows whose stall it
+    is, and whether every rank's stack was shown (in the rank logs: faulthandler on SIGUSR1, for a program that
+    reports progress; on the console: py-spy, for one that reports nothing)."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         stalled_at = work / "stalled_at"
-        script = ANCHORS / "hang_progress.py"
         if launcher == "supervisor":
             cmd = supervisor_cmd(work, script, str(stalled_at),
                                  options=("--hang-timeout", str(hang_timeout), "--startup-timeout", "120",
@@ -159,16 +163,17 @@ def stall(launcher: str, hang_timeout: float) -> str:
                 time.sleep(0.05)
             stalled = float(stalled_at.read_text())
             try:
-                code = proc.wait(hang_timeout + 10)
+                code = proc.wait(hang_timeout + 15)
             except subprocess.TimeoutExpired:
                 return f"not noticed: still running {time.time() - stalled:.0f} s after the stall"
             text = (work / "launcher.err").read_text()
-            m = re.search(r"no progress for ([\d.]+) s", text)
+            m = re.search(r"no progress for ([\d.]+) s|used CPU time for ([\d.]+) s", text)
             logs = list((work / "logs").glob("*/cpu*.log"))
-            dumped = sum("most recent call first" in log.read_text() for log in logs)
-            noticed = f"{float(m[1]):.2f} s" if m else "?"
-            return (f"noticed after {noticed} of silence (timeout {hang_timeout:g} s), stacks of {dumped}/{len(logs)} "
-                    f"ranks in their logs, exit {code}, all gone {time.time() - stalled:.1f} s after the stall")
+            dumped = sum("most recent call first" in log.read_text() for log in logs) or text.count("thread MainThread:")
+            named = "rank 1 named" if re.search(r"CPU1 \(rank 1\) stalled", text) else "no rank named"
+            noticed = f"{float(m[1] or m[2]):.2f} s" if m else "?"
+            return (f"noticed after {noticed} of silence (timeout {hang_timeout:g} s), {named}, stacks of "
+                    f"{dumped}/{len(logs)} ranks, exit {code}, all gone {time.time() - stalled:.1f} s after the stall")
         finally:
             kill_tree(proc)
 
@@ -299,9 +304,11 @@ def main() -> None:
         say(f"   {name}: median {median:.3f} s, exit codes {codes}")
 
     say("2. a stalled rank")
-    hang = {name: stall(name, 2.0) for name in launchers}
-    for name, text in hang.items():
-        say(f"   {name}: {text}")
+    hang = {name: stall(name, 2.0, ANCHORS / "hang_progress.py") for name in launchers}
+    quiet = {name: stall(name, 2.0, ANCHORS / "hang_quiet.py") for name in launchers}
+    for name in launchers:
+        say(f"   {name}, reporting progress: {hang[name]}")
+        say(f"   {name}, reporting nothing: {quiet[name]}")
 
     say("3. 2 ranks x 3 M log lines (medians; direct and supervisor interleaved, torchrun once)")
     lines: dict[str, dict[str, tuple[float, float]]] = {}
@@ -344,8 +351,10 @@ def main() -> None:
                  cell("supervisor", lambda n: f"{fail[n][0]:.3f} s, exit {fail[n][1][0]}"),
                  cell("torchrun", lambda n: f"{fail[n][0]:.3f} s, exit {fail[n][1][0]}"),
                  "-", "<= 0.15 s, the rank's code (3)"))
-    rows.append(("stalled rank (hang timeout 2 s)", cell("supervisor", lambda n: hang[n].split(",")[0]),
-                 cell("torchrun", lambda n: hang[n].split(",")[0]), "-", "<= timeout + 1 s"))
+    for what, found in (("reporting progress", hang), ("reporting nothing", quiet)):
+        rows.append((f"stalled rank, {what} (hang timeout 2 s)",
+                     *(cell(name, lambda n: ", ".join(found[n].split(", ")[:2])) for name in ("supervisor", "torchrun")),
+                     "-", "<= timeout + 1 s, rank 1 named"))
     for kind, figures in lines.items():
         base_wall, base_cpu = figures["direct"]
         rows.append((f"2 x 3 M log lines, {kind}",
