@@ -38,6 +38,7 @@ import os
 import selectors
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from supervisor.console import Console, write_all
@@ -104,6 +105,7 @@ class Pump(threading.Thread):
     def __init__(self, console: Console, bar_interval: float = BAR_INTERVAL) -> None:
         super().__init__(name="supervisor-pump", daemon=True)
         self.console, self.bar_interval = console, bar_interval
+        self.clock: Callable[[], float] = time.monotonic  # the bars' clock (a test may drive its own)
         self.bars: set[Stream] = set()  # streams whose bar changed since it was last shown
         self.selector = selectors.DefaultSelector()
         self.streams: list[Stream] = []
@@ -220,7 +222,7 @@ class Pump(threading.Thread):
     def redrawn(self, stream: Stream) -> None:
         """A carriage return arrived in the unfinished line: show its state now if the interval is over, else once
         it is (`show_due_bars`)."""
-        now = time.monotonic()
+        now = self.clock()
         if stream.bar_due is None:  # a new bar: its first state waits an interval, so a quick one shows only its end
             stream.bar_due = now + self.bar_interval
         if now >= stream.bar_due:
@@ -240,10 +242,10 @@ class Pump(threading.Thread):
         """The selector's timeout: until the first changed bar is due (None, no timeout, when none changed)."""
         if not self.bars:
             return None
-        return max(0.0, min(s.bar_due for s in self.bars if s.bar_due is not None) - time.monotonic())
+        return max(0.0, min(s.bar_due for s in self.bars if s.bar_due is not None) - self.clock())
 
     def show_due_bars(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for stream in [s for s in self.bars if s.bar_due is not None and s.bar_due <= now]:
             self.show_bar(stream, now)
 
