@@ -39,7 +39,7 @@ from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
 from trainer.config.choices import cpu_refusal
 from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.durable import check_writable
-from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.errors import USER_ERROR_EXIT_CODE, UserError, exit_without_teardown
 from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2
@@ -332,3 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
+
+
+def console_script() -> None:
+    """The ``supervise`` command the project installs (``[project.scripts]``), as ``python -m supervisor``."""
+    exit_without_teardown(main())
