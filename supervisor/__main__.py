@@ -1,7 +1,6 @@
 """``python -m supervisor``: see supervisor/cli.py."""
 
-from supervisor.cli import main
-from trainer.errors import exit_without_teardown
+from supervisor.cli import console_script
 
-# Every rank, pipe, log and helper is closed by now.
-exit_without_teardown(main())
+# Every rank, pipe, log and helper is closed by the time it exits.
+console_script()

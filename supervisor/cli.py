@@ -1,13 +1,15 @@
 """``python -m supervisor``: arguments → config → devices → plan → `Launcher`.
 
     python -m supervisor [config flags] [--gpus IDS|auto] [--nproc N] [--entry SCRIPT] [-- SCRIPT ARGS...]
+    python -m supervisor [torchrun's flags] [--gpus IDS] SCRIPT [SCRIPT ARGS...]      (torchrun's command line)
 
 The config is resolved once (trainer.config: preset < --config files < flags) and written to
 ``<log-dir>/<run-id>/config.json``; every rank of the project's trainer starts as
 ``python pretrain_main.py --run-config <that file>``. ``--entry SCRIPT`` runs any other rank program instead (like
 torchrun's training script): it gets only the arguments after ``--``, finds the config path in
 ``SUPERVISOR_RUN_CONFIG``, and no dataset is prepared for it. ``--no-prepare`` skips the dataset step for the trainer
-too (the ranks then expect the cache to exist).
+too (the ranks then expect the cache to exist). torchrun's own command line runs a program written for torchrun
+(`supervisor.torchrun_args`): no config is written for it, its run folder is named after it (docs/torchrun.md).
 
 Everything here runs before any rank exists, so a bad input ends as one ``error: ...`` line and exit code 2 with
 nothing started.
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 
-from supervisor import gpus
+from supervisor import gpus, torchrun_args
 from supervisor.console import Console
 from supervisor.control.wire import read_secret
 from supervisor.diagnosis import preflight
@@ -31,12 +33,13 @@ from supervisor.exclusion import default_min_gpus
 from supervisor.launcher import Launcher, run_folder_writes
 from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
 from supervisor.slurm import layout as slurm_layout
+from supervisor.torchrun_args import TorchrunLaunch
 from trainer.checkpoint.layout import check_checkpoint_dir, earlier_run, find_resume
 from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
 from trainer.config.choices import cpu_refusal
 from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.durable import check_writable
-from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.errors import USER_ERROR_EXIT_CODE, UserError, exit_without_teardown
 from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2
@@ -49,17 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m supervisor",
         description="Run one training process per GPU (CPU ranks where there is none): prefixed logs, kill-all on "
                     "the first failure, a hang watchdog, a failure report. Arguments after `--` go to the entry "
-                    "script.")
+                    "script. torchrun's command line works too (python -m supervisor [torchrun's flags] SCRIPT "
+                    "[ARGS...]; see docs/torchrun.md).")
+    parser.set_defaults(cpu_ranks=DEFAULT_CPU_RANKS)  # torchrun's --nproc-per-node cpu|auto: one per core
     devices = parser.add_argument_group("devices")
-    devices.add_argument("--gpus", metavar="IDS|auto",
-                         help="physical GPU ids (0,3,5), or 'auto' for the least busy (with --nproc N: the N least "
-                              "busy); default: every usable GPU")
     devices.add_argument("--nproc", type=int, metavar="N",
                          help=f"ranks on this node: the first N GPUs, or N CPU ranks (default {DEFAULT_CPU_RANKS}) "
                               f"when there is no GPU")
-    devices.add_argument("--allow-busy-gpus", action="store_true",
-                         help="start on GPUs another process already uses (default: refuse them; --gpus auto skips "
-                              "them)")
+    add_own_launch_flags(devices)
     launch = parser.add_argument_group("launch")
     launch.add_argument("--entry", metavar="SCRIPT",
                         help=f"the rank program (default: the project's {TRAINER_ENTRY}); arguments after `--` "
@@ -68,22 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not build the token cache before starting ranks (skipped anyway for another --entry)")
     launch.add_argument("--log-dir", default=str(RUNS_DIR), metavar="DIR",
                         help=f"root of the run folders (default: {RUNS_DIR})")
-    launch.add_argument("--grace-period", type=float, default=30.0, metavar="S",
-                        help="SIGTERM → SIGKILL delay when stopping ranks (default 30)")
-    launch.add_argument("--hang-timeout", type=float, default=300.0, metavar="S",
-                        help="a rank with no progress for this long stalls the run (default 300; 0 disables)")
-    launch.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
-                        help="the allowance before the first step and during start-up, evaluation and checkpoint "
-                             "phases (default 900)")
     launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
                         help="restart the group after a failure, resuming from the latest checkpoint (default 0); "
                              "after a GPU fault, without that GPU")
-    launch.add_argument("--no-gpu-exclusion", dest="gpu_exclusion", action="store_false",
-                        help="restart on the same GPUs even after a GPU fault (default: leave the faulty GPU out)")
-    launch.add_argument("--min-gpus", type=int, metavar="N",
-                        help="stop rather than restart on fewer GPUs than this after an exclusion (default: half "
-                             "the run's GPUs, rounded up)")
-    launch.add_argument("--no-footer", action="store_true", help="no live footer on a terminal")
     launch.add_argument("--dry-run", action="store_true",
                         help="print parameters, tokens per step, FLOPs per token and the per-GPU memory estimate "
                              "for the GPUs that would be used, then exit (the model is built on the meta device)")
@@ -97,6 +84,33 @@ def build_parser() -> argparse.ArgumentParser:
                             "default to what the job's SLURM_* variables say")
     add_config_arguments(parser)
     return parser
+
+
+def add_own_launch_flags(group: argparse._ArgumentGroup) -> None:
+    """The supervisor's flags that both its own command line and torchrun's (`supervisor.torchrun_args`) take."""
+    group.add_argument("--gpus", metavar="IDS|auto",
+                       help="physical GPU ids (0,3,5), or 'auto' for the least busy (with --nproc N: the N least "
+                            "busy); default: every usable GPU")
+    group.add_argument("--allow-busy-gpus", action="store_true",
+                       help="start on GPUs another process already uses (default: refuse them; --gpus auto skips "
+                            "them)")
+    group.add_argument("--isolate-gpus", action="store_true",
+                       help="another program than the trainer sees only its own GPU (CUDA_VISIBLE_DEVICES=<id>: "
+                            "it uses cuda:0); default: the run's GPUs in local-rank order, so cuda:LOCAL_RANK is "
+                            "its own, as under torchrun. The trainer always sees its own alone")
+    group.add_argument("--grace-period", type=float, default=30.0, metavar="S",
+                       help="SIGTERM → SIGKILL delay when stopping ranks (default 30)")
+    group.add_argument("--hang-timeout", type=float, default=300.0, metavar="S",
+                       help="a rank with no progress for this long stalls the run (default 300; 0 disables)")
+    group.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
+                       help="the allowance before the first step and during start-up, evaluation and checkpoint "
+                            "phases (default 900)")
+    group.add_argument("--no-gpu-exclusion", dest="gpu_exclusion", action="store_false",
+                       help="restart on the same GPUs even after a GPU fault (default: leave the faulty GPU out)")
+    group.add_argument("--min-gpus", type=int, metavar="N",
+                       help="stop rather than restart on fewer GPUs than this after an exclusion (default: half "
+                            "the run's GPUs, rounded up)")
+    group.add_argument("--no-footer", action="store_true", help="no live footer on a terminal")
 
 
 def split_entry_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -190,7 +204,7 @@ def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
         check_fits_on_cpu(cfg)
     cfg.system.device = "cpu"
     why = "system.device=cpu" if forced_cpu else "no GPU found"
-    count = args.nproc or DEFAULT_CPU_RANKS
+    count = args.nproc or args.cpu_ranks
     console_notes.append(f"{why}: starting {count} CPU rank{'s' if count > 1 else ''} on gloo (--nproc N to change)")
     return Devices([])
 
@@ -232,12 +246,16 @@ def node_layout(args: argparse.Namespace, notes: list[str]) -> None:
     args.node_rank = 0 if args.node_rank is None else args.node_rank
 
 
-def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], notes: list[str]) -> Plan:
-    notes.extend(cfg.notes)
-    if wandb_note := check_wandb(cfg):
-        notes.append(wandb_note)
-    entry = entry_path(args)
-    trainer_entry = entry.name == TRAINER_ENTRY
+def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], notes: list[str],
+              launch: TorchrunLaunch | None = None) -> Plan:
+    """The plan; `launch`: a program started with torchrun's command line, which takes no config of this project
+    (the config resolved from the defaults only serves the supervisor: it is neither shown nor written)."""
+    if launch is None:
+        notes.extend(cfg.notes)
+        if wandb_note := check_wandb(cfg):
+            notes.append(wandb_note)
+    entry = launch.program if launch is not None else entry_path(args)
+    trainer_entry = launch is None and entry.name == TRAINER_ENTRY
     check_writable(Path(args.log_dir), "the log folder", "choose a writable one with --log-dir DIR")
     if trainer_entry:
         find_resume(cfg, notes)  # a --resume without a checkpoint: one error here, not a failure on every rank later
@@ -245,23 +263,48 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
         check_checkpoint_dir(cfg)
     devices = choose_devices(args, cfg, trainer_entry, notes)
     min_gpus = check_min_gpus(args, devices.gpus)
-    ranks = node_ranks(devices.gpus, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)
-    check_world_size(cfg, args.nnodes * len(ranks))
-    run_dir = create_run_dir(Path(args.log_dir), cfg.preset)
-    cfg.logging.run_dir = str(run_dir)
-    return Plan(entry=entry, entry_args=entry_args, run_dir=run_dir, ranks=ranks, nnodes=args.nnodes,
+    ranks = node_ranks(devices.gpus, args.nproc or args.cpu_ranks, args.node_rank)
+    if launch is None:
+        check_world_size(cfg, args.nnodes * len(ranks))
+    plan = Plan(entry=entry, entry_args=entry_args, run_dir=Path(), ranks=ranks, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
                 grace_period=args.grace_period, hang_timeout=args.hang_timeout,
                 startup_timeout=args.startup_timeout, max_restarts=args.max_restarts,
                 gpu_exclusion=args.gpu_exclusion, min_gpus=min_gpus, preflight=devices.preflight,
-                fake_gpus=devices.fake, prepare=not args.no_prepare, footer=not args.no_footer)
+                fake_gpus=devices.fake, prepare=not args.no_prepare, footer=not args.no_footer,
+                isolate_gpus=args.isolate_gpus)
+    if launch is not None:
+        plan = replace(plan, entry_mode=launch.mode, torchrun_contract=True, run_id=launch.run_id, role=launch.role,
+                       virtual_local_rank=launch.virtual_local_rank)
+    plan.run_dir = create_run_dir(Path(args.log_dir), plan.program_name if launch is not None else cfg.preset)
+    cfg.logging.run_dir = str(plan.run_dir)
+    return plan
+
+
+def read_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str], TorchrunLaunch | None, list[str]]:
+    """The supervisor's own command line (the program's arguments after ``--``), or torchrun's
+    (`supervisor.torchrun_args`). torchrun's naming the project's trainer is read as the trainer's own: its
+    arguments are the config flags it takes (``--nproc-per-node 2 pretrain_main.py --debug``). Last, the lines
+    saying what torchrun's flags that change nothing here do instead."""
+    own = build_parser()
+    if not torchrun_args.recognised(argv, own, torchrun_args.build_parser(add_own_launch_flags)):
+        ours, entry_args = split_entry_args(argv)
+        return own.parse_args(ours), entry_args, None, []
+    launch = torchrun_args.parse(argv, add_own_launch_flags, own.parse_args([]))
+    args = launch.args
+    args.entry = str(launch.program)
+    if launch.mode != "script" or launch.program.name != TRAINER_ENTRY:
+        return args, launch.program_args, launch, launch.notes
+    config = torchrun_args.OneLineParser(prog=TRAINER_ENTRY, allow_abbrev=False)
+    add_config_arguments(config)
+    for key, value in vars(config.parse_args(launch.program_args)).items():
+        setattr(args, key, [*args.set, *value] if key == "set" else value)
+    return args, [], None, launch.notes
 
 
 def main(argv: list[str] | None = None) -> int:
-    ours, entry_args = split_entry_args(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(ours)
     try:
-        notes: list[str] = []
+        args, entry_args, launch, notes = read_command_line(sys.argv[1:] if argv is None else argv)
         node_layout(args, notes)
         check_flags(args)  # the supervisor's own flags first: a bad one is refused even beside --print-config
         cfg = handle_inspection_flags(args)
@@ -272,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run_report(cfg, gpus.detected(), args.nproc), flush=True)
             return 0
-        plan = make_plan(args, cfg, entry_args, notes)
+        plan = make_plan(args, cfg, entry_args, notes, launch)
         console = Console(footer=plan.footer)
         with run_folder_writes(plan.run_dir):
             console.open_log(plan.run_dir / "supervisor.log")
@@ -289,3 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
+
+
+def console_script() -> None:
+    """The ``supervise`` command the project installs (``[project.scripts]``), as ``python -m supervisor``."""
+    exit_without_teardown(main())

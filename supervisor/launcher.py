@@ -14,6 +14,9 @@ starts again with a config that says ``checkpoint.resume=auto`` (``config.restar
 ``config.json``), so the ranks continue from the run's latest checkpoint; until the run has saved one, the group
 starts again as it first did (an earlier run's checkpoints in the folder are not this run's to resume). A user error
 (exit 2) and an interrupt are never restarted. Per-rank logs continue in the same files, after a marker line.
+A program launched with torchrun's command line is restarted as torchrun restarts it: after any failure or hang,
+exit 2 included (2 means a user error only to programs of this project), with ``TORCHELASTIC_RESTART_COUNT`` telling
+it which attempt it is; where it keeps its checkpoints is its own business, and the messages do not speak of them.
 
 After a failure on GPUs, `supervisor.diagnosis.gpu_fault` says whether a GPU or the program was at fault (console,
 supervisor.log, the report); a restart after a GPU fault leaves that GPU out (`supervisor.exclusion`), or stops when
@@ -112,7 +115,7 @@ class Launcher:
                     return 128 + pending
                 result = self.run_group(config, restarts, signals, reaper, control)
                 self.verdict = self.diagnose(result)
-                if result.exit_code == 0 or not result.restartable or restarts >= self.plan.max_restarts:
+                if result.exit_code == 0 or not self.restartable(result) or restarts >= self.plan.max_restarts:
                     break
                 assert result.stop is not None
                 layout = ""
@@ -128,10 +131,13 @@ class Launcher:
                 # another --entry keeps its checkpoints where the supervisor cannot see them: it is told to resume
                 saved = self.checkpoints() != before or not self.plan.trainer_entry
                 config = self.write_config(restarts, "auto" if saved else self.cfg.checkpoint.resume)
+                if not self.plan.torchrun_contract:
+                    resumes = ("the ranks resume from this run's latest checkpoint" if saved else
+                               "no checkpoint of this run yet: the ranks start again as the first time")
+                else:
+                    resumes = f"the ranks start again with TORCHELASTIC_RESTART_COUNT={restarts}"
                 self.console.say(f"restart {restarts} of {self.plan.max_restarts} after {result.stop.detail}; "
-                                 + ("the ranks resume from this run's latest checkpoint" if saved else
-                                    "no checkpoint of this run yet: the ranks start again as the first time")
-                                 + layout, style="bold yellow")
+                                 f"{resumes}{layout}", style="bold yellow")
             self.console.stop_footer()
             if result.exit_code != 0 and self.verdict is not None and self.verdict.gpu_fault:
                 self.record_node_fault(self.verdict)
@@ -211,6 +217,13 @@ class Launcher:
                              f"{signal.Signals(code - 128).name}; no rank was started", style="bold red")
         return code
 
+    def restartable(self, result: GroupResult) -> bool:
+        """The project's rule (`GroupResult.restartable`: not after a user error), or torchrun's for a program
+        launched with its command line: after any failure or hang."""
+        if not self.plan.torchrun_contract:
+            return result.restartable
+        return result.stop is not None and result.stop.reason in ("failure", "hang")
+
     def diagnose(self, result: GroupResult) -> gpu_fault.Verdict | None:
         """After a failure or a stall on GPUs: a GPU's fault or the program's, and on what evidence (said at once)."""
         stop = result.stop
@@ -262,9 +275,11 @@ class Launcher:
         since the run started is this run's."""
         return {p: (p / META_FILE).stat().st_mtime_ns for p in list_checkpoints(Path(self.cfg.checkpoint.dir))}
 
-    def write_config(self, restart: int, resume: str | None) -> Path:
+    def write_config(self, restart: int, resume: str | None) -> Path | None:
         """The resolved config a group's ranks read: `config.json`, or a restart's `config.restart<n>.json` with the
-        checkpoint it is to resume."""
+        checkpoint it is to resume; None for a program that takes no config (torchrun's command line)."""
+        if self.plan.torchrun_contract:
+            return None
         cfg = copy.deepcopy(self.cfg)
         cfg.checkpoint.resume = resume
         path = self.plan.run_dir / ("config.json" if restart == 0 else f"config.restart{restart}.json")
@@ -272,7 +287,7 @@ class Launcher:
             cfg.save(path)
         return path
 
-    def run_group(self, config_path: Path, restart: int, signals: SignalInbox, reaper: Reaper,
+    def run_group(self, config_path: Path | None, restart: int, signals: SignalInbox, reaper: Reaper,
                   control: ControlChannel | None) -> GroupResult:
         plan = self.plan
         port = PortReservation.take() if plan.master_port is None else None
@@ -288,12 +303,16 @@ class Launcher:
                     if restart:
                         os.write(log_fds[spec.rank], f"----- restart {restart} of {plan.max_restarts} -----\n".encode())
                     make_pipe(recorder_pipe(plan.run_dir, spec.label))
+                    if (error_file := plan.error_file(spec, restart)) is not None:
+                        error_file.parent.mkdir(exist_ok=True)
             for spec in plan.ranks:
                 env = {**plan.rank_env(spec, master_port, config_path, restart), TOKEN_ENV: reaper.token}
+                argv = plan.argv(config_path)
                 try:
-                    worker = Worker.spawn(spec, plan.argv(config_path), env)
+                    worker = Worker.spawn(spec, argv, env)
                 except OSError as e:
-                    raise UserError(f"cannot start {plan.python} {plan.entry}: {e.strerror or e}") from None
+                    program = " ".join(argv[:len(argv) - len(plan.entry_args)])
+                    raise UserError(f"cannot start {program}: {e.strerror or e}") from None
                 reaper.watch(worker.pid)
                 workers.append(worker)
             pump = Pump(self.console)
@@ -329,6 +348,8 @@ class Launcher:
             self.console.say(success_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total,
                                             self.exclusions), style="bold green")
         else:
+            failing = result.stop.worker if result.stop is not None else None
+            errors = self.plan.error_file(failing.spec, restarts) if failing is not None else None
             self.console.say(failure_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total,
-                                            self.verdict, self.exclusions), style="bold red")
+                                            self.verdict, self.exclusions, errors), style="bold red")
 

@@ -1,7 +1,15 @@
 """What to start: one `RankSpec` per rank of this node, and the `Plan` that says how (entry, environment, limits).
 
-The rank environment follows torchrun's contract (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
-MASTER_ADDR, MASTER_PORT) plus the project's own keys; see ARCHITECTURE.md, "Rank environment".
+The rank environment is torchrun's, complete (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), so a program written for torchrun runs unchanged,
+plus the project's own keys; see ARCHITECTURE.md, "Rank environment".
+
+What a rank sees of the GPUs: the project's trainer sees its own GPU alone (``CUDA_VISIBLE_DEVICES=<its id>``: it
+uses ``cuda:0``, and nothing it does can touch another rank's card). A program written for torchrun selects
+``cuda:LOCAL_RANK``, so by default it sees the run's GPUs in local-rank order (rank k's ``cuda:k`` is the k-th GPU of
+the run, its own); ``--isolate-gpus`` gives it the trainer's view instead (it must then use ``cuda:0``), and
+torchrun's ``--virtual-local-rank`` the same with ``LOCAL_RANK=0``. ``GPU_RANK`` is the physical id either way, so
+labels, prefixes and log names stay ``GPU<id>``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from trainer.progress import RESTART_COUNT_ENV
 
 TRAINER_ENTRY = "pretrain_main.py"
 RUN_CONFIG_ENV = "SUPERVISOR_RUN_CONFIG"  # every rank: the resolved config of its attempt
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torch's @record writes an uncaught exception (a foreign program)
+ERRORS_DIR = "errors"
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per rank: a few steps' worth, enough to see who fell behind
 
 
@@ -42,7 +52,7 @@ class RankSpec:
 
 @dataclass
 class Plan:
-    entry: Path
+    entry: Path  # a script or an executable; for entry_mode "module", the module's dotted name
     entry_args: list[str]
     run_dir: Path
     ranks: list[RankSpec]
@@ -61,11 +71,29 @@ class Plan:
     prepare: bool = True  # build the token cache before starting ranks
     footer: bool = True  # the live footer, when the console is a terminal
     python: str = field(default_factory=lambda: sys.executable)
+    entry_mode: str = "script"  # "script" (python SCRIPT), "module" (python -m NAME), "executable" (exec'd as is)
+    # Launched with torchrun's command line: torchrun's contract (no run config, a restart after any failure, the run
+    # folder named after the program); else the project's (SUPERVISOR_RUN_CONFIG, no restart after a user error).
+    torchrun_contract: bool = False
+    isolate_gpus: bool = False  # a foreign program sees only its own GPU (the trainer always does)
+    virtual_local_rank: bool = False  # torchrun's --virtual-local-rank: isolated, and LOCAL_RANK=0
+    run_id: str = "none"  # TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
+    role: str = "default"  # ROLE_NAME (torchrun's --role)
 
     @property
     def trainer_entry(self) -> bool:
-        """The project's own rank program gets ``--run-config``; any other entry gets only the args after ``--``."""
-        return self.entry.name == TRAINER_ENTRY
+        """The project's own rank program gets ``--run-config``; any other entry gets only its own arguments."""
+        return self.entry_mode == "script" and self.entry.name == TRAINER_ENTRY
+
+    @property
+    def program_name(self) -> str:
+        """What the run folder of a foreign program is named after: the script's stem, or the module's name."""
+        return str(self.entry) if self.entry_mode == "module" else self.entry.stem
+
+    @property
+    def isolated(self) -> bool:
+        """Each rank sees only its own GPU."""
+        return self.trainer_entry or self.isolate_gpus or self.virtual_local_rank
 
     @property
     def gpus(self) -> list[int]:
@@ -80,26 +108,53 @@ class Plan:
     def world_size(self) -> int:
         return self.nnodes * len(self.ranks)
 
-    def argv(self, config_path: Path) -> list[str]:
+    def argv(self, config_path: Path | None) -> list[str]:
+        if self.entry_mode == "executable":
+            return [str(self.entry), *self.entry_args]
+        if self.entry_mode == "module":
+            return [self.python, "-m", str(self.entry), *self.entry_args]
         args = ["--run-config", str(config_path)] if self.trainer_entry else []
         return [self.python, str(self.entry), *args, *self.entry_args]
 
-    def rank_env(self, spec: RankSpec, master_port: int, config_path: Path, restart: int) -> dict[str, str]:
+    def error_file(self, spec: RankSpec, restart: int) -> Path | None:
+        """Where a foreign rank's @record writes its uncaught exception in group `restart` (one file per group, as
+        the restart's config file); the trainer reports its failures on the progress channel instead."""
+        if self.trainer_entry:
+            return None
+        return self.run_dir / ERRORS_DIR / (f"{spec.label.lower()}.json" if restart == 0 else
+                                            f"{spec.label.lower()}.restart{restart}.json")
+
+    def rank_env(self, spec: RankSpec, master_port: int, config_path: Path | None, restart: int) -> dict[str, str]:
         """Everything but SUPERVISOR_PROGRESS_FD, which the worker adds with the pipe it creates."""
         env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}  # the supervisors' secret, not the ranks'
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         env.update({
             "RANK": str(spec.rank),
-            "LOCAL_RANK": str(spec.local_rank),
+            "LOCAL_RANK": "0" if self.virtual_local_rank else str(spec.local_rank),
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_WORLD_SIZE": str(self.local_world_size),
             "GROUP_RANK": str(self.node_rank),
+            "GROUP_WORLD_SIZE": str(self.nnodes),
+            "ROLE_RANK": str(spec.rank),  # one role: a rank's place among its role is its place in the world
+            "ROLE_NAME": self.role,
+            "ROLE_WORLD_SIZE": str(self.world_size),
             "MASTER_ADDR": self.master_addr,
             "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RUN_ID": self.run_id,
+            "TORCHELASTIC_RESTART_COUNT": str(restart),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            # torchrun's agent hosts the store its workers join; here rank 0 hosts it, as without an agent
+            "TORCHELASTIC_USE_AGENT_STORE": "False",
             "PYTHONUNBUFFERED": "1",
-            RUN_CONFIG_ENV: str(config_path),
             RESTART_COUNT_ENV: str(restart),
         })
+        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's default: a failed collective raises
+        env.pop(RUN_CONFIG_ENV, None)
+        if config_path is not None:
+            env[RUN_CONFIG_ENV] = str(config_path)
+        env.pop(ERROR_FILE_ENV, None)
+        if (error_file := self.error_file(spec, restart)) is not None:
+            env[ERROR_FILE_ENV] = str(error_file)
         # The cores shared out, so the ranks' thread pools do not oversubscribe the machine; a value set by hand wins.
         env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // max(1, self.local_world_size))))
         if self.nnodes == 1:  # gloo's own sockets stay on the machine (see supervisor/rendezvous.py)
@@ -109,7 +164,7 @@ class Plan:
         env.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
         env[PIPE_ENV] = str(recorder_pipe(self.run_dir, spec.label))
         if spec.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
+            env["CUDA_VISIBLE_DEVICES"] = str(spec.gpu) if self.isolated else ",".join(map(str, self.gpus))
             env["GPU_RANK"] = str(spec.gpu)
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # NVML's numbering, so the id means the same card to CUDA
         else:

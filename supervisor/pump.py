@@ -13,9 +13,15 @@ console lock, so lines of different ranks never split or merge. A partial line w
 its newline arrives, and is flushed as a line of its own (prefix and newline added) when the rank closes the stream.
 A single line longer than 8 MiB is emitted in 8 MiB pieces rather than held forever.
 
-Carriage returns (progress bars): a line keeps only its last ``\\r`` segment, as a terminal would finally show it
-(``10%\\r20%\\r30%\\n`` → ``30%``), and ``\\r\\n`` counts as a newline. This keeps prefixes intact and log files
-readable; the cost is that a bar that never ends its line shows up only when it does.
+Carriage returns (progress bars, tqdm's among them): a line keeps only its last ``\\r`` segment, as a terminal would
+finally show it (``10%\\r20%\\r30%\\n`` → ``30%``), and ``\\r\\n`` counts as a newline. While such a line is still
+being redrawn, what a terminal would show of it now is shown as a prefixed line of its own, at most once per
+``BAR_INTERVAL`` (a second) per stream: the first state once the bar has run that long (a bar finished sooner shows
+only its end), then the latest state whenever it changed, within a second of the change (the selector's timeout
+wakes the thread for it; a bar that stopped changing costs no wake-up). The log file gets the same lines: a bar of
+thousands of updates leaves one line a second and its final state, readable, not thousands of partial updates. The
+final state is not repeated when the last state shown was already it. Prefixes stay intact because every line shown
+is a whole line.
 
 The log file gets the lines without the prefix (it belongs to one rank already). For each stderr stream the pump
 keeps the last 64 KiB, from which the failure report takes the failing rank's last lines.
@@ -32,6 +38,7 @@ import os
 import selectors
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from supervisor.console import Console, write_all
@@ -41,6 +48,7 @@ TRICKLE = 64 << 10  # a read smaller than this: the writers are slower than we a
 TRICKLE_WAIT = 0.001
 MAX_LINE = 8 << 20
 TAIL_BYTES = 64 << 10
+BAR_INTERVAL = 1.0  # seconds between two states of one progress bar on the console
 
 
 def clean_cr(lines: bytes) -> bytes:
@@ -54,7 +62,14 @@ def clean_cr(lines: bytes) -> bytes:
     return b"\n".join(line[line.rfind(b"\r") + 1:] for line in lines.split(b"\n"))
 
 
-@dataclass
+def screen(carry: bytes | bytearray) -> bytes:
+    """What a terminal shows of an unfinished line now: its last carriage-return segment (a final ``\r`` moves the
+    cursor back without erasing anything)."""
+    text = bytes(carry[:-1] if carry.endswith(b"\r") else carry)
+    return text[text.rfind(b"\r") + 1:]
+
+
+@dataclass(eq=False)  # one stream is one pipe: identity is equality (and the hash, for `Pump.bars`)
 class Stream:
     fd: int  # read end of the rank's stdout or stderr pipe
     prefix: bytes  # b"GPU3:"
@@ -63,6 +78,8 @@ class Stream:
     keep_tail: bool  # stderr: remember the last lines for the report
     carry: bytearray = field(default_factory=bytearray)  # the unfinished last line
     carry_cr: bool = False  # the carry holds a carriage return
+    bar_due: float | None = None  # the carry is a progress bar being redrawn: when its next state may be shown
+    bar_shown: bytes | None = None  # the state of that bar shown last
     tail: bytes = b""
     muted: bool = False  # set from the watcher's thread; a plain bool is read whole under the GIL
     muted_lines: int = 0  # lines kept from the console since `mute`
@@ -85,9 +102,11 @@ class Stream:
 
 
 class Pump(threading.Thread):
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, bar_interval: float = BAR_INTERVAL) -> None:
         super().__init__(name="supervisor-pump", daemon=True)
-        self.console = console
+        self.console, self.bar_interval = console, bar_interval
+        self.clock: Callable[[], float] = time.monotonic  # the bars' clock (a test may drive its own)
+        self.bars: set[Stream] = set()  # streams whose bar changed since it was last shown
         self.selector = selectors.DefaultSelector()
         self.streams: list[Stream] = []
         self.open = 0
@@ -107,7 +126,7 @@ class Pump(threading.Thread):
     def run(self) -> None:
         while self.open and not self.stop_requested:
             biggest = 0
-            for key, _ in self.selector.select():
+            for key, _ in self.selector.select(self.bar_wait()):
                 stream: Stream | None = key.data
                 if stream is None:
                     os.read(self.wake_r, 64)
@@ -121,6 +140,8 @@ class Pump(threading.Thread):
                     biggest = max(biggest, len(data))
                 else:
                     self.close_stream(stream)
+            if self.bars:
+                self.show_due_bars()
             if 0 < biggest < TRICKLE:
                 time.sleep(TRICKLE_WAIT)
         for stream in self.streams:  # stopped early: take what is already in the pipes, then close
@@ -159,7 +180,7 @@ class Pump(threading.Thread):
         if stream.carry:
             line = bytes(stream.carry) + b"\n"
             stream.carry = bytearray()
-            self.emit(stream, b"", clean_cr(line) if stream.carry_cr else line)
+            self.emit_ended(stream, clean_cr(line) if stream.carry_cr else line)
         self.selector.unregister(stream.fd)
         os.close(stream.fd)
         stream.fd = -1
@@ -173,7 +194,7 @@ class Pump(threading.Thread):
             self.extend_carry(stream, data)
             return
         if stream.carry_cr or b"\r" in data:
-            self.emit(stream, b"", clean_cr(bytes(stream.carry) + data[: end + 1]))
+            self.emit_ended(stream, clean_cr(bytes(stream.carry) + data[: end + 1]))
         else:
             self.emit(stream, stream.carry, data, end + 1)
         stream.carry, stream.carry_cr = bytearray(), False
@@ -192,7 +213,50 @@ class Pump(threading.Thread):
         if len(stream.carry) > MAX_LINE:
             line = bytes(stream.carry) + b"\n"
             stream.carry, stream.carry_cr = bytearray(), False
-            self.emit(stream, b"", clean_cr(line) if b"\r" in line else line)
+            self.emit_ended(stream, clean_cr(line) if b"\r" in line else line)
+        elif b"\r" in piece:
+            self.redrawn(stream)
+
+    # -- progress bars ---------------------------------------------------------------------------------------------
+
+    def redrawn(self, stream: Stream) -> None:
+        """A carriage return arrived in the unfinished line: show its state now if the interval is over, else once
+        it is (`show_due_bars`)."""
+        now = self.clock()
+        if stream.bar_due is None:  # a new bar: its first state waits an interval, so a quick one shows only its end
+            stream.bar_due = now + self.bar_interval
+        if now >= stream.bar_due:
+            self.show_bar(stream, now)
+        else:
+            self.bars.add(stream)
+
+    def show_bar(self, stream: Stream, now: float) -> None:
+        self.bars.discard(stream)
+        stream.bar_due = now + self.bar_interval
+        state = screen(stream.carry)
+        if state and state != stream.bar_shown:
+            stream.bar_shown = state
+            self.emit(stream, b"", state + b"\n")
+
+    def bar_wait(self) -> float | None:
+        """The selector's timeout: until the first changed bar is due (None, no timeout, when none changed)."""
+        if not self.bars:
+            return None
+        return max(0.0, min(s.bar_due for s in self.bars if s.bar_due is not None) - self.clock())
+
+    def show_due_bars(self) -> None:
+        now = self.clock()
+        for stream in [s for s in self.bars if s.bar_due is not None and s.bar_due <= now]:
+            self.show_bar(stream, now)
+
+    def emit_ended(self, stream: Stream, lines: bytes) -> None:
+        """Complete lines whose first one ends the carried line; a bar's final state is not shown twice."""
+        if stream.bar_shown is not None and lines.startswith(stream.bar_shown + b"\n"):
+            lines = lines[len(stream.bar_shown) + 1:]
+        stream.bar_due = stream.bar_shown = None
+        self.bars.discard(stream)
+        if lines:
+            self.emit(stream, b"", lines)
 
     def emit(self, stream: Stream, head: bytes | bytearray, data: bytes, size: int | None = None) -> None:
         """Write `head` + `data[:size]` (complete lines; `head` is the carried start of the first one)."""

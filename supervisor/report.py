@@ -5,12 +5,16 @@ Exit codes: 0 when every rank finished; 2 for a user error; otherwise the code o
 ``timeout`` reports a command that ran out of time); 130 / 143 / 129 / 138 when the supervisor itself got SIGINT /
 SIGTERM / SIGHUP / SIGUSR1; on a multi-node run, the code of the rank that failed first on whichever node it ran. A rank
 that ran out of device memory exits with 99 (`trainer.diagnosis.oom_report.OOM_EXIT_CODE`), which the supervisor passes on.
+
+A failing rank of a program under torch's ``@record`` names its root cause in its error file
+(`supervisor.diagnosis.error_file`): the report puts its exception, time and traceback right under the headline.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from supervisor.diagnosis import error_file
 from supervisor.diagnosis.gpu_fault import Verdict
 from supervisor.exclusion import EXCLUSIONS_FILE, Exclusion
 from supervisor.watch import GroupResult
@@ -62,11 +66,15 @@ def exclusion_lines(exclusions: list[Exclusion], run_dir: Path) -> list[str]:
 
 
 def failure_report(result: GroupResult, run_dir: Path, restarts: int, max_restarts: int, total: float,
-                   verdict: Verdict | None = None, exclusions: list[Exclusion] | None = None) -> str:
+                   verdict: Verdict | None = None, exclusions: list[Exclusion] | None = None,
+                   errors: Path | None = None) -> str:
+    """`errors`: the failing rank's TORCHELASTIC_ERROR_FILE (a foreign program's), read for the root cause."""
     stop = result.stop
     assert stop is not None
     verb = {"interrupt": "interrupted", "remote": "stopped"}.get(stop.reason, "failed")
     lines = [f"run {verb} after {duration(total)}: {stop.detail}"]
+    if errors is not None and (cause := error_file.read(errors)) is not None:
+        lines += cause.lines()
     if verdict is not None:
         lines.append(verdict.line())
     if stop.evidence:

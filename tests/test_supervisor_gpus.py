@@ -97,13 +97,17 @@ def dumps(r) -> list[dict]:
     return [json.loads((folder / f"rank{i}.json").read_text()) for i in range(len(list(folder.glob("*.json"))))]
 
 
-def test_rank_environment_on_chosen_gpus(tmp_path):
+@pytest.mark.parametrize("isolate", [False, True], ids=["torchrun-view", "isolated"])
+def test_rank_environment_on_chosen_gpus(tmp_path, isolate):
+    """A program other than the trainer sees the run's GPUs in local-rank order (cuda:LOCAL_RANK is its own), or with
+    --isolate-gpus its own alone, as the trainer always does; GPU_RANK is the physical id either way."""
     (tmp_path / "env").mkdir()
-    r = run(tmp_path, "--gpus", "3,1", entry_args=("--steps", "1", "--dump-env", str(tmp_path / "env")),
+    r = run(tmp_path, "--gpus", "3,1", *(["--isolate-gpus"] if isolate else []),
+            entry_args=("--steps", "1", "--dump-env", str(tmp_path / "env")),
             env=clean_env(SUPERVISOR_FAKE_GPUS="0,1,2,3"))
     assert r.returncode == 0, r.stderr
     ranks = dumps(r)
-    assert [d["env"]["CUDA_VISIBLE_DEVICES"] for d in ranks] == ["3", "1"]
+    assert [d["env"]["CUDA_VISIBLE_DEVICES"] for d in ranks] == (["3", "1"] if isolate else ["3,1", "3,1"])
     assert [d["env"]["GPU_RANK"] for d in ranks] == ["3", "1"]
     for i, d in enumerate(ranks):
         env = d["env"]
@@ -119,8 +123,8 @@ def test_rank_environment_on_chosen_gpus(tmp_path):
     assert ranks[0]["ports"] == {"plain_bind": False, "reuse_listen": True}, \
         "the port is held against others, yet rank 0's store can take it"
     run_dir = r.run_dir()
-    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "flight_recorder", "gpu1.log", "gpu3.log",
-                                                         "supervisor.log"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["config.json", "errors", "flight_recorder", "gpu1.log",
+                                                         "gpu3.log", "supervisor.log"]
     assert r.stdout.startswith("GPU3:") or r.stdout.startswith("GPU1:")
 
 

@@ -88,17 +88,21 @@ def test_carriage_returns_keep_the_last_segment():
     assert clean_cr(b"windows\r\nline\r\n") == b"windows\nline\n"
 
 
-def feed_pump(tmp_path, chunks: list[bytes]) -> tuple[bytes, bytes, int]:
-    """Feed chunks to a pump's stream by hand (no thread); what reached the console and the log file."""
+def feed_pump(tmp_path, chunks: list[bytes], step: float = 0.0) -> tuple[bytes, bytes, int]:
+    """Feed chunks to a pump's stream by hand (no thread), its clock advancing `step` seconds before each (a
+    progress bar is shown at most once a second of that clock); what reached the console and the log file."""
     console_path, log_path = tmp_path / "console", tmp_path / "log"
     console_fd = os.open(console_path, os.O_WRONLY | os.O_CREAT)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT)
     read_end, write_end = os.pipe()
     os.close(write_end)
     pump = Pump(Console(terminal=False))
+    now = [0.0]
+    pump.clock = lambda: now[0]
     stream = pump.add(read_end, b"GPU0:", console_fd, log_fd, keep_tail=True)
     largest_carry = 0
     for chunk in chunks:
+        now[0] += step
         pump.feed(stream, chunk)
         largest_carry = max(largest_carry, len(stream.carry))
     pump.close_stream(stream)

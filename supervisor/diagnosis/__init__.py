@@ -6,5 +6,7 @@
 * `preflight` — before a run: GPUs busy with another process, lost GPUs, uncorrectable ECC errors, pending page
   retirements, clock throttling (NVML, or the ``SUPERVISOR_FAKE_GPU_STATE`` test seam);
 * `gpu_fault` — after a failure: a GPU's fault or the program's, from what NVML says changed since the preflight and
-  the failing rank's CUDA error text.
+  the failing rank's CUDA error text;
+* `error_file` — after a failure: the root cause (exception, traceback, time) a program under torch's ``@record`` wrote
+  into its ``TORCHELASTIC_ERROR_FILE``.
 """

@@ -1,0 +1,261 @@
+"""torchrun's command line, verbatim, read with torchrun's meanings into the supervisor's own launch flags.
+
+    python -m supervisor [torchrun's flags] [--gpus IDS] [--hang-timeout S] ... SCRIPT [SCRIPT ARGS...]
+    python -m supervisor [flags] -m MODULE [ARGS...]        python -m supervisor [flags] --no-python PROGRAM [ARGS...]
+
+A command line is torchrun's when it has a positional program (everything after it is the program's, as in
+torchrun: no ``--`` needed), ``-m``, ``--no-python``, or any flag only torchrun has (`recognised`); `parse` turns it
+into the namespace the supervisor's own command line gives (`supervisor.cli` then plans and launches the same
+way), plus what only a torchrun program needs (its run id, role, how to start it). Both spellings of torchrun's
+flags (``--nproc-per-node`` and ``--nproc_per_node``) and both forms (``--flag=value``, ``--flag value``) work, as in
+torchrun, whose parser (``torch.distributed.run.get_args_parser``) this one mirrors.
+
+What each of torchrun's flags becomes:
+
+* honoured — ``--nproc-per-node`` (a number; ``gpu``: every usable GPU; ``auto``: every usable GPU, else one CPU
+  rank per core; ``cpu``: one CPU rank per core), ``--nnodes N`` (or ``N:N``), ``--node-rank``, ``--master-addr``,
+  ``--master-port``, ``--standalone`` (one node, a free port), ``--rdzv-backend static|c10d`` with
+  ``--rdzv-endpoint HOST[:PORT]`` (node 0's address and port) and ``--rdzv-id`` (TORCHELASTIC_RUN_ID),
+  ``--max-restarts``, ``--role`` (ROLE_NAME), ``-m``, ``--no-python``, ``--shutdown-timeout`` (the grace period),
+  ``--virtual-local-rank`` (one visible GPU per rank, LOCAL_RANK=0), ``--log-dir`` (the root of the run folders);
+* accepted, with one console line saying what happens instead — the flags for torchrun's own log layout, its
+  monitoring and its rendezvous options (`NOTED`);
+* refused with one ``error:`` line — what this launcher cannot honour: elastic node ranges (``--nnodes 1:4``),
+  rendezvous backends other than ``static`` and ``c10d`` (``etcd``), device kinds other than GPUs and CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from supervisor import gpus
+from supervisor.slurm import layout as slurm_layout
+from trainer.errors import UserError
+
+DEFAULT_C10D_PORT = 29400  # torchrun's port for a c10d endpoint given without one
+USAGE = "python -m supervisor [FLAGS] SCRIPT [ARGS...] (or -m MODULE, or --no-python PROGRAM)"
+
+# torchrun's flags that change nothing here: (option strings, takes a value, what happens instead). "{v}" is the value.
+NOTED: dict[str, tuple[tuple[str, ...], bool, str]] = {
+    "redirects": (("-r", "--redirects"), True,
+                  "every rank's output reaches the console, prefixed GPU<id>: (CPU<n>:), and its own log file "
+                  "<run folder>/gpu<id>.log (cpu<n>.log)"),
+    "tee": (("-t", "--tee"), True,
+            "every rank's output is prefixed on the console and kept in <run folder>/gpu<id>.log (cpu<n>.log)"),
+    "local_ranks_filter": (("--local-ranks-filter", "--local_ranks_filter"), True,
+                           "every rank's output reaches the console, prefixed; each rank's alone is in its log file"),
+    "duplicate_stdout_filters": (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), True,
+                                 "not applied: each rank's whole output is in its log file in the run folder"),
+    "duplicate_stderr_filters": (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), True,
+                                 "not applied: each rank's whole output is in its log file in the run folder"),
+    "logs_specs": (("--logs-specs", "--logs_specs"), True,
+                   "not used: the run folder holds supervisor.log and one log file per rank"),
+    "monitor_interval": (("--monitor-interval", "--monitor_interval"), True,
+                         "not needed: a rank's exit is seen the moment it happens (no polling)"),
+    "start_method": (("--start-method", "--start_method"), True,
+                     "each rank is a process of its own, started by exec in a fresh interpreter"),
+    "run_path": (("--run-path", "--run_path"), False,
+                 "the script runs in a fresh interpreter of each rank's own, as without it"),
+    "event_log_handler": (("--event-log-handler", "--event_log_handler"), True,
+                          "not used: the run's events are in <run folder>/supervisor.log"),
+    "rdzv_conf": (("--rdzv-conf", "--rdzv_conf"), True,
+                  "not used: the ranks meet at MASTER_ADDR:MASTER_PORT, rank 0 hosting the store"),
+    "local_addr": (("--local-addr", "--local_addr"), True,
+                   "not used: the ranks meet at MASTER_ADDR:MASTER_PORT, rank 0 hosting the store"),
+    "numa_binding": (("--numa-binding", "--numa_binding"), True, "not applied: the ranks are not bound to CPUs"),
+    "signals_to_handle": (("--signals-to-handle", "--signals_to_handle"), True,
+                          "the supervisor's own handling applies: SIGINT, SIGTERM, SIGHUP and SIGUSR1 stop every "
+                          "rank (SIGTERM, then SIGKILL after the grace period)"),
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's complaints as one ``error:`` line (a UserError), never the usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if "training_script" in message:
+            message = "no program to run"
+        raise UserError(f"{message}; torchrun's command line: {USAGE}")
+
+
+@dataclass
+class TorchrunLaunch:
+    """A torchrun command line, read: the supervisor's namespace, and what only a torchrun program needs."""
+
+    args: argparse.Namespace  # as `supervisor.cli.build_parser` would give it, the launch flags filled in
+    program: Path  # a script or an executable; a module's dotted name for mode "module"
+    mode: str  # "script" | "module" | "executable" (`supervisor.plan.Plan.entry_mode`)
+    program_args: list[str]
+    run_id: str  # TORCHELASTIC_RUN_ID
+    role: str  # ROLE_NAME
+    virtual_local_rank: bool
+    notes: list[str] = field(default_factory=list)  # one line per flag accepted but done otherwise
+
+
+def build_parser(add_own_flags: Callable[[argparse._ArgumentGroup], None]) -> OneLineParser:
+    """torchrun's flags, then the supervisor's own launch flags (`add_own_flags`), then the program."""
+    parser = OneLineParser(prog="python -m supervisor", allow_abbrev=False,
+                           description="torchrun's command line; everything after the program is the program's.")
+    t = parser.add_argument_group("torchrun's flags")
+    t.add_argument("--nproc-per-node", "--nproc_per_node", "--nproc", dest="nproc_per_node", metavar="N|gpu|cpu|auto")
+    t.add_argument("--nnodes", metavar="N")
+    t.add_argument("--node-rank", "--node_rank", dest="node_rank", type=int, metavar="R")
+    t.add_argument("--master-addr", "--master_addr", dest="master_addr", metavar="HOST")
+    t.add_argument("--master-port", "--master_port", dest="master_port", type=int, metavar="PORT")
+    t.add_argument("--standalone", action="store_true")
+    t.add_argument("--rdzv-backend", "--rdzv_backend", dest="rdzv_backend", default="static")
+    t.add_argument("--rdzv-endpoint", "--rdzv_endpoint", dest="rdzv_endpoint", default="")
+    t.add_argument("--rdzv-id", "--rdzv_id", dest="rdzv_id", default="none")
+    t.add_argument("--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=0)
+    t.add_argument("--role", default="default")
+    t.add_argument("-m", "--module", action="store_true")
+    t.add_argument("--no-python", "--no_python", dest="no_python", action="store_true")
+    t.add_argument("--log-dir", "--log_dir", dest="log_dir")
+    t.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout", type=float, metavar="S")
+    t.add_argument("--virtual-local-rank", "--virtual_local_rank", dest="virtual_local_rank", action="store_true")
+    for dest, (flags, takes_value, _) in NOTED.items():
+        t.add_argument(*flags, dest=dest, **({} if takes_value else {"action": "store_true"}))
+    add_own_flags(parser.add_argument_group("the supervisor's own launch flags"))
+    parser.add_argument("training_script")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def recognised(argv: list[str], own: argparse.ArgumentParser, torchrun: argparse.ArgumentParser) -> bool:
+    """Whether `argv` (before any ``--``) is torchrun's command line: a positional program, or a flag of torchrun's
+    that the supervisor's own command line (`own`) does not have."""
+    own_flags = set(own._option_string_actions)
+    valued = {flag for flag, action in own._option_string_actions.items() if action.nargs != 0}
+    torchrun_only = set(torchrun._option_string_actions) - own_flags
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        if token == "--":
+            return False
+        name = token.split("=", 1)[0]
+        if name in torchrun_only or not token.startswith("-"):
+            return True
+        skip = name in valued and "=" not in token
+    return False
+
+
+def parse(argv: list[str], add_own_flags: Callable[[argparse._ArgumentGroup], None],
+          defaults: argparse.Namespace) -> TorchrunLaunch:
+    """torchrun's command line → the supervisor's namespace (`defaults` with the launch flags set) and the rest."""
+    t = build_parser(add_own_flags).parse_args(argv)
+    args = argparse.Namespace(**vars(defaults))
+    for name in ("gpus", "allow_busy_gpus", "isolate_gpus", "grace_period", "hang_timeout", "startup_timeout",
+                 "gpu_exclusion", "min_gpus", "no_footer", "max_restarts"):
+        setattr(args, name, getattr(t, name))
+    if t.log_dir is not None:
+        args.log_dir = t.log_dir
+    if t.shutdown_timeout is not None:
+        args.grace_period = t.shutdown_timeout
+    notes = [f"--{dest.replace('_', '-')}{'' if value is True else f' {value}'}: {text}"
+             for dest, (_, _, text) in NOTED.items() if (value := getattr(t, dest)) not in (None, False)]
+    if t.log_dir is not None:
+        notes.append(f"--log-dir {t.log_dir}: the run folder is {t.log_dir}/<time>-<program>/ (supervisor.log, a log "
+                     f"file per rank, errors/ for @record's error files), not torchrun's <run id>/attempt_<n>/")
+    nodes(t, args)
+    per_node(t.nproc_per_node, args)
+    mode, program = program_of(t)
+    return TorchrunLaunch(args, program, mode, list(t.training_script_args), run_id(t), t.role,
+                          t.virtual_local_rank, notes)
+
+
+def nodes(t: argparse.Namespace, args: argparse.Namespace) -> None:
+    """--nnodes, --node-rank and where node 0 is: static (--master-addr/--master-port), c10d (--rdzv-endpoint),
+    or --standalone (one node, a free port)."""
+    low, _, high = (t.nnodes or "1").partition(":")
+    try:
+        nnodes, most = int(low), int(high or low)
+    except ValueError:
+        raise UserError(f"--nnodes {t.nnodes}: expected a number of nodes") from None
+    if nnodes != most:
+        raise UserError(f"--nnodes {t.nnodes}: elastic node ranges are not supported; give the number of nodes "
+                        f"(--nnodes {most}), and every node starts together")
+    if t.rdzv_backend not in ("static", "c10d"):
+        raise UserError(f"--rdzv-backend {t.rdzv_backend}: only static and c10d rendezvous are supported (the "
+                        f"nodes meet at node 0's HOST:PORT)")
+    args.nnodes = None if t.nnodes is None else nnodes
+    args.node_rank, args.master_addr, args.master_port = t.node_rank, t.master_addr, t.master_port
+    if t.standalone:
+        if nnodes > 1:
+            raise UserError(f"--standalone is a single-node run, but --nnodes is {t.nnodes}")
+        args.nnodes, args.master_port = 1, None
+    if t.standalone or implicit_standalone(t):  # torchrun's rendezvous then runs on localhost:<a free port>
+        args.master_addr = "localhost"
+        return
+    if t.rdzv_endpoint:
+        host, colon, port = t.rdzv_endpoint.rpartition(":")
+        if not colon or not port.isdigit():
+            host, port = t.rdzv_endpoint, str(DEFAULT_C10D_PORT)
+        args.master_addr = host.strip("[]") or None
+        args.master_port = int(port) or None  # port 0: a free one, as torchrun picks
+    if nnodes > 1 and t.node_rank is None and slurm_layout.layout(os.environ) is None:
+        raise UserError(f"--nnodes {nnodes}: give each node its --node-rank (0 on the node at --master-addr or "
+                        f"--rdzv-endpoint); the nodes' ranks are fixed here, not assigned by the rendezvous")
+
+
+def per_node(value: str | None, args: argparse.Namespace) -> None:
+    """--nproc-per-node: a number (torchrun's default is 1), or every usable GPU (gpu, auto), or a CPU rank per core
+    (cpu; auto without a GPU)."""
+    if value is None:
+        args.nproc = None if args.gpus is not None else 1  # --gpus names the GPUs: one rank each
+        return
+    if value.isdigit():
+        args.nproc = int(value)
+        if args.nproc < 1:
+            raise UserError(f"--nproc-per-node must be at least 1, got {value}")
+        return
+    if value not in ("gpu", "cpu", "auto"):
+        raise UserError(f"--nproc-per-node {value}: expected a number, gpu, cpu or auto (this launcher places ranks "
+                        f"on NVIDIA GPUs or on CPUs)")
+    # imported here: supervisor.plan, imported first, would import supervisor.control before its own definitions
+    from supervisor.plan import available_cores
+
+    args.nproc, args.cpu_ranks = None, available_cores()
+    if value == "cpu":
+        args.set = [*args.set, "system.device=cpu"]
+    elif value == "gpu" and not gpus.discover().usable:
+        raise UserError("--nproc-per-node gpu: no usable GPU on this machine (NVML and nvidia-smi found none, or "
+                        "CUDA_VISIBLE_DEVICES hides them); --nproc-per-node cpu or auto runs CPU ranks")
+
+
+def program_of(t: argparse.Namespace) -> tuple[str, Path]:
+    """How each rank starts the program: ``python SCRIPT``, ``python -m MODULE``, or the program itself
+    (--no-python: found on PATH when it names no folder); a program that is not there is refused here, before any
+    rank would fail on it."""
+    name = t.training_script
+    if t.module and t.no_python:
+        raise UserError("--no-python and -m/--module cannot be used together (torchrun refuses them too)")
+    if t.module:
+        return "module", Path(name)
+    if t.no_python:
+        found = shutil.which(name) if os.sep not in name else (name if os.access(name, os.X_OK) else None)
+        if found is None or not Path(found).is_file():
+            raise UserError(f"--no-python {name}: no such executable" + ("" if os.sep in name else " on PATH"))
+        return "executable", Path(os.path.abspath(found))
+    if not Path(name).is_file():
+        raise UserError(f"{name}: no such file (the program to run; -m runs a module, --no-python an executable)")
+    return "script", Path(name).resolve()
+
+
+def run_id(t: argparse.Namespace) -> str:
+    """TORCHELASTIC_RUN_ID as torchrun sets it: a fresh id for --standalone, and for a single node given neither a
+    rendezvous endpoint nor --master-port (torchrun then runs a standalone rendezvous); else --rdzv-id."""
+    return str(uuid.uuid4()) if t.standalone or implicit_standalone(t) else t.rdzv_id
+
+
+def implicit_standalone(t: argparse.Namespace) -> bool:
+    """torchrun on one node with neither a rendezvous endpoint nor --master-port runs as with --standalone."""
+    single = (t.nnodes or "1").rpartition(":")[2] == "1"
+    return t.rdzv_backend == "static" and not t.rdzv_endpoint and t.master_port is None and single

@@ -1,0 +1,267 @@
+"""The supervisor instead of torchrun: torchrun's own command lines, on programs written for torchrun
+(tests/torchrun_programs/), give what real torchrun gives them (losses, environment), plus the supervisor's
+report, restarts, GPU view and prefixed output. Real torchrun runs beside it where results are compared."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rank_scripts.harness import Run, clean_env, start
+from supervisor import cli, torchrun_args
+from supervisor.diagnosis import error_file
+
+PROGRAMS = Path(__file__).resolve().parent / "torchrun_programs"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+# what differs by design between torchrun and the supervisor, and why (docs/torchrun.md)
+NOT_COMPARED = {
+    "MASTER_PORT": "a free port, chosen anew by each launcher",
+    "TORCHELASTIC_RUN_ID": "a fresh id per run of --standalone (checked to be one)",
+    "TORCHELASTIC_ERROR_FILE": "a path: torchrun's temporary folder, the run folder here (checked)",
+    "TORCHELASTIC_USE_AGENT_STORE": "torchrun's agent hosts the store; here rank 0 does, as without an agent",
+    "OMP_NUM_THREADS": "torchrun: 1; the supervisor: the cores shared out among the ranks",
+}
+
+
+def supervise(tmp: Path, *argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> Run:
+    """``python -m supervisor --log-dir <tmp>/logs ARGV``, waited for."""
+    return start(tmp, *argv, entry=None, env=env).wait(timeout)
+
+
+def torchrun(tmp: Path, *argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Real torchrun with the same arguments (its exit code is not compared: on gloo its ranks sometimes abort at
+    exit, after writing what the tests read)."""
+    if not TORCHRUN.exists():
+        pytest.skip(f"no torchrun beside {sys.executable}")
+    return subprocess.run([str(TORCHRUN), *argv], cwd=cwd or tmp, env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+
+
+def wait_for(path: Path, pattern: str, run: Run, timeout: float = 60) -> str:
+    """The first line of `path` matching `pattern`, once the supervisor has written it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        for line in path.read_text(errors="replace").splitlines():
+            if re.search(pattern, line):
+                return line
+        time.sleep(0.05)
+    raise AssertionError(f"no line matching {pattern!r} while the run was going: {path.read_text()[-2000:]}")
+
+
+def records(folder: Path, count: int, name: str = "rank{}.json") -> list[dict]:
+    return [json.loads((folder / name.format(rank)).read_text()) for rank in range(count)]
+
+
+def test_a_tutorial_program_trains_as_under_torchrun(tmp_path):
+    """``--nproc-per-node 2 ddp_tutorial.py 2 32 --out DIR``: the same losses and torchrun's environment; the tqdm
+    bar reaches the console, prefixed, while the program holds it; the run folder is the program's, without a
+    config.json, and its log keeps the bar readable."""
+    ours, theirs, go = tmp_path / "ours", tmp_path / "theirs", tmp_path / "go"
+    ours.mkdir(), theirs.mkdir()
+    program = str(PROGRAMS / "ddp_tutorial.py")
+    run = start(tmp_path, "--nproc-per-node", "2", program, "2", "32", "--out", str(ours), "--bar-wait", str(go),
+                entry=None)
+    held = wait_for(run.err_path, r"^CPU0:epoch 0: .*\| 2/4 ", run)  # rank 0 waits for `go` at this state
+    go.touch()
+    run.wait(120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    torchrun(tmp_path, "--nproc-per-node", "2", program, "2", "32", "--out", str(theirs))
+    for mine, real in zip(records(ours, 2), records(theirs, 2)):
+        assert mine["losses"] == real["losses"] and len(mine["losses"]) == 8
+        assert {k: v for k, v in mine["env"].items() if k not in NOT_COMPARED} == \
+            {k: v for k, v in real["env"].items() if k not in NOT_COMPARED}
+        uuid.UUID(mine["env"]["TORCHELASTIC_RUN_ID"])
+    run_dir = run.run_dir()
+    assert run_dir.name.endswith("-ddp_tutorial") and not (run_dir / "config.json").exists()
+    assert records(ours, 2)[1]["env"]["TORCHELASTIC_ERROR_FILE"] == str(run_dir / "errors" / "cpu1.json")
+    log = (run_dir / "cpu0.log").read_text()
+    bar_lines = [line for line in log.splitlines() if line.startswith("epoch 0:")]
+    assert held.removeprefix("CPU0:") in bar_lines and bar_lines[-1].startswith("epoch 0: 100%|")
+    assert len(bar_lines) < 6 and "\r" not in log  # of the epoch's 5 states: the held one and the last
+
+
+@pytest.mark.parametrize("launch, cwd", [
+    (("--standalone", "--nproc_per_node=2", str(PROGRAMS / "nano_train.py")), None),
+    (("--rdzv-backend=c10d", "--rdzv-endpoint=localhost:{port}", "--nnodes=1", "--nproc-per-node", "2", "-m",
+      "nano_train"), PROGRAMS),
+], ids=["standalone-script", "c10d-module"])
+def test_a_nanogpt_style_script_gets_torchruns_results(tmp_path, launch, cwd):
+    from supervisor.rendezvous import PortReservation
+
+    reservation = PortReservation.take()
+    port = reservation.port
+    reservation.release()
+    launch = tuple(arg.format(port=port) for arg in launch)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    run = start(tmp_path, *launch, "--max_iters=6", f"--out_dir={ours}", entry=None,
+                env=clean_env(PYTHONPATH=f"{cwd}:{clean_env()['PYTHONPATH']}") if cwd else None).wait(120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    torchrun(tmp_path, *launch, "--max_iters=6", f"--out_dir={theirs}", cwd=cwd)
+    mine, real = records(ours, 2, "losses{}.json"), records(theirs, 2, "losses{}.json")
+    assert [r["losses"] for r in mine] == [r["losses"] for r in real]
+    assert [(r["device"], r["world"]) for r in mine] == [("cpu", 2)] * 2
+    assert re.findall(r"CPU0:iter \d: loss [\d.]+", run.stdout) == [f"CPU0:iter {i}: loss {loss:.4f}"
+                                                                   for i, loss in enumerate(mine[0]["losses"])]
+    if "-m" in launch:
+        assert mine[0]["run_id"] == real[0]["run_id"] == "none"
+        assert run.run_dir().name.endswith("-nano_train")
+
+
+def test_the_root_cause_of_a_recorded_exception_is_in_the_report(tmp_path):
+    run = supervise(tmp_path, "--nproc-per-node", "2", str(PROGRAMS / "raises.py"))
+    assert run.returncode == 1, run.stderr[-3000:]
+    errors = run.run_dir() / "errors" / "cpu1.json"
+    assert re.search(rf"root cause \(from {re.escape(str(errors))}\) at \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d: "
+                     r"ValueError: corrupt batch at step 3 on rank 1", run.stderr)
+    assert "  | Traceback (most recent call last):" in run.stderr
+    assert re.search(r"  \|   File .*raises\.py\", line \d+, in load_batch", run.stderr)
+
+
+def test_any_failure_is_restarted_with_torchruns_restart_count(tmp_path):
+    """Exit 2 is a failure like any other to a torchrun program: restarted, and told so."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir(), theirs.mkdir()
+    run = supervise(tmp_path, "--max-restarts=1", "--nproc-per-node=2", str(PROGRAMS / "flaky.py"), str(ours))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "restart 1 of 1 after CPU1 (rank 1) failed: exit 2; the ranks start again with " \
+           "TORCHELASTIC_RESTART_COUNT=1" in run.stderr
+    assert "checkpoint" not in run.stderr
+    torchrun(tmp_path, "--max-restarts=1", "--nproc-per-node=2", str(PROGRAMS / "flaky.py"), str(theirs))
+    attempts = sorted((ours / "attempts.txt").read_text().splitlines())
+    assert attempts == sorted((theirs / "attempts.txt").read_text().splitlines()) == \
+        [f"attempt {a} of 1 rank {r}" for a in (0, 1) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("isolate", [False, True], ids=["torchrun-view", "isolated"])
+def test_each_rank_of_a_torchrun_program_gets_its_own_gpu(tmp_path, isolate):
+    """Fake GPUs 0-7, --gpus 2,5,7: rank 1 is GPU5's, through cuda:LOCAL_RANK (torchrun's view) or cuda:0."""
+    out = tmp_path / "env"
+    out.mkdir()
+    run = supervise(tmp_path, "--gpus", "2,5,7", *(["--isolate-gpus"] if isolate else []), "--no-python",
+                    str(PROGRAMS / "env_dump.sh"), str(out), env=clean_env(SUPERVISOR_FAKE_GPUS="0,1,2,3,4,5,6,7"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank, gpu in enumerate((2, 5, 7)):
+        env = dict(line.split("=", 1) for line in (out / f"rank{rank}.env").read_text().splitlines() if "=" in line)
+        visible = env["CUDA_VISIBLE_DEVICES"].split(",")
+        assert visible[0 if isolate else int(env["LOCAL_RANK"])] == str(gpu) == env["GPU_RANK"]
+        assert visible == ([str(gpu)] if isolate else ["2", "5", "7"])
+        assert f"GPU{gpu}:rank {rank} of 3 sees CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}" in run.stdout
+    assert run.run_dir().name.endswith("-env_dump") and (run.run_dir() / "gpu5.log").exists()
+
+
+# -- the command line, in process ---------------------------------------------------------------------------------
+
+def read(*argv: str) -> tuple:
+    return cli.read_command_line(list(argv))
+
+
+def test_torchruns_command_line_is_recognised_and_the_supervisors_is_not():
+    own, theirs = cli.build_parser(), torchrun_args.build_parser(cli.add_own_launch_flags)
+    for argv in (["prog.py"], ["--gpus", "1", "prog.py"], ["--standalone"], ["-m", "pkg"], ["--nproc_per_node=2"],
+                 ["--no-python", "x"], ["--tee", "3"], ["--node_rank", "1"]):
+        assert torchrun_args.recognised(argv, own, theirs), argv
+    for argv in (["--debug"], ["--nproc", "2", "--entry", "w.py", "--", "prog.py"], ["--set", "a.b=1", "--gpus", "1"],
+                 ["--max-restarts", "2", "--hang-timeout", "5"]):
+        assert not torchrun_args.recognised(argv, own, theirs), argv
+
+
+def test_torchruns_flags_become_the_supervisors_launch():
+    script = str(PROGRAMS / "flaky.py")
+    args, program_args, launch, notes = read("--nproc_per_node=3", "--max_restarts", "2", "--shutdown-timeout=5",
+                                             "--role", "trainer", "--rdzv_id=job7", "--master_port=1234", script,
+                                             "--nproc_per_node", "9", "--", "x")
+    assert (args.nproc, args.max_restarts, args.grace_period, args.master_port) == (3, 2, 5.0, 1234)
+    assert program_args == ["--nproc_per_node", "9", "--", "x"], "everything after the program is the program's"
+    assert (launch.mode, launch.role, launch.run_id, notes) == ("script", "trainer", "job7", [])
+    args, _, launch, _ = read("--standalone", "--master-port", "1234", script)
+    assert (args.master_addr, args.master_port, args.nnodes) == ("localhost", None, 1)
+    uuid.UUID(launch.run_id)
+    args, _, launch, _ = read("--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500",
+                              "--nnodes", "2:2", script)
+    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port, launch.run_id) == \
+        (2, 1, "node0", 29500, "none")
+    args, _, _, _ = read("--nproc-per-node", "cpu", script)
+    assert args.nproc is None and args.cpu_ranks >= 1 and "system.device=cpu" in args.set
+    args, _, launch, _ = read("--gpus", "2,5", "-m", "pkg.train", "--lr=3")
+    assert (args.gpus, args.nproc, launch.mode, str(launch.program)) == ("2,5", None, "module", "pkg.train")
+    args, entry_args, launch, _ = read("--nproc-per-node", "2", "pretrain_main.py", "--debug", "--set", "a.b=1")
+    assert launch is None and entry_args == [] and (args.nproc, args.debug, args.set) == (2, True, ["a.b=1"])
+
+
+def test_flags_without_a_use_here_are_accepted_with_one_line_each():
+    flags = ["--tee", "3", "-r", "3", "--log_dir=/tmp/x", "--monitor-interval", "1", "--start_method=fork",
+             "--rdzv-conf", "join_timeout=5", "--local-addr", "h", "--local-ranks-filter", "0", "--run-path",
+             "--numa-binding", "node", "--signals-to-handle", "SIGUSR1", "--event-log-handler", "x",
+             "--logs-specs", "x", "--duplicate-stdout-filters", "a", "--duplicate-stderr-filters", "b"]
+    args, _, _, notes = read(*flags, str(PROGRAMS / "flaky.py"))
+    assert args.log_dir == "/tmp/x"
+    named = [note.split(":", 1)[0] for note in notes]
+    assert sorted(named) == sorted(["--tee 3", "--redirects 3", "--log-dir /tmp/x", "--monitor-interval 1",
+                                    "--start-method fork", "--rdzv-conf join_timeout=5", "--local-addr h",
+                                    "--local-ranks-filter 0", "--run-path", "--numa-binding node",
+                                    "--signals-to-handle SIGUSR1", "--event-log-handler x", "--logs-specs x",
+                                    "--duplicate-stdout-filters a", "--duplicate-stderr-filters b"])
+    assert all("\n" not in note for note in notes)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--nnodes", "1:4", "P"), "--nnodes 1:4: elastic node ranges are not supported"),
+    (("--rdzv-backend", "etcd", "P"), "--rdzv-backend etcd: only static and c10d rendezvous are supported"),
+    (("--nproc-per-node", "xpu", "P"), "--nproc-per-node xpu: expected a number, gpu, cpu or auto"),
+    (("--nproc-per-node", "gpu", "P"), "--nproc-per-node gpu: no usable GPU on this machine"),
+    (("--no-python", "-m", "P"), "--no-python and -m/--module cannot be used together"),
+    (("--nproc-per-node", "2", "missing.py"), "missing.py: no such file"),
+    (("--no-python", "no-such-program-here"), "--no-python no-such-program-here: no such executable on PATH"),
+    (("--standalone", "--nnodes", "2", "P"), "--standalone is a single-node run"),
+    (("--nnodes", "2", "--master-addr", "h", "--master-port", "1", "P"), "--nnodes 2: give each node its --node-rank"),
+    (("--nproc-per-node", "2"), "no program to run; torchrun's command line: python -m supervisor"),
+    (("--debug", "P"), "unrecognized arguments: --debug"),
+])
+def test_what_cannot_be_honoured_is_one_error_line(tmp_path, capsys, argv, message):
+    argv = [str(PROGRAMS / "flaky.py") if arg == "P" else arg for arg in argv]
+    assert cli.main(["--log-dir", str(tmp_path / "logs"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "logs").exists()
+
+
+# -- the error file and the bars ----------------------------------------------------------------------------------
+
+def test_error_files_in_either_of_torchs_shapes(tmp_path):
+    path = tmp_path / "e.json"
+    assert error_file.read(path) is None
+    path.write_text(json.dumps({"message": {"message": "RuntimeError: boom", "extraInfo": {
+        "py_callstack": "Traceback (most recent call last):\n  x\nRuntimeError: boom\n", "timestamp": "1700000000"}}}))
+    cause = error_file.read(path)
+    assert cause is not None and (cause.message, cause.timestamp) == ("RuntimeError: boom", 1700000000)
+    assert cause.lines()[1:] == ["  | Traceback (most recent call last):", "  |   x", "  | RuntimeError: boom"]
+    path.write_text(json.dumps({"message": "OSError: disk", "timestamp": 1700000001}))
+    assert (error_file.read(path).message, error_file.read(path).timestamp) == ("OSError: disk", 1700000001)
+    path.write_text("{not json")
+    assert error_file.read(path).message.startswith("the error file cannot be read")
+
+
+def test_a_bar_is_shown_once_a_second_and_its_end_once(tmp_path):
+    from test_supervisor_pump import feed_pump
+
+    updates = [f"\r{i / 10:.0f}% |{'#' * (i // 50)}".encode() for i in range(1000)]
+    console, log, _ = feed_pump(tmp_path, [b"start\n", *updates, b"\r100% done\n", b"next\n"], step=0.01)
+    lines = console.decode().splitlines()
+    assert lines[0] == "GPU0:start" and lines[-2:] == ["GPU0:100% done", "GPU0:next"]
+    shown = lines[1:-2]
+    assert 8 <= len(shown) <= 11 and all(re.fullmatch(r"GPU0:\d+% \|#*", line) for line in shown), shown
+    assert log.decode().splitlines() == [line.removeprefix("GPU0:") for line in lines]
+
+
+def test_the_last_state_shown_is_not_repeated(tmp_path):
+    from test_supervisor_pump import feed_pump
+
+    console, _, _ = feed_pump(tmp_path, [b"\r1/3", b"\r2/3", b"\r3/3", b"\n"], step=2.0)
+    assert console == b"GPU0:2/3\nGPU0:3/3\n", "the first state waits a second; the end is the last state shown"
