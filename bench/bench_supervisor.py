@@ -2,7 +2,9 @@
 
     python bench/bench_supervisor.py [--repeats 3] [--line-rounds 3] [--skip-torchrun]
 
-The rank programs are the anchors of ANCHORS.md ("Launcher"), copied into bench/supervisor_anchors/:
+Both launchers get the same torchrun command line (`--standalone --nproc-per-node 2 SCRIPT ARGS`; the supervisor's
+own options, where a measure needs them, stand before it). The rank programs are the anchors of ANCHORS.md
+("Launcher"), copied into bench/supervisor_anchors/:
 1. failure → every rank gone: fail.py (rank 1 ``os._exit(3)`` at step 20, the others inside a gloo all-reduce);
    seconds from its death to the launcher's exit, median over the repeats, and the exit code each launcher returns.
    Goal: ≤ 0.15 s and the rank's own code.
@@ -58,13 +60,18 @@ TORCHRUN = str(Path(PY).parent / "torchrun")
 RANK_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
+def launch_args(script: Path, *args: str) -> list[str]:
+    """The same torchrun command line for both launchers: the supervisor is a drop-in replacement."""
+    return ["--standalone", "--nproc-per-node", "2", str(script), *args]
+
+
 def supervisor_cmd(work: Path, script: Path, *args: str, options: tuple[str, ...] = ()) -> list[str]:
-    return [PY, "-m", "supervisor", "--nproc", "2", "--set", "system.device=cpu", "--no-footer",
-            "--log-dir", str(work / "logs"), *options, "--entry", str(script), "--", *args]
+    return [PY, "-m", "supervisor", "--no-footer", "--log-dir", str(work / "logs"), *options,
+            *launch_args(script, *args)]
 
 
 def torchrun_cmd(script: Path, *args: str, options: tuple[str, ...] = ()) -> list[str]:
-    return [TORCHRUN, "--standalone", "--nproc-per-node", "2", *options, str(script), *args]
+    return [TORCHRUN, *options, *launch_args(script, *args)]
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
