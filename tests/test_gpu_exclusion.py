@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -169,19 +170,21 @@ MICRO_BATCH, STEPS, FAULT_STEP, INTERVAL = 2, 6, 3, 2  # resumed from step_00000
 REL_TOL = 1e-5
 
 
-def reference_losses(tmp_path: Path, cache_dir: Path, global_accum: int) -> dict[int, float]:
+def reference_losses(tmp_path: Path, cache_dir: Path, global_accum: int,
+                     data: dict[str, Any] | None = None) -> dict[int, float]:
     """The uninterrupted run with the same global batch: one process accumulating every micro-batch of a step."""
-    cfg = tiny_config(tmp_path / "reference", cache_dir, training={
+    cfg = tiny_config(tmp_path / "reference", cache_dir, data=data or {}, training={
         "max_steps": STEPS, "batch_size": MICRO_BATCH, "grad_accum_nums": global_accum})
     assert loop.train(cfg) == 0
     return history_losses(Path(cfg.logging.run_dir))
 
 
-def losing_run(tmp_path: Path, cache_dir: Path, gpus: int, accum: int, strategy: str) -> subprocess.CompletedProcess:
+def losing_run(tmp_path: Path, cache_dir: Path, gpus: int, accum: int, strategy: str,
+               data: dict[str, Any] | None = None) -> subprocess.CompletedProcess:
     """`gpus` fake GPUs, GPU 1 lost at the start of step FAULT_STEP (first group only), one restart allowed."""
     state = tmp_path / "gpu_state.json"
     state.write_text("{}")
-    layer = merged(TINY, {"system": {"device": "auto"}, "data": {"cache_dir": str(cache_dir)},
+    layer = merged(TINY, {"system": {"device": "auto"}, "data": {"cache_dir": str(cache_dir), **(data or {})},
                           "training": {"max_steps": STEPS, "batch_size": MICRO_BATCH, "grad_accum_nums": accum,
                                        "strategy": strategy},
                           "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": INTERVAL},
@@ -223,3 +226,24 @@ def test_a_lost_gpu_is_left_out_and_training_goes_on_the_same(tmp_path: Path, to
     for step, loss in losses.items():
         assert math.isclose(loss, expected[step], rel_tol=REL_TOL), (step, loss, expected[step])
     assert "GPU exclusions (also in" in out and "GPU 1 excluded at" in out
+
+
+@pytest.mark.slow
+def test_a_mixture_keeps_its_batches_on_fewer_gpus(tmp_path: Path, token_cache_dir: Path, one_thread: None) -> None:
+    """A 3-source mixture (stdlib, .jsonl.zst, Parquet): 2 GPUs, one lost at step 3, the restart on 1 with twice the
+    accumulation trains the uninterrupted run's batches (losses bit-identical, as 2 → 1 ranks are for one source)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    rows = "".join(json.dumps({"text": f"row {i}: " + "lorem ipsum dolor " * (i % 20 + 5)}) + "\n" for i in range(60))
+    (tmp_path / "rows.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(rows.encode()))
+    pq.write_table(pa.table({"text": [f"parquet document {i} " * 30 for i in range(20)]}), tmp_path / "p.parquet")
+    data = {"mixture": {"stdlib": 0.5, str(tmp_path / "rows.jsonl.zst"): 0.3, str(tmp_path / "p.parquet"): 0.2}}
+    expected = reference_losses(tmp_path, token_cache_dir, 2, data)
+    proc = losing_run(tmp_path, token_cache_dir, 2, 1, "ddp", data)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "resumed on 1 × 2: the same global batch, the same batches" in proc.stdout + proc.stderr
+    (run_dir,) = (tmp_path / "logs").iterdir()
+    losses = history_losses(run_dir)
+    assert sorted(losses) == list(range(STEPS)) and all(losses[s] == expected[s] for s in losses)

@@ -34,8 +34,9 @@ from trainer.checkpoint.manager import Checkpointer
 from trainer.config import Config, check_world_size
 from trainer.config.choices import compile_enabled
 from trainer.config.sizes import flops_per_token, human, tokens_per_step
-from trainer.data.batches import BatchSampler, StepLoader
-from trainer.data.cache import TokenCache, prepare
+from trainer.data.batches import StepLoader
+from trainer.data.cache import prepare
+from trainer.data.training_data import TrainingData
 from trainer.diagnosis import flight_recorder, oom_report
 from trainer.diagnosis.faults import FaultInjector
 from trainer.diagnosis.nan_guard import NanGuard
@@ -107,7 +108,7 @@ class Trainer:
         progress.phase("dataset")
         if cache is None:  # not prepared by the caller (trainer.rank_cli does, for runs by hand and under torchrun)
             cache = prepare(cfg, show_progress=False if not ctx.is_main else None).path
-        self.cache = TokenCache.open(cache)
+        self.data = TrainingData.open(cache)  # one cache, or a mixture's
 
         progress.phase("model")
         self.precision = resolve_precision(cfg, self.device)
@@ -115,7 +116,7 @@ class Trainer:
             torch.set_float32_matmul_precision("high")  # TF32 for the fp32 matmuls left outside autocast
         torch.manual_seed(cfg.system.seed)  # same seed everywhere: identical initial weights on every rank
         random.seed(cfg.system.seed)
-        module = build_model(cfg, self.cache.vocab_size, self.cache.eos_id, self.device)
+        module = build_model(cfg, self.data.vocab_size, self.data.eos_id, self.device)
         use_maskless_causal_attention(module)
         enable_gradient_checkpointing(module, cfg.model.gradient_checkpointing)
         module.train()
@@ -139,21 +140,17 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if self.precision.name == "fp16" else None
         self.checkpoints = Checkpointer(cfg, ctx, store.TrainState(self.module, self.optimizer, self.scheduler,
-                                                                   self.scaler), self.cache, self.log, progress,
+                                                                   self.scaler), self.data, self.log, progress,
                                         before_publish=self.faults.during_checkpoint)
         self.guard = NanGuard(self.module, cfg, rank=ctx.rank, world_size=ctx.world_size, gpu_id=ctx.gpu_id,
                               device=self.device, run_dir=run_dir, checkpoint_dir=self.checkpoints.root)
 
-        t, d = cfg.training, cfg.data
-        self.sampler = BatchSampler(self.cache.train, d.context_length, t.batch_size, self.accum, ctx.world_size,
-                                    ctx.rank, cfg.system.seed, self.cache.vocab_size, str(self.cache.path))
+        t = cfg.training
+        self.sampler = self.data.sampler(cfg, ctx.world_size, ctx.rank)
         # read in this process (num_workers 0) or by worker processes from the first step fetched (the resume step)
         self.batches = StepLoader(self.sampler, self.total, t.num_workers, pin_memory=self.device.type == "cuda",
                                   seed=cfg.system.seed)
-        self.val_sampler = None
-        if t.eval_interval and len(self.cache.val) > d.context_length + 1:
-            self.val_sampler = BatchSampler(self.cache.val, d.context_length, t.batch_size, 1, ctx.world_size,
-                                            ctx.rank, cfg.system.seed, self.cache.vocab_size, str(self.cache.path))
+        self.val_samplers = self.data.val_samplers(cfg, ctx.world_size, ctx.rank) if t.eval_interval else {}
         self.tokens_per_step = tokens_per_step(cfg, ctx.world_size)
         self.flops_per_token = self.model_flops_per_token()
         self.device_name = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
@@ -168,7 +165,7 @@ class Trainer:
         """trainer.config's formula; for a model from a folder, applied to that model's real shape."""
         if not self.cfg.model.name_or_path:
             return flops_per_token(self.cfg)
-        s = model_shape(self.cfg, self.cache.vocab_size)
+        s = model_shape(self.cfg, self.data.vocab_size)
         shaped = replace(self.cfg, model=replace(
             self.cfg.model, hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=s.num_heads,
             num_kv_heads=s.num_kv_heads, ffn_hidden_size=s.ffn_hidden_size, vocab_size=s.vocab_size,
@@ -192,8 +189,7 @@ class Trainer:
             f"tokens per step: {self.tokens_per_step:,}",
             f"parameters: {human(self.parameters)} ({self.parameters:,}) | FLOPs per token: "
             f"{human(self.flops_per_token)}",
-            f"dataset: cache {self.cache.key} | {len(self.cache.train):,} training tokens, {len(self.cache.val):,} "
-            f"validation tokens | vocabulary {self.cache.vocab_size:,}",
+            *self.data.banner(self.sampler, self.total),
         ]
         if injection := self.faults.describe():
             lines.append(injection)
@@ -267,20 +263,23 @@ class Trainer:
         return StepOutput(local_loss, grad_norm, lr)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean validation loss over eval_steps batches per rank, averaged over ranks (every rank takes part)."""
-        assert self.val_sampler is not None
+    def evaluate(self) -> dict[str, float]:
+        """Per source, the mean validation loss over eval_steps batches per rank, averaged over ranks (every rank
+        takes part)."""
         self.progress.phase("evaluation")  # the start-up allowance: a first evaluation compiles the layers again
         self.module.eval()
-        total = torch.zeros((), device=self.device)
-        for i in range(self.cfg.training.eval_steps):
-            host = self.val_sampler.get(i, 0)
-            self.val_sampler.check(host)
-            batch = torch.from_numpy(host).to(self.device, non_blocking=True)
-            with self.precision.autocast(self.device):
-                total += self.loss_module(batch)
+        losses = {}
+        for name, sampler in self.val_samplers.items():
+            total = torch.zeros((), device=self.device)
+            for i in range(self.cfg.training.eval_steps):
+                host = sampler.get(i, 0)
+                sampler.check(host)
+                batch = torch.from_numpy(host).to(self.device, non_blocking=True)
+                with self.precision.autocast(self.device):
+                    total += self.loss_module(batch)
+            losses[name] = float(all_reduce_mean(total / self.cfg.training.eval_steps, self.ctx).item())
         self.module.train()
-        return float(all_reduce_mean(total / self.cfg.training.eval_steps, self.ctx).item())
+        return losses
 
     # -- the run -----------------------------------------------------------------------------------------------------
 
@@ -288,7 +287,7 @@ class Trainer:
         self.banner()
         if self.ctx.is_main:
             self.history = History(self.run_dir, {"run_dir": str(self.run_dir), "preset": self.cfg.preset,
-                                                  "world_size": self.ctx.world_size, "cache_key": self.cache.key,
+                                                  "world_size": self.ctx.world_size, "cache_key": self.data.key,
                                                   "parameters": self.parameters,
                                                   "tokens_per_step": self.tokens_per_step},
                                    tensorboard=self.cfg.logging.tensorboard, plot=self.cfg.logging.plot,
@@ -306,6 +305,7 @@ class Trainer:
                 self.batches.close()  # data-loading workers (if any) end with the run, whatever ended it
             finally:  # a worker found dead while closing must not cost the run its history
                 if self.history is not None:
+                    self.history.run_info["sources"] = self.data.history(self.sampler, self.completed)
                     self.history.save(status)
                     self.history.close()
 
@@ -342,14 +342,14 @@ class Trainer:
             self.compile_trial(step)
         vote.cast(self.stop.requested)
         out = self.train_step(step)
-        val_loss = None
+        val_losses: dict[str, float] = {}
         last = self.completed == self.total
-        if self.val_sampler is not None and (self.completed % cfg.training.eval_interval == 0 or last):
-            val_loss = self.evaluate()
+        if self.val_samplers and (self.completed % cfg.training.eval_interval == 0 or last):
+            val_losses = self.evaluate()
         now = time.perf_counter()
         eta_s = eta.update(self.completed, now)
-        if step % cfg.logging.log_interval == 0 or last or val_loss is not None:
-            self.report(step, out, val_loss, throughput.update(self.completed, now), eta_s)
+        if step % cfg.logging.log_interval == 0 or last or val_losses:
+            self.report(step, out, val_losses, throughput.update(self.completed, now), eta_s)
         else:
             self.progress.step(self.completed, self.total, eta_s=eta_s, **self.step_times())
         if cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last:
@@ -360,8 +360,10 @@ class Trainer:
         ready_s, step_s = self.timer.take()
         return {"ready_s": ready_s, "step_s": step_s}
 
-    def report(self, step: int, out: StepOutput, val_loss: float | None, tok_s: float | None, eta_s: float) -> None:
-        """A log step: the only place the loop reads device values on the host."""
+    def report(self, step: int, out: StepOutput, val_losses: dict[str, float], tok_s: float | None,
+               eta_s: float) -> None:
+        """A log step: the only place the loop reads device values on the host. A mixture's validation loss is its
+        sources' weighted by the mixture's weights, each source's following it."""
         loss = float(out.loss.item())
         grad_norm = float(out.grad_norm.item())
         global_loss = float(all_reduce_mean(out.loss, self.ctx).item())
@@ -374,8 +376,15 @@ class Trainer:
         if not self.ctx.is_main or self.history is None:
             return
         parts = [f"[all ranks] step {step}/{self.total}", f"mean loss {global_loss:.4f}"]
-        if val_loss is not None:
+        val_loss = None
+        if val_losses:
+            weights = {name: self.data.val_weight(name) for name in val_losses}
+            val_loss = sum(weights[n] * loss for n, loss in val_losses.items()) / sum(weights.values())
             parts.append(f"val loss {val_loss:.4f}")
+            if self.data.mixture:
+                parts.append("val loss by source " + ", ".join(f"{n} {v:.4f}" for n, v in val_losses.items()))
+        for note in self.data.repeats(self.sampler, self.completed):
+            self.log.info(note)
         if tok_s is not None:
             parts.append(f"{tok_s:,.0f} tokens/s")
             utilisation = mfu(tok_s, self.flops_per_token, self.ctx.world_size, self.device_name)

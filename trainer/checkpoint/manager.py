@@ -20,13 +20,13 @@ from trainer.model.distributed import DistContext, broadcast_object
 from trainer.progress import ProgressReporter
 
 if TYPE_CHECKING:  # the type alone: the cache module imports tokenizers and numpy
-    from trainer.data.cache import TokenCache
+    from trainer.data.training_data import TrainingData
 
 
 class Checkpointer:
     """Every rank holds one and calls each method together (saves and loads are collective when sharded)."""
 
-    def __init__(self, cfg: Config, ctx: DistContext, state: store.TrainState, cache: TokenCache,
+    def __init__(self, cfg: Config, ctx: DistContext, state: store.TrainState, cache: TrainingData,
                  log: logging.Logger, progress: ProgressReporter,
                  before_publish: Callable[[int], None] = lambda step: None) -> None:
         """`before_publish(step)`: called between writing a checkpoint and publishing it, with the step it follows

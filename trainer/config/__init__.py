@@ -68,6 +68,7 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"  # "stdlib" | a local file, folder or glob | a hub dataset name
+    mixture: dict[str, float] | None = None  # sources (anything data.source takes) → weights; instead of data.source
     text_field: str = "text"
     sample_by: str = "document"  # how a .txt file becomes documents: document | paragraph | line | a separator string
     hub_config: str | None = None
@@ -252,6 +253,10 @@ def coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
         return value
     elif isinstance(tp, types.UnionType) and type(value) in typing.get_args(tp):  # bool | str: a switch or a choice
         return value
+    elif typing.get_origin(base) is dict and isinstance(value, dict):  # data.mixture: name → weight
+        key_type, value_type = typing.get_args(base)
+        return {coerce(k, key_type, key, origin): coerce(v, value_type, f"{key}[{k!r}]", origin)
+                for k, v in value.items()}
     given = "null" if value is None else type(value).__name__
     raise UserError(f"{origin}: {key} expects {type_name(tp)}, got {given} ({shown(value)})")
 
@@ -332,7 +337,26 @@ def validate(cfg: Config) -> None:
     for ok, message in rules:
         if not ok:
             raise UserError(message)
+    check_mixture(d)
     check_injection(cfg.debug, t.max_steps)
+
+
+def check_mixture(d: DataConfig) -> None:
+    """data.mixture: instead of data.source, at least one non-empty source, every weight finite and positive."""
+    if d.mixture is None:
+        return
+    example = """e.g. --set data.mixture='{"web/*.parquet": 0.7, "code.jsonl.zst": 0.3}'"""
+    if d.source != DataConfig.source:
+        raise UserError(f"data.mixture and data.source ({d.source}) are exclusive: list every source in data.mixture "
+                        f"and leave data.source out")
+    if not d.mixture:
+        raise UserError(f"data.mixture is empty; give sources and their weights, {example}")
+    for source, weight in d.mixture.items():
+        if not source.strip() or source.strip() != source:
+            raise UserError(f"data.mixture names the source {source!r}; give a path, glob, 'stdlib' or hub name "
+                            f"without surrounding spaces")
+        if not (math.isfinite(weight) and weight > 0):
+            raise UserError(f"data.mixture weight of {source} must be a finite number above 0, got {weight:g}")
 
 
 def check_injection(d: DebugConfig, max_steps: int | None = None) -> None:

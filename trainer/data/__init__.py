@@ -2,11 +2,14 @@
 supervisor (or `prepare_dataset.py`), the reading half in every rank.
 
 * `corpus` — where documents come from (the standard library, local files, a hub dataset) and its content key;
+* `formats` — the file formats a local corpus is read from: plain or compressed JSON Lines and text, Parquet;
 * `tokenizer` — a byte-level BPE trained on the corpus, or any AutoTokenizer;
 * `token_stream` — tokenizing into flat files, streaming, on every core;
 * `cache` — the token cache: build once under a content key, publish atomically, memory-map read-only;
 * `staging` — building a folder among concurrent builders: the lock, the staging folder, atomic publication;
 * `build_progress` — what a build shows while it runs;
-* `batches` — deterministic, rank-sharded batches straight from the memory map;
+* `mixture` — weighted mixtures of sources: which source each sample comes from, the record naming their caches;
+* `batches` — deterministic, rank-sharded batches straight from the memory map (of one cache, or of a mixture's);
+* `training_data` — what a rank trains on: a cache or a mixture's caches, with their samplers and reports;
 * `prepare_cli` — the command line of `prepare_dataset.py`.
 """

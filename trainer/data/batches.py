@@ -26,7 +26,7 @@ import mmap
 import multiprocessing
 import multiprocessing.resource_tracker
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from trainer.data.mixture import Schedule
 from trainer.errors import UserError
 
 U64 = np.uint64
@@ -117,9 +118,12 @@ class BatchSampler:
 
     def windows(self, step: int, micro_step: int) -> np.ndarray:
         """Window indices of this rank's micro-batch (a batch may straddle two epochs)."""
-        positions = self.positions(step, micro_step)
-        epochs, index = np.divmod(positions, self.windows_per_epoch)
-        windows = np.empty_like(positions)
+        return self.windows_of(self.positions(step, micro_step))
+
+    def windows_of(self, samples: np.ndarray) -> np.ndarray:
+        """The windows of samples of this stream, by index (epoch after epoch)."""
+        epochs, index = np.divmod(samples, self.windows_per_epoch)
+        windows = np.empty_like(samples)
         for epoch in np.unique(epochs):
             here = epochs == epoch
             windows[here] = self.order(int(epoch))(index[here])
@@ -132,7 +136,11 @@ class BatchSampler:
         return self._orders[epoch]
 
     def get(self, step: int, micro_step: int) -> np.ndarray:
-        starts = self.windows(step, micro_step) * self.context_length
+        return self.read(self.windows(step, micro_step))
+
+    def read(self, windows: np.ndarray) -> np.ndarray:
+        """The samples of these windows: int64 [len(windows), context_length + 1]."""
+        starts = windows * self.context_length
         return np.asarray(self.tokens[starts[:, None] + self._span], dtype=np.int64)
 
     def check(self, batch: np.ndarray) -> None:
@@ -166,6 +174,43 @@ class BatchSampler:
             _, filename, dtype, offset, shape = tokens
             state["tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=shape)
         self.__dict__.update(state, _orders={})
+
+
+class MixtureSampler(BatchSampler):
+    """A weighted mixture's batches (`trainer.data.mixture`): the same positions as `BatchSampler` (so the same rank
+    split, resume and restart rules), each global sample taken from the source the schedule assigns it, as that
+    source's next sample. Each source is a stream of its own, in its own keyed window order per epoch."""
+
+    def __init__(self, streams: Sequence[np.ndarray], weights: Sequence[float], context_length: int,
+                 micro_batch_size: int, grad_accum: int, world_size: int, rank: int, seed: int,
+                 vocab_size: int | None = None, origin: str = "") -> None:
+        super().__init__(streams[0], context_length, micro_batch_size, grad_accum, world_size, rank, seed, vocab_size,
+                         origin)
+        self.schedule = Schedule(weights)
+        # the first source keeps the run's seed; the others theirs, so two equal sources are not read in lockstep
+        self.streams = [BatchSampler(tokens, context_length, 1, 1, 1, 0, (seed + i * STREAM_SEED_STEP) % 2**64)
+                        for i, tokens in enumerate(streams)]
+
+    def get(self, step: int, micro_step: int) -> np.ndarray:
+        source, index = self.schedule.locate(self.positions(step, micro_step))
+        batch = np.empty((len(source), self.context_length + 1), dtype=np.int64)
+        for i in np.unique(source):
+            here = source == i
+            stream = self.streams[i]
+            batch[here] = stream.read(stream.windows_of(index[here]))
+        return batch
+
+    def epochs(self, steps: int) -> list[int]:
+        """Per source, how many times it was begun within the first `steps` steps (1: still in its first pass)."""
+        counts = self.schedule.counts(steps * self.global_batch)
+        return [-(-int(n) // s.windows_per_epoch) for n, s in zip(counts, self.streams)]
+
+    def tokens_trained(self, steps: int) -> list[int]:
+        """Per source, the tokens of the first `steps` steps' inputs that came from it."""
+        return [int(n) * self.context_length for n in self.schedule.counts(steps * self.global_batch)]
+
+
+STREAM_SEED_STEP = 0x9E3779B97F4A7C15  # the golden-ratio increment: well-spread seeds for the sources' orders
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ import json
 import platform
 import time
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,8 @@ from trainer import durable
 from trainer.config import PROJECT_ROOT, Config, DataConfig
 from trainer.data.build_progress import BuildProgress, peak_rss_bytes
 from trainer.data.corpus import Corpus, open_corpus, split_documents, training_pieces
-from trainer.data.digests import DigestMemo, file_digest
+from trainer.data.digests import DigestMemo, digest, file_digest
+from trainer.data.mixture import MixtureSource, mixture_key, write_mixture
 from trainer.data.staging import build_lock, ensure_writable, publish, remove_dead_leftovers, staging
 from trainer.data.token_stream import BATCH_CHARS, DTYPES, TokenStream, encode_pipelined, piece_batches
 from trainer.data.tokenizer import (
@@ -92,7 +93,9 @@ SAMPLED_BLOCKS = 8  # per file: first, last and evenly between (every block of a
 class CacheInfo:
     """The outcome of `prepare`. `documents` counts both splits; `tokens` is the training split and `val_tokens` the
     held-out one. `build_seconds` is this build's wall time, or on a hit (`built` False) the original build's;
-    `peak_rss_bytes` the building process's peak resident memory."""
+    `peak_rss_bytes` the building process's peak resident memory. For a mixture (`data.mixture`), `path` is its record
+    (`trainer.data.mixture`), the counts are the sums over `sources`, each source's own `CacheInfo` in the mixture's
+    order."""
 
     key: str
     path: Path
@@ -104,6 +107,7 @@ class CacheInfo:
     built: bool
     build_seconds: float
     peak_rss_bytes: int
+    sources: list["CacheInfo"] = field(default_factory=list)
 
 
 @dataclass
@@ -218,14 +222,6 @@ def map_tokens(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Keys and paths
-
-
-def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-
-
-def digest(value: Any) -> str:
-    return hashlib.blake2b(canonical_json(value).encode(), digest_size=16).hexdigest()
 
 
 def cache_root(data: DataConfig) -> Path:
@@ -397,6 +393,8 @@ def find(cfg: Config) -> CacheInfo | None:
 
 def find_or_build(cfg: Config, *, force: bool, show_progress: bool | None, rehash: bool,
                   build: bool) -> CacheInfo | None:
+    """The cache of `cfg.data`'s source, or of each source of its mixture (one process, one at a time: memory holds
+    one build's batches). Every source's content is keyed before anything is built, so a hit costs a stat per file."""
     data = cfg.data
     root = cache_root(data)
     progress = BuildProgress.create(show_progress)
@@ -404,33 +402,60 @@ def find_or_build(cfg: Config, *, force: bool, show_progress: bool | None, rehas
     try:
         for parent in (root, root / TOKENIZERS_DIR):
             remove_dead_leftovers(parent)
-        corpus = open_corpus(data)
-        source = corpus.identity(digests)
+        sources = [replace(data, source=name, mixture=None) for name in data.mixture] if data.mixture else [data]
+        corpora = [open_corpus(source) for source in sources]
+        identities = [corpus.identity(digests) for corpus in corpora]
         digests.save()
-        spec = obtain_tokenizer(data, corpus, source, root, progress, build)
+        # A mixture's trained BPE is its first source's: adding a source or changing a weight rebuilds nothing.
+        spec = obtain_tokenizer(sources[0], corpora[0], identities[0], root, progress, build)
         if spec is None:
             return None
-        material = key_material(data, source, spec)
-        key = digest(material)
-        final = root / key
-        if not force and (cache := try_open(final, progress)) is not None:
-            return cache_info(cache, built=False)
-        if not build:
-            return None
-        ensure_writable(root)
-        with build_lock(root, key, progress):
-            if not force and (cache := try_open(final)) is not None:  # built by the process we waited for
-                return cache_info(cache, built=False)
-            started = time.perf_counter()
-            progress.message(f"building token cache {key} from {corpus.description} with {spec.description}")
-            with staging(root, key, "token cache") as folder:
-                write_cache(folder, key, material, corpus, spec, data, progress)
-                publish(folder, final)
-            seconds = time.perf_counter() - started
+        infos = []
+        for source, corpus, identity in zip(sources, corpora, identities):
+            info = find_or_build_source(source, corpus, identity, spec, root, progress, force=force, build=build)
+            if info is None:
+                return None
+            infos.append(info)
         digests.save()  # the cache folder exists now, if it did not before
-        return cache_info(TokenCache.open(final), built=True, seconds=seconds)
+        return mixture_info(root, data, infos) if data.mixture else infos[0]
     finally:
         progress.close()
+
+
+def find_or_build_source(data: DataConfig, corpus: Corpus, source: dict[str, Any], spec: TokenizerSpec, root: Path,
+                         progress: BuildProgress, *, force: bool, build: bool) -> CacheInfo | None:
+    """One source's cache: a hit without any lock, else built under the key's lock (see the module docstring)."""
+    material = key_material(data, source, spec)
+    key = digest(material)
+    final = root / key
+    if not force and (cache := try_open(final, progress)) is not None:
+        return cache_info(cache, built=False)
+    if not build:
+        return None
+    ensure_writable(root)
+    with build_lock(root, key, progress):
+        if not force and (cache := try_open(final)) is not None:  # built by the process we waited for
+            return cache_info(cache, built=False)
+        started = time.perf_counter()
+        progress.message(f"building token cache {key} from {corpus.description} with {spec.description}")
+        with staging(root, key, "token cache") as folder:
+            write_cache(folder, key, material, corpus, spec, data, progress)
+            publish(folder, final)
+        seconds = time.perf_counter() - started
+    return cache_info(TokenCache.open(final), built=True, seconds=seconds)
+
+
+def mixture_info(root: Path, data: DataConfig, infos: list[CacheInfo]) -> CacheInfo:
+    """The mixture's record (written once) and its sums; the widest dtype of its sources."""
+    assert data.mixture is not None
+    sources = [MixtureSource(name, weight, info.key) for (name, weight), info in zip(data.mixture.items(), infos)]
+    return CacheInfo(key=mixture_key(sources), path=write_mixture(root, sources),
+                     documents=sum(i.documents for i in infos), tokens=sum(i.tokens for i in infos),
+                     val_tokens=sum(i.val_tokens for i in infos),
+                     dtype=max((i.dtype for i in infos), key=lambda name: DTYPES[name].itemsize),
+                     vocab_size=infos[0].vocab_size, built=any(i.built for i in infos),
+                     build_seconds=sum(i.build_seconds for i in infos),
+                     peak_rss_bytes=max(i.peak_rss_bytes for i in infos), sources=infos)
 
 
 def try_open(final: Path, progress: BuildProgress | None = None) -> TokenCache | None:

@@ -7,16 +7,17 @@ local files are hashed byte for byte (the digests remembered under each file's s
 editing a file changes the cache key; a hub dataset is pinned to the commit its revision resolves to. A `.txt` file
 becomes documents as `data.sample_by` says, and that enters the key.
 
-`.txt` and `.jsonl` files are read here, a line or a chunk at a time (for JSON Lines the standard library's parser
-costs a quarter of the CPU time `datasets`' streaming reader does, and a bad row is named by its line); `.json` and
-`.parquet` go through `datasets`. `datasets` and `huggingface_hub` are imported only inside the functions that read
-those or resolve a hub name, because the cache-hit path (compute the key, open the cache) must not pay for them.
+`.txt`, `.jsonl` (either also compressed) and `.parquet` files are read here (`trainer.data.formats`: for JSON Lines
+the standard library's parser costs a quarter of the CPU time `datasets`' streaming reader does, and a bad row is named
+by its line; Parquet through pyarrow directly); a `.json` array goes through `datasets`. `datasets` and
+`huggingface_hub` are imported only inside the functions that read those or resolve a hub name, because the cache-hit
+path (compute the key, open the cache) must not pay for them.
 """
 
 from __future__ import annotations
 
 import glob
-import json
+import io
 import math
 import os
 import platform
@@ -29,6 +30,17 @@ from typing import Any, Protocol
 
 from trainer.config import DataConfig
 from trainer.data.digests import DigestMemo, fingerprint
+from trainer.data.formats import (
+    SUPPORTED,
+    FileFormat,
+    file_format,
+    first_line,
+    jsonl_texts,
+    no_field,
+    opened,
+    parquet_texts,
+    text_of,
+)
 from trainer.data.pieces import (
     SAMPLE_BY_DOCUMENT,
     Piece,
@@ -36,18 +48,15 @@ from trainer.data.pieces import (
     document_items,
     mark_ends,
     separator_of,
-    text_file_items,
+    text_items,
 )
 from trainer.errors import UserError
 
 STDLIB_SOURCE = "stdlib"
-# File suffix → the reader: "text" and "jsonl" here (a .txt as data.sample_by says), the others `datasets`' builders.
-BUILDERS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
-FIELDS_NAMED = 12  # fields listed when rows lack data.text_field
-SUPPORTED = ", ".join(BUILDERS)
 READ_BATCH_ROWS = 1024  # rows per `datasets` batch: big enough to keep Python per-row work out of the profile
 HUB_TIMEOUT_S = 10.0
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+SHARD = re.compile(r"(?P<split>[A-Za-z][\w]*)-\d+-of-\d+\.")  # a hub snapshot's file: data/train-00000-of-00004.parquet
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -111,9 +120,10 @@ def stdlib_files(root: Path) -> list[Path]:
 
 @dataclass
 class LocalCorpus:
-    """Local .txt / .jsonl / .json / .parquet files. A .txt file is read here, streaming, and cut into documents as
-    `sample_by` says; a .jsonl file here too, a row per line; the others through `datasets.load_dataset` in streaming
-    mode (the files are already on disk, so materialising them as Arrow would only copy them)."""
+    """Local files (`trainer.data.formats`). A .txt file is read here, streaming, and cut into documents as
+    `sample_by` says; a .jsonl file here too, a row per line, and a .parquet file a column batch at a time; a .json
+    array through `datasets.load_dataset` in streaming mode (the files are already on disk, so materialising them as
+    Arrow would only copy them)."""
 
     source: str
     text_field: str
@@ -131,7 +141,7 @@ class LocalCorpus:
 
     @property
     def text_files(self) -> int:
-        return sum(BUILDERS[p.suffix.lower()] == "text" for p in self.files)
+        return sum(format_of(p).reader == "text" for p in self.files)
 
     def identity(self, digests: DigestMemo) -> dict[str, Any]:
         material: dict[str, Any] = {"kind": "local", "files": len(self.files),
@@ -147,15 +157,11 @@ class LocalCorpus:
 
     def items(self) -> Iterator[str | None]:
         separator = separator_of(self.sample_by)
-        # One load_dataset call per run of files sharing a builder, so a folder may mix .txt and .jsonl in sorted order.
-        for builder, run in runs_by_builder(self.files):
-            if builder == "text":
+        # One load_dataset call per run of .json files, so a folder may mix formats in sorted order.
+        for builder, run in runs_by_reader(self.files):
+            if builder != "json":
                 for path in run:
-                    yield from read_text_file(path, separator)
-                continue
-            if builder == "jsonl":
-                for path in run:
-                    yield from document_items(jsonl_texts(path, self.text_field))
+                    yield from self.file_items(path, format_of(path), separator)
                 continue
             import datasets
 
@@ -170,55 +176,44 @@ class LocalCorpus:
                 raise UserError(f"cannot read {self.source} as {builder} ({type(e).__name__}: "
                                 f"{first_line(e)}); check the files are valid {builder} data") from None
 
+    def file_items(self, path: Path, form: FileFormat, separator: re.Pattern[str] | None) -> Iterator[str | None]:
+        if form.reader == "text":
+            yield from read_text_file(path, form.compression, separator)
+        elif form.reader == "jsonl":
+            yield from document_items(jsonl_texts(path, form.compression, self.text_field))
+        else:
+            yield from document_items(parquet_texts(path, self.text_field))
+
     def size_hint(self) -> int | None:
         one_document_per_file = self.sample_by == SAMPLE_BY_DOCUMENT and self.text_files == len(self.files)
         return len(self.files) if one_document_per_file else None
 
 
-def read_text_file(path: Path, separator: re.Pattern[str] | None) -> Iterator[str | None]:
+def read_text_file(path: Path, compression: str | None,
+                   separator: re.Pattern[str] | None) -> Iterator[str | None]:
     try:
-        yield from text_file_items(path, separator)
+        with opened(path, compression, []) as stream:
+            yield from text_items(io.TextIOWrapper(stream, encoding="utf-8"), separator)
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
 
 
-def jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
-    """The non-empty `text_field` strings of a JSON Lines file, one row in memory at a time. A row without the field
-    is an error (a misspelt data.text_field shows on the first row, not as an empty corpus); a null value is no text."""
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            if line.isspace():
-                continue
-            where = f"{path}, line {number}"
-            try:
-                row = json.loads(line.rstrip(b"\r\n"))
-            except UnicodeDecodeError as e:
-                raise UserError(f"{where} is not UTF-8 text (byte {e.start}: {e.reason}); convert the file to "
-                                f"UTF-8") from None
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}, column {e.pos + 1}: not valid JSON ({e.msg}); each line of a .jsonl file "
-                                f"must be one JSON object") from None
-            except RecursionError:
-                raise UserError(f"{where} is nested too deeply to parse; each line of a .jsonl file must be one JSON "
-                                f"object") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{where} holds a JSON {type(row).__name__}, not an object; each line of a .jsonl "
-                                f"file must be one JSON object with a '{text_field}' field")
-            if text_field not in row:
-                raise no_field(text_field, row, where)
-            if text := text_of(row[text_field], text_field, where):
-                yield text
+def format_of(path: Path) -> FileFormat:
+    form = file_format(path)
+    if form is None:
+        raise UserError(f"data.source file {path} is not one of {SUPPORTED}; convert it or pick other files")
+    return form
 
 
-def runs_by_builder(files: list[Path]) -> Iterator[tuple[str, list[Path]]]:
+def runs_by_reader(files: list[Path]) -> Iterator[tuple[str, list[Path]]]:
     run: list[Path] = []
     for path in files:
-        if run and BUILDERS[path.suffix.lower()] != BUILDERS[run[-1].suffix.lower()]:
-            yield BUILDERS[run[-1].suffix.lower()], run
+        if run and format_of(path).reader != format_of(run[-1]).reader:
+            yield format_of(run[-1]).reader, run
             run = []
         run.append(path)
     if run:
-        yield BUILDERS[run[-1].suffix.lower()], run
+        yield format_of(run[-1]).reader, run
 
 
 @dataclass
@@ -297,26 +292,6 @@ def texts(dataset: Any, text_field: str, origin: str) -> Iterator[str]:
                 yield text
 
 
-def no_field(text_field: str, fields: Iterable[str], where: str) -> UserError:
-    names = list(fields)
-    listed = ", ".join(names[:FIELDS_NAMED]) + (", ..." if len(names) > FIELDS_NAMED else "")
-    return UserError(f"{where} has no field '{text_field}' (fields: {listed or 'none'}); set data.text_field to the "
-                     f"one that holds the text")
-
-
-def text_of(value: object, text_field: str, where: str) -> str | None:
-    """A row's text; None (no document) for a null or empty value. Any other type means the field is not the text."""
-    if value is None or isinstance(value, str):
-        return value or None
-    raise UserError(f"{where}: field '{text_field}' holds a {type(value).__name__}, not text; set data.text_field to "
-                    f"a text field")
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Choosing the corpus from data.source
 
@@ -326,14 +301,14 @@ def open_corpus(data: DataConfig) -> Corpus:
     source = data.source.strip()
     if source == STDLIB_SOURCE:
         return StdlibCorpus()
-    files, root = local_files(source)
+    files, root = local_files(source, data.split)
     if files is not None:
         return LocalCorpus(source=source, text_field=data.text_field, files=files, root=root, sample_by=data.sample_by)
     return HubCorpus(name=source, config=data.hub_config, split=data.split, revision=data.revision,
                      streaming=data.streaming, text_field=data.text_field)
 
 
-def local_files(source: str) -> tuple[list[Path] | None, Path]:
+def local_files(source: str, split: str) -> tuple[list[Path] | None, Path]:
     """The files a local source names, sorted; (None, ...) when it can only be a hub name."""
     path = Path(source).expanduser()
     if glob.has_magic(source):
@@ -341,16 +316,16 @@ def local_files(source: str) -> tuple[list[Path] | None, Path]:
         if not matches:
             raise UserError(f"data.source glob '{source}' matches no files")
         for p in matches:
-            check_suffix(p)
+            format_of(p)
         return matches, common_root(matches)
     if path.is_dir():
-        found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS
+        found = sorted(p for p in path.rglob("*") if p.is_file() and file_format(p) is not None
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not found:
             raise UserError(f"data.source folder {source} holds no {SUPPORTED} files")
-        return found, path
+        return split_shards(found, split, source), path
     if path.is_file():
-        check_suffix(path)
+        format_of(path)
         return [path], path.parent
     if looks_like_path(source):
         raise UserError(f"data.source {source} does not exist; give an existing file, folder or glob of {SUPPORTED}, "
@@ -358,14 +333,21 @@ def local_files(source: str) -> tuple[list[Path] | None, Path]:
     return None, path
 
 
-def check_suffix(path: Path) -> None:
-    if path.suffix.lower() not in BUILDERS:
-        raise UserError(f"data.source file {path} is not one of {SUPPORTED}; convert it or pick other files")
+def split_shards(files: list[Path], split: str, source: str) -> list[Path]:
+    """A folder laid out as a hub snapshot names its shards by split (`data/train-00000-of-00004.parquet`,
+    `validation-00000-of-00001.parquet`): where several splits are there, data.split picks its own."""
+    splits = {m["split"] for p in files if (m := SHARD.match(p.name))}
+    if len(splits) < 2:
+        return files
+    if split not in splits:
+        raise UserError(f"data.source folder {source} holds the splits {', '.join(sorted(splits))}; set data.split "
+                        f"to one of them")
+    return [p for p in files if (m := SHARD.match(p.name)) and m["split"] == split]
 
 
 def looks_like_path(source: str) -> bool:
     """A string that cannot be a hub id (`name` or `owner/name`) is meant as a path."""
-    return (source.startswith(("/", ".", "~")) or Path(source).suffix.lower() in BUILDERS
+    return (source.startswith(("/", ".", "~")) or file_format(Path(source)) is not None
             or HUB_ID.fullmatch(source) is None)
 
 

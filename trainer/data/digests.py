@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HASH_CHUNK = 1 << 20
 MEMO_FILE = ".file-digests.json"
@@ -35,6 +36,15 @@ def file_digest(path: Path, digest_size: int = 32) -> str:
         while chunk := f.read(HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def digest(value: Any) -> str:
+    """The key of a JSON-able description (a cache's key material, a mixture): blake2b of its canonical JSON."""
+    return hashlib.blake2b(canonical_json(value).encode(), digest_size=16).hexdigest()
 
 
 def fingerprint(files: Iterable[Path], root: Path, digest: Callable[[Path], str] = file_digest) -> str:

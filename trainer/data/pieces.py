@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 PIECE_CHARS = 1 << 14  # a piece ends at the first safe place after this many characters...
 MAX_PIECE_CHARS = 1 << 16  # ...or here, when there is none
@@ -87,36 +88,41 @@ def document_items(documents: Iterable[str]) -> Iterator[str | None]:
 
 
 def text_file_items(path: Path, separator: re.Pattern[str] | None) -> Iterator[str | None]:
-    """A .txt file → its documents' pieces and DOCUMENT_END marks, reading `READ_CHARS` at a time: never more than a
-    chunk and a carried-over document tail in memory, whatever the file or document size. Universal newlines, as
-    `datasets` reads text."""
-    carried, continuing = "", False  # continuing: pieces of the carried-over document were yielded already
+    """A .txt file → its documents' pieces and DOCUMENT_END marks (`text_items`). Universal newlines, as `datasets`
+    reads text."""
     with open(path, encoding="utf-8") as f:
-        while True:
-            chunk = f.read(READ_CHARS)
-            text = carried + chunk
-            if separator is None:
-                documents, rest = ([text], "") if not chunk else ([], text)
-            else:
-                # Trailing whitespace waits for the next chunk: a blank-line separator may continue there.
-                head = len(text) if not chunk else len(text.rstrip())
-                *documents, rest = separator.split(text[:head])
-                rest += text[head:]
-                if not chunk:
-                    documents.append(rest)
-                    rest = ""
-            for document in documents:  # the first one may continue pieces yielded from the previous chunk
-                if continuing or not document.isspace():
-                    yield from split_text(document)
-                    yield DOCUMENT_END
-                continuing = False
-            taken = 0
-            for end in cut_positions(rest, final=False):
-                yield rest[taken:end]
-                taken = end
-            carried, continuing = rest[taken:], continuing or taken > 0
+        yield from text_items(f, separator)
+
+
+def text_items(f: TextIO, separator: re.Pattern[str] | None) -> Iterator[str | None]:
+    """Text read from `f` → its documents' pieces and DOCUMENT_END marks, reading `READ_CHARS` at a time: never more
+    than a chunk and a carried-over document tail in memory, whatever the file or document size."""
+    carried, continuing = "", False  # continuing: pieces of the carried-over document were yielded already
+    while True:
+        chunk = f.read(READ_CHARS)
+        text = carried + chunk
+        if separator is None:
+            documents, rest = ([text], "") if not chunk else ([], text)
+        else:
+            # Trailing whitespace waits for the next chunk: a blank-line separator may continue there.
+            head = len(text) if not chunk else len(text.rstrip())
+            *documents, rest = separator.split(text[:head])
+            rest += text[head:]
             if not chunk:
-                return
+                documents.append(rest)
+                rest = ""
+        for document in documents:  # the first one may continue pieces yielded from the previous chunk
+            if continuing or not document.isspace():
+                yield from split_text(document)
+                yield DOCUMENT_END
+            continuing = False
+        taken = 0
+        for end in cut_positions(rest, final=False):
+            yield rest[taken:end]
+            taken = end
+        carried, continuing = rest[taken:], continuing or taken > 0
+        if not chunk:
+            return
 
 
 def mark_ends(items: Iterable[str | None]) -> Iterator[Piece]:

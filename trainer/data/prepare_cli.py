@@ -11,12 +11,14 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from trainer.config import Config
 from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.data.cache import CacheInfo, TokenCache, cache_root, prepare
 from trainer.data.cache_folder import CacheEntry, list_caches, remove_cache
+from trainer.data.mixture import MIXTURES_DIR, read_mixture
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 
@@ -61,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
             info = prepare(cfg, force=args.force, show_progress=False if args.quiet else None, rehash=args.verify)
             print_info(info, cfg, time.perf_counter() - started)
             if args.verify:
-                cache = TokenCache.open(info.path)
-                cache.verify()
-                print(f"verify:     ok ({len(cache.manifest['files'])} files match their blake2b checksums; the "
-                      f"source files were read by content)")
+                caches = [TokenCache.open(source.path) for source in info.sources or [info]]
+                for cache in caches:
+                    cache.verify()
+                print(f"verify:     ok ({sum(len(c.manifest['files']) for c in caches)} files of {len(caches)} "
+                      f"cache{'s' * (len(caches) > 1)} match their blake2b checksums; the source files were read by "
+                      f"content)")
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -75,10 +79,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_info(info: CacheInfo, cfg: Config, wall: float) -> None:
+    """What was built or found: the cache, or the mixture and each of its sources' caches."""
+    status = f"built in {wall:.2f} s" if info.built else f"hit in {wall:.2f} s (no tokenizing)"
+    if not info.sources:
+        print_cache(info, status, "")
+        return
+    assert cfg.data.mixture is not None
+    print(f"{'mixture:':<11} {info.key} ({len(info.sources)} sources)\n{'path:':<11} {info.path}\n"
+          f"{'status:':<11} {status}")
+    for (name, weight), source in zip(cfg.data.mixture.items(), info.sources):
+        print(f"source {name} (weight {weight:g}):")
+        print_cache(source, "built" if source.built else "hit", "    ")
+
+
+def print_cache(info: CacheInfo, status: str, indent: str) -> None:
     manifest = TokenCache.open(info.path).manifest
     train, val = manifest["train"], manifest["val"]
     rate = (info.tokens + info.val_tokens) / info.build_seconds if info.build_seconds > 0 else 0.0
-    status = f"built in {wall:.2f} s" if info.built else f"hit in {wall:.2f} s (no tokenizing)"
     train_seconds = manifest["tokenizer"].get("train_seconds", 0.0)
     lines = [
         ("key", info.key),
@@ -95,7 +112,7 @@ def print_info(info: CacheInfo, cfg: Config, wall: float) -> None:
         ("peak RSS", f"{info.peak_rss_bytes / 1e9:.2f} GB" + ("" if info.built else " (when built)")),
     ]
     for label, value in lines:
-        print(f"{label + ':':<11} {value}")
+        print(f"{indent}{label + ':':<11} {value}")
 
 
 def human_bytes(n: float) -> str:
@@ -125,6 +142,19 @@ def material_lines(entry: CacheEntry) -> list[str]:
             "settings:  " + ", ".join(f"{k} {v}" for k, v in sorted(material.items()))]
 
 
+def print_mixtures(root: Path) -> None:
+    """The mixtures prepared in `root`: each source with its weight and the key of its cache (listed below)."""
+    for path in sorted((root / MIXTURES_DIR).glob("*.json")):
+        try:
+            key, sources = read_mixture(path)
+        except UserError as e:
+            print(f"mixture {path.stem}  invalid: {e}")
+            continue
+        print(f"mixture {key}  {len(sources)} sources")
+        for source in sources:
+            print(f"    {source.source}  weight {source.weight:g}  cache {source.key}")
+
+
 def print_caches(cfg: Config) -> None:
     """A rich table on a terminal; plain, greppable blocks (nothing wrapped) when piped."""
     root = cache_root(cfg.data)
@@ -132,6 +162,7 @@ def print_caches(cfg: Config) -> None:
     if not entries:
         print(f"no token caches in {root}")
         return
+    print_mixtures(root)
     rows = []
     for e in entries:
         m = e.manifest or {}

@@ -1,0 +1,219 @@
+"""The file formats a local corpus may be stored in, and how each is read: streaming, in bounded memory, with errors
+that name the file and the place.
+
+A file's format is its name's ending: `.txt`, `.jsonl` and `.parquet` are read here, `.json` (a JSON array, or JSON
+Lines) through `datasets`. `.txt`, `.jsonl` and `.json` may be compressed as distributed corpora ship them: `.gz`,
+`.zst`, `.bz2`, `.xz` (The Pile, SlimPajama, RedPajama: `.jsonl.zst`; Dolma: JSON Lines as `.json.gz`, so a compressed
+`.json` is read as JSON Lines). A compressed file is decompressed as it is read, never onto disk, and gives the rows,
+errors and line numbers its uncompressed form would; a damaged stream (truncated, a bad checksum, bytes that do not
+decode) is one error naming the file, the compressed byte offset reached and the line.
+
+Parquet is read with pyarrow directly (`ParquetFile.iter_batches`, the text column only, a row group at a time), its
+strings handed on a batch at a time: `datasets` would first convert every batch to Python rows and dicts of its own.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import json
+import lzma
+import zlib
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from trainer.errors import UserError
+
+READERS = {".txt": "text", ".jsonl": "jsonl", ".json": "json", ".parquet": "parquet"}
+COMPRESSED = (".txt", ".jsonl", ".json")  # what may carry a compression suffix
+COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
+SUPPORTED = ", ".join(READERS) + f" (the first three also {'/'.join(COMPRESSIONS)}-compressed)"
+FIELDS_NAMED = 12  # fields listed when rows lack data.text_field
+STREAM_BUFFER = 1 << 20  # bytes of decompressed text buffered per read
+ZSTD_READ = 1 << 17  # compressed bytes per zstd decompression call
+PARQUET_BATCH_ROWS = 1024  # rows per Arrow batch: the per-batch overhead vanishes, memory stays a few MB
+
+
+@dataclass(frozen=True)
+class FileFormat:
+    """How one file is read: `reader` text | jsonl | json | parquet, and its compression suffix (or None)."""
+
+    reader: str
+    compression: str | None = None
+
+
+def file_format(path: Path) -> FileFormat | None:
+    """The format a file name says, or None for a file that is no corpus (a README, a .csv)."""
+    name = path.name.lower()
+    for compression in COMPRESSIONS:
+        if name.endswith(compression):
+            inner = name[:-len(compression)]
+            ending = next((e for e in COMPRESSED if inner.endswith(e)), None)
+            if ending is None:
+                return None
+            return FileFormat("text" if ending == ".txt" else "jsonl", compression)  # .json.gz: JSON Lines (Dolma)
+    ending = next((e for e in READERS if name.endswith(e)), None)
+    return FileFormat(READERS[ending]) if ending else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decompressing as the file is read
+
+
+class ZstdReader(io.RawIOBase):
+    """The decompressed bytes of a `.zst` file, frame after frame. `zstandard`'s own stream reader returns a short
+    stream without a word when a file is cut inside a frame; this one says so (`EOFError`), like gzip, bz2 and lzma."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        import zstandard
+
+        self.raw = raw
+        self.context = zstandard.ZstdDecompressor()
+        self.frame = self.context.decompressobj()
+        self.pending = b""
+        self.started = False  # the current frame has received input
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.pending:
+            chunk = self.raw.read(ZSTD_READ)
+            if not chunk:
+                if self.started and not self.frame.eof:
+                    raise EOFError("the compressed stream ends inside a zstd frame (the file is truncated)")
+                return 0
+            self.feed(chunk)
+        size = min(len(buffer), len(self.pending))
+        buffer[:size] = self.pending[:size]
+        self.pending = self.pending[size:]
+        return size
+
+    def feed(self, chunk: bytes) -> None:
+        while chunk:
+            if self.frame.eof:  # the next frame of a multi-frame file (zstd -T, pzstd, concatenated files)
+                self.frame = self.context.decompressobj()
+            self.started = True
+            self.pending += self.frame.decompress(chunk)
+            chunk = self.frame.unused_data if self.frame.eof else b""
+
+
+def decompressing(raw: IO[bytes], compression: str | None) -> IO[bytes]:
+    """A buffered binary stream of the file's content, decompressed on the fly."""
+    if compression is None:
+        return raw
+    if compression == ".zst":
+        return io.BufferedReader(ZstdReader(raw), STREAM_BUFFER)
+    module = {".gz": gzip, ".bz2": bz2, ".xz": lzma}[compression]
+    return io.BufferedReader(module.open(raw, "rb"), STREAM_BUFFER)  # type: ignore[attr-defined]
+
+
+def stream_errors() -> tuple[type[BaseException], ...]:
+    """What a damaged compressed stream raises, whichever the compression."""
+    import zstandard
+
+    return OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError
+
+
+@contextmanager
+def opened(path: Path, compression: str | None, where: list[int]) -> Iterator[IO[bytes]]:
+    """The file's content as a binary stream; a damaged compressed stream becomes one `UserError` naming the file, the
+    compressed byte offset reached and `where[0]`, the line the caller had reached (updated by the caller)."""
+    with open(path, "rb") as raw:
+        try:
+            with decompressing(raw, compression) as stream:
+                yield stream
+        except stream_errors() as e:
+            if compression is None:
+                raise
+            line = f", after line {where[0]:,}" if where and where[0] else ""
+            raise UserError(f"{path} is damaged at byte {raw.tell():,} of {path.stat().st_size:,}{line} "
+                            f"({type(e).__name__}: {e}); re-download or recompress it") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# JSON Lines
+
+
+def jsonl_texts(path: Path, compression: str | None, text_field: str) -> Iterator[str]:
+    """The non-empty `text_field` strings of a JSON Lines file, one row in memory at a time. A row without the field
+    is an error (a misspelt data.text_field shows on the first row, not as an empty corpus); a null value is no text."""
+    reached = [0]
+    with opened(path, compression, reached) as stream:
+        for number, line in enumerate(stream, 1):
+            reached[0] = number
+            if line.isspace():
+                continue
+            if text := jsonl_row_text(line, text_field, f"{path}, line {number}"):
+                yield text
+
+
+def jsonl_row_text(line: bytes, text_field: str, where: str) -> str | None:
+    try:
+        row = json.loads(line.rstrip(b"\r\n"))
+    except UnicodeDecodeError as e:
+        raise UserError(f"{where} is not UTF-8 text (byte {e.start}: {e.reason}); convert the file to UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}, column {e.pos + 1}: not valid JSON ({e.msg}); each line of a .jsonl file must be "
+                        f"one JSON object") from None
+    except RecursionError:
+        raise UserError(f"{where} is nested too deeply to parse; each line of a .jsonl file must be one JSON "
+                        f"object") from None
+    if not isinstance(row, dict):
+        raise UserError(f"{where} holds a JSON {type(row).__name__}, not an object; each line of a .jsonl file must "
+                        f"be one JSON object with a '{text_field}' field")
+    if text_field not in row:
+        raise no_field(text_field, row, where)
+    return text_of(row[text_field], text_field, where)
+
+
+def no_field(text_field: str, fields: Iterable[str], where: str) -> UserError:
+    names = list(fields)
+    listed = ", ".join(names[:FIELDS_NAMED]) + (", ..." if len(names) > FIELDS_NAMED else "")
+    return UserError(f"{where} has no field '{text_field}' (fields: {listed or 'none'}); set data.text_field to the "
+                     f"one that holds the text")
+
+
+def text_of(value: object, text_field: str, where: str) -> str | None:
+    """A row's text; None (no document) for a null or empty value. Any other type means the field is not the text."""
+    if value is None or isinstance(value, str):
+        return value or None
+    raise UserError(f"{where}: field '{text_field}' holds a {type(value).__name__}, not text; set data.text_field to "
+                    f"a text field")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parquet
+
+
+def parquet_texts(path: Path, text_field: str) -> Iterator[str]:
+    """The non-empty strings of one column of a Parquet file, read with pyarrow a batch at a time (only that column
+    is read from disk): no row dicts, no `datasets` conversion; the strings are made once, for the tokenizer."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+        names = parquet.schema_arrow.names
+        if text_field not in names:
+            raise no_field(text_field, names, str(path))
+        kind = parquet.schema_arrow.field(text_field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+            raise UserError(f"{path}: column '{text_field}' holds {kind}, not text; set data.text_field to a text "
+                            f"column")
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field], use_threads=False):
+            column = batch.column(0)
+            yield from pc.filter(column, pc.greater(pc.binary_length(column), 0)).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"cannot read {path} as Parquet ({type(e).__name__}: {first_line(e)}); check the file is "
+                        f"complete, valid Parquet") from None
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
