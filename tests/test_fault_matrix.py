@@ -342,7 +342,7 @@ def test_a_full_checkpoint_disk_is_named_and_the_earlier_checkpoints_stay(tmp_pa
                                                                           token_cache_dir: Path) -> None:
     with small_disk(tmp_path / "ckpt", "8m") as ckpt:
         def fill_after_the_first_checkpoint(proc: subprocess.Popen[bytes], log: Path) -> None:
-            wait_for(re.compile(r"checkpoint saved: \S+step_000002$", re.M), log, proc, RUN_TIMEOUT)
+            wait_for(re.compile(r"checkpoint saved: \S+step_000002 ", re.M), log, proc, RUN_TIMEOUT)
             fill(ckpt)
 
         run = run_supervisor(machine_flags(tmp_path, token_cache_dir, debug=SLOW), tmp_path, "run.txt", clean_env(),

@@ -204,7 +204,7 @@ for step in range(3):
     faults.before_step(step)
     train_once(state, step)
     store.save(layout.step_path(root, step + 1), state, make_meta(state, step + 1), ctx,
-                    before_publish=lambda: faults.during_checkpoint(step))
+               fault=lambda phase: faults.during_checkpoint(step, phase))
     print(f"saved step_{{step + 1}}", flush=True)
 """
 

@@ -10,10 +10,12 @@ Per optimizer step (the order the NaN guard relies on; `step` counts from 0, lik
     guard.step_optimizer(...); scheduler.step(); zero_grad; guard.after_step(...)
     at log steps only: host reads for the log line, the averaged loss, tokens/s, MFU, guard.on_log lines
     every step: the stop flag all-reduced on the CPU control group, overlapped with the step (SIGTERM → checkpoint →
-    exit 0 everywhere)
+    exit 0 everywhere); a checkpoint written in the background that failed on this rank alone ends it here
 
 A checkpoint named step_<n> holds the state after n completed steps; resuming from it runs step index n next.
-Its save calls faults.during_checkpoint(n - 1) between writing and publishing (debug.inject_fault_during=checkpoint).
+Its save calls faults.during_checkpoint(n - 1, phase) at each phase (debug.inject_fault_during). Training blocks only
+while it is staged; it is written in the background (checkpoint.async_save), and a stop or the end of the run waits
+for the write in flight before the rank exits.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if self.precision.name == "fp16" else None
         self.checkpoints = Checkpointer(cfg, ctx, store.TrainState(self.module, self.optimizer, self.scheduler,
                                                                    self.scaler), self.data, self.log, progress,
-                                        before_publish=self.faults.during_checkpoint)
+                                        fault=self.faults.during_checkpoint)
         self.guard = NanGuard(self.module, cfg, rank=ctx.rank, world_size=ctx.world_size, gpu_id=ctx.gpu_id,
                               device=self.device, run_dir=run_dir, checkpoint_dir=self.checkpoints.root)
 
@@ -291,7 +293,8 @@ class Trainer:
                                                   "parameters": self.parameters,
                                                   "tokens_per_step": self.tokens_per_step},
                                    tensorboard=self.cfg.logging.tensorboard, plot=self.cfg.logging.plot,
-                                   wandb_run=start_wandb(self.cfg, self.run_dir) if self.cfg.logging.wandb else None)
+                                   wandb_run=start_wandb(self.cfg, self.run_dir) if self.cfg.logging.wandb else None,
+                                   checkpoints=self.checkpoints.saved, resume_load_s=self.checkpoints.load_s)
             self.history.continue_from(self.completed)
         status = "failed"
         try:
@@ -326,9 +329,11 @@ class Trainer:
             if self.iteration(step, vote, eta, throughput):
                 self.log.info(f"[GPU {self.ctx.gpu_id}] stopping after step {step}: a stop was requested (SIGTERM)")
                 self.checkpoints.save(self.completed)
+                self.checkpoints.finish()
                 self.progress.phase("stopped")
                 return "stopped"
         self.checkpoints.save(self.completed)
+        self.checkpoints.finish()
         if cfg.checkpoint.save_final:
             self.checkpoints.save_final()
         self.progress.done(self.completed, self.total)
@@ -354,6 +359,7 @@ class Trainer:
             self.progress.step(self.completed, self.total, eta_s=eta_s, **self.step_times())
         if cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last:
             self.checkpoints.save(self.completed)
+        self.checkpoints.poll()
         return vote.result() and not last
 
     def step_times(self) -> dict[str, float | None]:

@@ -148,12 +148,18 @@ class StepRecord:
 
 class History:
     """Rank 0's record of the run: `training_history.json`, an optional `training_history.png`, optional TensorBoard
-    scalars and the same scalars to an optional W&B run (`trainer.wandb_run.start_wandb`)."""
+    scalars and the same scalars to an optional W&B run (`trainer.wandb_run.start_wandb`).
+
+    `checkpoints`: the checkpoint writer's records (dataclasses: step, size, how long training was blocked, how long
+    the write took), a list it appends to as each save is published, kept in the JSON under "checkpoints";
+    `resume_load_s`: how long loading the checkpoint resumed from took, in the JSON's "run" (a resumed run only)."""
 
     def __init__(self, run_dir: Path, run_info: dict[str, Any], tensorboard: bool = False, plot: bool = True,
-                 wandb_run: Any = None) -> None:
+                 wandb_run: Any = None, checkpoints: list[Any] | None = None,
+                 resume_load_s: float | None = None) -> None:
         self.run_dir = run_dir
-        self.run_info = run_info
+        self.run_info = run_info if resume_load_s is None else {**run_info, "resume_load_s": resume_load_s}
+        self.checkpoints = [] if checkpoints is None else checkpoints
         self.writes_plot = plot
         self.records: list[StepRecord] = []
         self.wandb_run = wandb_run
@@ -189,7 +195,8 @@ class History:
         cannot be written (a full disk) is a warning: the run's result is its checkpoints and final model, and a
         finished run does not fail for want of its history."""
         self.status = status
-        data = {"run": {**self.run_info, "status": status}, "steps": [asdict(r) for r in self.records]}
+        data = {"run": {**self.run_info, "status": status}, "steps": [asdict(r) for r in self.records],
+                "checkpoints": [asdict(r) for r in list(self.checkpoints)]}
         tmp = self.run_dir / (HISTORY_JSON + ".tmp")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)

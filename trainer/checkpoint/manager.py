@@ -1,41 +1,87 @@
 """The rank's checkpoints behind one narrow interface, as the training loop uses them: resume at the start, save at
 a step (an interval, a stop, the end), a checkpoint where the NaN guard asks for one, the final model.
 
-What a save writes and a load reads is `store`; names on disk and which checkpoint `--resume` means is `layout`. This
-class holds what lies between them over a run: the step last saved (a stop right after an interval save writes
-nothing again), a finished earlier run's checkpoints in the same folder (replaced by this run's first save), and
-pruning to `checkpoint.keep`.
+What a save writes and a load reads is `store`; names on disk and which checkpoint `--resume` means is `layout`;
+the write in the background is `background`. This class holds what lies between them over a run: the step last
+saved (a stop right after an interval save writes nothing again), the save still being written (at most one: the
+next save, a stop and the end of the run wait for it), a finished earlier run's checkpoints in the same folder
+(replaced by this run's first save), pruning to `checkpoint.keep` (after a save is published, so the latest complete
+checkpoint is never removed for one still being written), and the time each save cost (`SaveRecord`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import psutil
 
 from trainer.checkpoint import layout, store
+from trainer.checkpoint.background import BackgroundWrite, make_stager
+from trainer.checkpoint.layout import SHARDED
 from trainer.config import Config
-from trainer.model.distributed import DistContext, broadcast_object
+from trainer.model.distributed import DistContext, agree_any, broadcast_object
 from trainer.progress import ProgressReporter
 
 if TYPE_CHECKING:  # the type alone: the cache module imports tokenizers and numpy
     from trainer.data.training_data import TrainingData
 
+STAGING_SHARE = 0.5  # checkpoint.async_save=auto stages only when the copy takes at most this share of free memory
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class SaveRecord:
+    """What one published checkpoint cost (rank 0's view; `training_history.json` keeps them)."""
+
+    step: int
+    path: str
+    bytes: int  # the published folder's files, every rank's shards included
+    blocked_s: float  # the training thread stopped: waiting for the previous save, staging (and writing, when not
+    #                   in the background)
+    write_s: float  # the write: shards, state.pt, the agreement between ranks, the rename
+    waited_s: float  # of blocked_s, waiting for the previous save to finish writing
+    background: bool
+
+    def line(self) -> str:
+        waited = f", {self.waited_s:.1f} s of it waiting for the previous save" if self.waited_s >= 0.05 else ""
+        return (f"checkpoint saved: {self.path} ({human_bytes(self.bytes)}; training blocked {self.blocked_s:.2f} s"
+                f"{waited}, written in {self.write_s:.2f} s{' in the background' if self.background else ''})")
+
+
+def folder_bytes(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
 
 class Checkpointer:
-    """Every rank holds one and calls each method together (saves and loads are collective when sharded)."""
+    """Every rank holds one and calls each method together (saves and loads are collective)."""
 
     def __init__(self, cfg: Config, ctx: DistContext, state: store.TrainState, cache: TrainingData,
                  log: logging.Logger, progress: ProgressReporter,
-                 before_publish: Callable[[int], None] = lambda step: None) -> None:
-        """`before_publish(step)`: called between writing a checkpoint and publishing it, with the step it follows
-        (the fault injector's `debug.inject_fault_during=checkpoint`)."""
+                 fault: Callable[[int, str], None] = lambda step, phase: None) -> None:
+        """`fault(step, phase)`: called as a save reaches each phase (`staging`, `checkpoint`: written, `publishing`),
+        with the step it follows (the fault injector's `debug.inject_fault_during`)."""
         self.cfg, self.ctx, self.state, self.cache, self.log, self.progress = cfg, ctx, state, cache, log, progress
-        self.before_publish = before_publish
+        self.fault = fault
         self.root = Path(cfg.checkpoint.dir)
         self.last_saved: int | None = None
         self.superseded: list[Path] = []  # a finished earlier run's checkpoints, removed at this run's first save
+        self.background: bool | None = None  # checkpoint.async_save as decided at the first save
+        self.stager: Any = None  # DCP's stager (its host buffers) while saves are written in the background
+        self.in_flight: BackgroundWrite | None = None
+        self.saved: list[SaveRecord] = []  # appended by the writer as each save is published (rank 0)
+        self.load_s: float | None = None  # how long the resume's load took
 
     def meta(self, step: int) -> store.CheckpointMeta:
         return store.CheckpointMeta(
@@ -60,11 +106,13 @@ class Checkpointer:
                               f"starts from step 0, and its first checkpoint replaces those (to extend that run "
                               f"instead: --resume auto with a larger --max-steps)")
             return 0
+        started = time.perf_counter()
         meta = store.load(path, self.state, self.ctx, self.cache.key)
+        self.load_s = time.perf_counter() - started
         if path.resolve() == layout.step_path(self.root, meta.step).resolve():
             self.last_saved = meta.step  # already on disk where this run saves: no need to write it again
         if self.ctx.is_main:
-            self.log.info(f"resumed from {path} at step {meta.step}")
+            self.log.info(f"resumed from {path} at step {meta.step} (loaded in {self.load_s:.1f} s)")
             here = store.data_position(self.cfg, self.ctx.world_size)
             if store.sample_order(meta.data) != store.sample_order(here):
                 self.log.warning(f"the data settings changed since {path} ({meta.data}); "
@@ -75,25 +123,105 @@ class Checkpointer:
                               f"{self.cfg.training.grad_accum_nums}: the same global batch, the same batches")
         return meta.step
 
+    # -- saving ------------------------------------------------------------------------------------------------------
+
     def save(self, step: int) -> Path | None:
-        """The checkpoint after `step` completed steps, unless it is on disk already; prunes to `checkpoint.keep`."""
+        """The checkpoint after `step` completed steps, unless it is on disk already. Training blocks while the save
+        before it finishes writing, if it has not, and while this one is staged; the write goes on in the background
+        (checkpoint.async_save) and is published once every rank's files are written."""
         if self.last_saved == step:
             return None
         self.progress.phase("checkpoint")  # a large save may take minutes: the start-up allowance, not the step's
-        path = store.save(layout.step_path(self.root, step), self.state, self.meta(step), self.ctx,
-                          before_publish=lambda: self.before_publish(step - 1))
-        if self.ctx.is_main:
-            for old in self.superseded:
-                if old.name != path.name:  # one of the same name was just replaced by this run's
-                    store.remove(old)
-            self.superseded = []
-            store.prune(self.root, self.cfg.checkpoint.keep)
-            self.log.info(f"checkpoint saved: {path}")
+        started = time.perf_counter()
+        waited = self.wait()
+        background = self.writes_in_background()
+        path = layout.step_path(self.root, step)
+
+        def fault(phase: str) -> None:
+            self.fault(step - 1, phase)
+
+        staged = store.stage(path, self.state, self.meta(step), self.ctx,
+                             copy=self.stager.stage if background else None, fault=fault)
+        record = SaveRecord(step, str(path), 0, time.perf_counter() - started, 0.0, waited, background)
+        if background:
+            self.in_flight = BackgroundWrite(path.name, lambda: self.write(staged, record, fault))
+        else:
+            self.write(staged, record, fault)
         self.last_saved = step
         return path
 
+    def write(self, staged: store.Staged, record: SaveRecord, fault: store.Fault) -> None:
+        """Write, publish and prune (on the writer thread when in the background, over the writer group)."""
+        started = time.perf_counter()
+        store.write(staged, self.ctx, self.ctx.writer if record.background else None, fault)
+        record.write_s = time.perf_counter() - started
+        if not record.background:
+            record.blocked_s += record.write_s
+        if not self.ctx.is_main:
+            return
+        for old in self.superseded:
+            if old.name != staged.path.name:  # one of the same name was just replaced by this run's
+                store.remove(old)
+        self.superseded = []
+        store.prune(self.root, self.cfg.checkpoint.keep)
+        record.bytes = folder_bytes(staged.path)
+        self.saved.append(record)
+        self.log.info(record.line())
+
+    def writes_in_background(self) -> bool:
+        """checkpoint.async_save, decided at the first save, alike on every rank (each rank's writer joins the same
+        collectives): `auto` stages only where this host's copies (rank 0's full state, or every local rank's
+        shards) fit in half of the memory free now."""
+        if self.background is not None:
+            return self.background
+        setting = self.cfg.checkpoint.async_save
+        sharded = self.state.format == SHARDED
+        need = 0
+        if sharded or self.ctx.is_main:
+            need = store.tensor_bytes(self.state.model.state_dict()) + \
+                store.tensor_bytes(self.state.optimizer.state_dict())
+            need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if sharded else 1
+        free = psutil.virtual_memory().available
+        too_large = agree_any(setting == "auto" and need > free * STAGING_SHARE, self.ctx)
+        self.background = setting is True or (setting == "auto" and not too_large)
+        if self.background:
+            self.stager = make_stager(self.ctx.device)
+        if self.ctx.is_main:
+            if self.background:
+                self.log.info(f"checkpoints are written in the background: each is first staged in host memory "
+                              f"({human_bytes(need)} on this host, kept for the run; checkpoint.async_save)")
+            elif too_large:
+                self.log.info(f"checkpoints are written synchronously: staging one in host memory would take "
+                              f"{human_bytes(need)} of the {human_bytes(free)} free (checkpoint.async_save=auto)")
+        return self.background
+
+    def wait(self) -> float:
+        """Wait for the save in flight, if any (collective: raises its failure on every rank alike); seconds waited,
+        said in the log when it had not finished."""
+        if self.in_flight is None:
+            return 0.0
+        in_flight, self.in_flight = self.in_flight, None
+        still_writing = not in_flight.done()
+        waited = in_flight.wait()
+        if still_writing and self.ctx.is_main:
+            self.log.info(f"checkpoint: waited {waited:.2f} s for {in_flight.name} to finish writing")
+        return waited
+
+    def poll(self) -> None:
+        """At a step boundary: raise this rank's own failure in the write in flight (see `background`)."""
+        if self.in_flight is not None:
+            self.in_flight.raise_own_failure()
+
+    def finish(self) -> None:
+        """The end of the run or a stop: wait for the write in flight, then release the staging buffers."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+            self.background = None
+
     def save_to(self, path: Path, step: int) -> None:
-        """For the NaN guard: a resumable checkpoint at the path it names (every rank calls it together)."""
+        """For the NaN guard: a resumable checkpoint at the path it names, written now (every rank calls it)."""
         store.save(path, self.state, self.meta(step), self.ctx)
 
     def save_final(self) -> None:

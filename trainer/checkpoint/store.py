@@ -10,8 +10,10 @@ Layout under `checkpoint.dir` (default `.checkpoints/`, relative to the working 
         dcp/                model and optimizer in the "sharded" format (FSDP2), via torch.distributed.checkpoint
     final/                  the trained model (safetensors) + tokenizer, loadable with AutoModelForCausalLM
 
-A checkpoint is written into `.tmp-step_<n>/`, fsynced, then renamed into place, so a process killed mid-save leaves
-the previous checkpoints intact and only a stray `.tmp-*` folder (removed by the next save). `state.pt` is loaded
+A save is staged (`stage`: the state dicts taken, copied into host memory when written in the background) and then
+written (`write`). A checkpoint is written into `.tmp-step_<n>/`, fsynced, then renamed into place once every rank's
+files are written, so a process killed mid-save leaves the previous checkpoints intact and only a stray `.tmp-*`
+folder (removed by the next save). `state.pt` is loaded
 with `weights_only=True`. In the full format a checkpoint can also be one file holding the same content (what the
 NaN guard asks for as `nan_grad_step_<n>.pt`); `--resume` accepts either. Names on disk and the choice of
 the checkpoint to resume from are in `trainer/checkpoint/layout.py` (no torch: the supervisor checks `--resume` too).
@@ -178,15 +180,20 @@ def failure_of(action: Callable[[], Any], folder: Path) -> WriteFailure | None:
     return None
 
 
-def raise_if_main_failed(failure: WriteFailure | None, ctx: DistContext, what: str, fix: str) -> None:
-    """Collective: every rank raises when rank 0 failed; otherwise the others would wait forever in their next
-    collective for a rank that has given up."""
-    failure = broadcast_object(failure, ctx)
+class WriteFailed(RuntimeError):
+    """Rank 0 failed to write for a reason other than its disk (a bug), as every rank is told."""
+
+
+def raise_if_main_failed(failure: WriteFailure | None, ctx: DistContext, what: str, fix: str,
+                         group: Any = None) -> None:
+    """Collective (over `group`, by default the control group): every rank raises when rank 0 failed; otherwise the
+    others would wait forever in their next collective for a rank that has given up."""
+    failure = broadcast_object(failure, ctx, group=group)
     if failure is None:
         return
     if failure.disk:
         raise UserError(f"cannot write {what}: {failure.message}; {fix}")
-    raise RuntimeError(f"{what} failed on rank 0: {failure.message}")
+    raise WriteFailed(f"{what} failed on rank 0: {failure.message}")
 
 
 DISK_FIX = "free space there, or set checkpoint.dir to a folder on a disk with room (earlier checkpoints are intact)"
@@ -237,50 +244,112 @@ def payload(state: TrainState, meta: CheckpointMeta, rngs: list[dict[str, Any]],
 # Save and load
 
 
-def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
-         before_publish: Callable[[], None] | None = None) -> Path:
-    """Write a checkpoint atomically; collective (every rank calls it, rank 0 writes unless sharded).
+Fault = Callable[[str], None]  # called with the phase a save reaches: staging, checkpoint (written), publishing
 
-    `path` is a folder (`step_<n>/`), or a single file when it ends in `.pt` and the format is full (the NaN guard's
-    `nan_grad_step_<n>.pt`; a sharded checkpoint is always a folder, whatever its name). `before_publish` runs on
-    every rank once the state is written to the temporary name and before `meta.json`, the fsync and the rename:
-    fault injection (`debug.inject_fault_during=checkpoint`) crashes a rank exactly there.
-    """
-    single_file = path.suffix == ".pt" and meta.format == FULL
-    tmp = path.with_name(TMP_PREFIX + path.name)
+
+def no_fault(phase: str) -> None:
+    """The fault hook of a save without fault injection."""
+
+
+@dataclass
+class Staged:
+    """One checkpoint's content taken off the live state after a step, and where it goes: all its write needs, so
+    that training may go on changing the live tensors while it is written (trainer.checkpoint.background)."""
+
+    path: Path  # the final name: a `step_<n>/` folder, or a `.pt` file in the full format
+    meta: CheckpointMeta
+    payload: dict[str, Any] | None  # state.pt's content, on rank 0 only
+    shards: dict[str, Any] | None  # the sharded format: this rank's model and optimizer shards, for DCP
+    nbytes: int  # the tensor bytes this rank holds staged
+
+    @property
+    def single_file(self) -> bool:
+        return self.path.suffix == ".pt" and self.meta.format == FULL
+
+    @property
+    def tmp(self) -> Path:
+        return self.path.with_name(TMP_PREFIX + self.path.name)
+
+
+def tensor_bytes(tree: Any) -> int:
+    """The bytes of the tensors in a nested state dict (a sharded tensor counts its local shard)."""
+    if isinstance(tree, torch.Tensor):
+        local = tree.to_local() if hasattr(tree, "to_local") else tree
+        return local.numel() * local.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0
+
+
+def stage(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
+          copy: Callable[[Any], Any] | None = None, fault: Fault = no_fault) -> Staged:
+    """The first part of a save, on the training thread (collective): gather every rank's RNG state, make the
+    temporary folder, take the state dicts, and, given `copy` (a DCP stager's `stage`), copy their tensors off the
+    live ones into host memory. Without `copy` the staged dicts are views of the live tensors: write them before the
+    next optimizer step."""
     rngs = gather_objects(rng_state(ctx.device), ctx)
+    staged = Staged(path, meta, None, None, 0)
     error = None
     if ctx.is_main:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            remove(tmp)  # what a save killed half-way left behind
-            if not single_file:
-                tmp.mkdir()
+            remove(staged.tmp)  # what a save killed half-way left behind
+            if not staged.single_file:
+                staged.tmp.mkdir()
         except OSError as e:
             error = f"cannot write checkpoints into {path.parent}: {e}"
     error = broadcast_object(error, ctx)
     if error:
         raise UserError(error)
+    fault("staging")
     if meta.format == SHARDED:
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / DCP_DIR)
+        staged.shards = {"model": model_sd, "optimizer": optim_sd}
+    if ctx.is_main:
+        staged.payload = payload(state, meta, rngs, with_weights=meta.format == FULL)
+    if copy is not None:
+        staged.shards = copy(staged.shards) if staged.shards is not None else None
+        staged.payload = copy(staged.payload) if staged.payload is not None else None
+    staged.nbytes = tensor_bytes(staged.shards) + tensor_bytes(staged.payload)
+    return staged
+
+
+def write(staged: Staged, ctx: DistContext, group: Any = None, fault: Fault = no_fault) -> None:
+    """The second part of a save (collective over `group`: the control group on the training thread, the writer
+    group in the background): DCP's shards on every rank, state.pt on rank 0, then `meta.json`, the fsync and the
+    rename, only once every rank's files are written (DCP's save returns on rank 0 after every rank's shards are).
+    `fault` fires once the state is written (`checkpoint`) and once meta.json is too (`publishing`), before the
+    rename: a rank killed there leaves an unpublished `.tmp-` folder and the previous checkpoint the latest."""
+    tmp, path = staged.tmp, staged.path
+    if staged.shards is not None:
+        dcp.save(staged.shards, checkpoint_id=tmp / DCP_DIR, process_group=group)
 
     def write_state() -> None:
-        torch.save(payload(state, meta, rngs, with_weights=meta.format == FULL), tmp if single_file else tmp / STATE_FILE)
+        torch.save(staged.payload, tmp if staged.single_file else tmp / STATE_FILE)
 
-    def seal() -> None:  # meta.json last, then flush and rename: only a complete checkpoint ever has its final name
-        if not single_file:
-            (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n")
-        publish(tmp, path)
+    def write_meta() -> None:  # meta.json last: only a complete checkpoint ever has one
+        if not staged.single_file:
+            (tmp / META_FILE).write_text(json.dumps(asdict(staged.meta), indent=1) + "\n")
 
     failure = failure_of(write_state, path.parent) if ctx.is_main else None
-    if before_publish is not None:
-        before_publish()
+    fault("checkpoint")
     if ctx.is_main and failure is None:
-        failure = failure_of(seal, path.parent)
+        failure = failure_of(write_meta, path.parent)
+    fault("publishing")
+    if ctx.is_main and failure is None:
+        failure = failure_of(lambda: publish(tmp, path), path.parent)
     if failure is not None:
         remove(tmp)  # a partial save is no use to anyone, and on a full disk it holds the space the run needs
-    raise_if_main_failed(failure, ctx, f"checkpoint {path}", DISK_FIX)
+    raise_if_main_failed(failure, ctx, f"checkpoint {path}", DISK_FIX, group)
+
+
+def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext, fault: Fault = no_fault) -> Path:
+    """Write a checkpoint atomically on the training thread; collective (every rank calls it, rank 0 writes unless
+    sharded). `path` is a folder (`step_<n>/`), or a single file when it ends in `.pt` and the format is full (the
+    NaN guard's `nan_grad_step_<n>.pt`; a sharded checkpoint is always a folder, whatever its name)."""
+    write(stage(path, state, meta, ctx, fault=fault), ctx, fault=fault)
     return path
 
 

@@ -111,6 +111,7 @@ class CheckpointConfig:
     keep: int = 2
     resume: str | None = None  # None | "auto" | a checkpoint path
     save_final: bool = True
+    async_save: bool | str = "auto"  # auto (in the background where the staged copy fits in host memory) | true | false
 
 
 @dataclass
@@ -138,7 +139,8 @@ class DebugConfig:
     inject_fault_rank: int = 0
     inject_fault_restart: int | None = None  # fire only in this group (0: the first, n: the n-th restart); None: all
     inject_fault_code: int = 1
-    inject_fault_during: str = "step"  # step (at its start) | checkpoint (inside the save that follows it)
+    # step (at its start) | staging | checkpoint | publishing (a phase of the save that follows it)
+    inject_fault_during: str = "step"
     inject_fault_delay_s: float = 0.2  # slow: the sleep before every step from inject_fault_step on
 
 
@@ -193,7 +195,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.attention_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "logging.level": ("DEBUG", "INFO", "WARNING"),
     "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang", "slow", "oom", "gpu_lost"),
-    "debug.inject_fault_during": ("step", "checkpoint"),
+    "debug.inject_fault_during": ("step", "staging", "checkpoint", "publishing"),
 }
 
 
@@ -300,10 +302,11 @@ def checkpointing_policy(value: bool | str) -> str:
 
 def normalise_switches(cfg: Config) -> None:
     """`model.gradient_checkpointing` was a boolean: true/false become the policy they always meant (full/none).
-    `system.compile` stays a boolean or "auto"."""
+    `system.compile` and `checkpoint.async_save` stay a boolean or "auto"."""
     cfg.model.gradient_checkpointing = checkpointing_policy(cfg.model.gradient_checkpointing)
-    if not isinstance(cfg.system.compile, bool) and cfg.system.compile != "auto":
-        raise UserError(f"system.compile must be auto, true or false, got '{cfg.system.compile}'")
+    for key, value in (("system.compile", cfg.system.compile), ("checkpoint.async_save", cfg.checkpoint.async_save)):
+        if not isinstance(value, bool) and value != "auto":
+            raise UserError(f"{key} must be auto, true or false, got '{value}'")
 
 
 def validate(cfg: Config) -> None:

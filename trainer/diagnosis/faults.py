@@ -12,8 +12,11 @@ Two kinds, both off by default and set with ``--set debug.<key>=<value>``:
   (``inject_fault_during=step``) they fire at the start of that optimizer step, before its first micro-batch, so
   every other rank is left waiting in that step's collectives — exactly the situation the supervisor has to detect
   and clean up. With ``inject_fault_during=checkpoint`` they fire instead inside the checkpoint save that follows that
-  step, once its temporary files are partly written and before they are published: the moment a crash must never
-  leave a checkpoint that looks complete (nothing fires where no checkpoint follows that step).
+  step, once its temporary files are written and before they are published: the moment a crash must never leave a
+  checkpoint that looks complete (nothing fires where no checkpoint follows that step). The save's other phases can be
+  aimed at too: ``staging`` (its temporary folder made, the state not yet copied off the live tensors; on the training
+  thread) and ``publishing`` (every file written, meta.json too, just before the rename). A save written in the
+  background (``checkpoint.async_save``) meets the last two on its writer thread, while training goes on.
   Two kinds rehearse the operator's diagnoses rather than a crash: ``slow`` sleeps ``inject_fault_delay_s`` before
   every step from ``inject_fault_step`` on (a straggler), and ``oom`` raises ``torch.OutOfMemoryError`` from a forward
   hook on the model in that step (as the caching allocator would), so the out-of-memory report runs on CPU ranks too.
@@ -135,8 +138,11 @@ class FaultInjector:
 
     def where(self, step: int | None) -> str:
         """Where the process fault fires, in the words the banner and the fault's own message use."""
-        if self.debug.inject_fault_during == "checkpoint":
+        during = self.debug.inject_fault_during
+        if during == "checkpoint":
             return f"during the checkpoint after step {step}"
+        if during != "step":
+            return f"while {during} the checkpoint after step {step}"
         return f"at step {step}"
 
     def before_step(self, step: int) -> None:
@@ -149,9 +155,10 @@ class FaultInjector:
         elif d.inject_fault_during == "step":
             self._fire_if_due(step)
 
-    def during_checkpoint(self, step: int) -> None:
-        """Called by the checkpoint save that follows `step` (files half-written, nothing published yet)."""
-        if self.debug.inject_fault_during == "checkpoint":
+    def during_checkpoint(self, step: int, phase: str = "checkpoint") -> None:
+        """Called by the checkpoint save that follows `step` as it reaches each phase: `staging`, `checkpoint` (files
+        written, nothing published yet), `publishing` (just before the rename)."""
+        if self.debug.inject_fault_during == phase:
             self._fire_if_due(step)
 
     def _fire_if_due(self, step: int) -> None:

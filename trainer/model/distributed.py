@@ -4,8 +4,10 @@ One rank = one process = one device. The rank learns its place from torchrun's e
 same contract); with none of those variables it is a single-process run and still gets a (one-member) process group,
 so the rest of the code never branches on "distributed or not".
 
-Two groups exist: the default one (NCCL on GPUs, gloo on CPUs) carries gradients, and a CPU gloo "control" group
-carries small host-side agreements (the stop flag, the run folder, checkpoint status) without ever syncing a GPU.
+Three groups exist: the default one (NCCL on GPUs, gloo on CPUs) carries gradients; a CPU gloo "control" group
+carries small host-side agreements (the stop flag, the run folder, checkpoint status) without ever syncing a GPU; and
+a CPU gloo "writer" group is used only by the checkpoint writer's background thread (its shards' plan, the agreement
+that every rank's files are written), so that a write in flight never interleaves its collectives with the loop's.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class DistContext:
     backend: str
     gpu_id: str  # the id in "[GPU <id>]": GPU_RANK, else the CUDA index, else the local rank
     control: Any  # the CPU gloo ProcessGroup for host-side agreements
+    writer: Any  # the CPU gloo ProcessGroup of the background checkpoint writes (trainer.checkpoint.background)
 
     @property
     def rank(self) -> int:
@@ -121,7 +124,8 @@ def init_distributed(cfg: Config) -> DistContext:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout)  # a separate gloo group even when gloo carries data
-    return DistContext(env=env, device=device, backend=backend, gpu_id=gpu_id, control=control)
+    writer = dist.new_group(backend="gloo", timeout=timeout)
+    return DistContext(env=env, device=device, backend=backend, gpu_id=gpu_id, control=control, writer=writer)
 
 
 def teardown() -> None:
@@ -183,17 +187,18 @@ class StopVote:
         return bool(self.flag.item())
 
 
-def broadcast_object(obj: Any, ctx: DistContext, src: int = 0) -> Any:
-    """Rank `src`'s value of a small picklable object, on every rank."""
+def broadcast_object(obj: Any, ctx: DistContext, src: int = 0, group: Any = None) -> Any:
+    """Rank `src`'s value of a small picklable object, on every rank (over `group`, by default the control group)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=ctx.control)
+    dist.broadcast_object_list(box, src=src, group=ctx.control if group is None else group)
     return box[0]
 
 
-def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
-    """Every rank's value of a small picklable object, in rank order, on every rank."""
+def gather_objects(obj: Any, ctx: DistContext, group: Any = None) -> list[Any]:
+    """Every rank's value of a small picklable object, in rank order, on every rank (by default over the control
+    group)."""
     out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj, group=ctx.control)
+    dist.all_gather_object(out, obj, group=ctx.control if group is None else group)
     return out
 
 

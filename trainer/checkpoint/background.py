@@ -1,0 +1,77 @@
+"""A checkpoint written in the background: one daemon thread per save, at most one in flight, and the staging buffers
+it writes from.
+
+Training blocks only while a save is staged (`store.stage`: the tensors copied into host memory, pinned on GPUs, by
+DCP's `DefaultStager`, which keeps its buffers from one save to the next: one copy of this rank's model and optimizer
+state for the whole run). The write (`store.write`: DCP's shards, state.pt, the agreement that every rank's files are
+written, the rename) then runs on a thread whose collectives use the writer group, never the loop's.
+
+How a write ends decides when the training thread hears of it:
+
+* a failure every rank is told of (a full disk on rank 0, DCP's own collective errors) is raised by every rank at the
+  next point where all of them wait for the write (the next save, the end of the run, a stop): together, so that no
+  rank is left waiting in a collective for one that has given up;
+* anything else (an injected fault, a bug) is this rank's own failure and is raised at the next step boundary, as an
+  exception in the step would be.
+
+The thread is a daemon: a rank that fails with a write in flight exits without waiting for it, and the unpublished
+`.tmp-` folder it leaves is never taken for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from trainer.checkpoint.store import WriteFailed
+from trainer.errors import UserError
+
+COLLECTIVE_FAILURES = (UserError, WriteFailed, CheckpointException)  # raised alike on every rank
+
+
+def make_stager(device: torch.device) -> DefaultStager:
+    """DCP's stager for this rank's device: pinned host buffers and non-blocking copies from a GPU (the copy then
+    costs the device-to-host bandwidth only), plain host buffers on a CPU rank."""
+    cuda = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                                        use_non_blocking_copy=cuda))
+
+
+class BackgroundWrite:
+    """`job` running on a daemon thread; `wait` joins it and raises what it raised."""
+
+    def __init__(self, name: str, job: Callable[[], Any]) -> None:
+        self.name = name
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.thread = threading.Thread(target=self.run, args=(job,), name=f"checkpoint-writer {name}", daemon=True)
+        self.thread.start()
+
+    def run(self, job: Callable[[], Any]) -> None:
+        try:
+            job()
+        except BaseException as e:  # handed to the training thread, which raises it
+            self.error = e
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def raise_own_failure(self) -> None:
+        """At a step boundary: this rank's own failure in the write (not one every rank was told of) ends the rank
+        now, as a failure in the step would."""
+        if self.done() and self.error is not None and not isinstance(self.error, COLLECTIVE_FAILURES):
+            raise self.error
+
+    def wait(self) -> float:
+        """Join the write; seconds waited. Raises what the write raised (every rank alike for a collective failure)."""
+        started = time.perf_counter()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return time.perf_counter() - started
