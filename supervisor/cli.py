@@ -25,7 +25,7 @@ from pathlib import Path
 
 from supervisor import gpus
 from supervisor.console import Console
-from supervisor.control.wire import read_secret
+from supervisor.control.wire import Timing, read_secret
 from supervisor.diagnosis import preflight
 from supervisor.exclusion import default_min_gpus
 from supervisor.launcher import Launcher, run_folder_writes
@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="node 0's rendezvous port (multi-node; the control channel uses PORT+1); "
                             "single node: a free port is chosen. In a Slurm job on several nodes all four flags "
                             "default to what the job's SLURM_* variables say")
+    nodes.add_argument("--node-timeout", type=float, default=30.0, metavar="S",
+                       help="a node whose supervisor is not heard from for this long (frozen, cut off) is lost: "
+                            "every node stops its ranks, exit 125 (default 30; heartbeats go every few seconds)")
+    nodes.add_argument("--join-timeout", type=float, default=300.0, metavar="S",
+                       help="a node that has not joined node 0's control channel this long after node 0 started is "
+                            "lost, and named (default 300)")
     add_config_arguments(parser)
     return parser
 
@@ -114,6 +120,10 @@ def check_flags(args: argparse.Namespace) -> None:
         if not 0 <= seconds <= MAX_TIMEOUT_S:  # NaN fails this too: a NaN allowance would stall the run at once
             raise UserError(f"--{name.replace('_', '-')} must be a number of seconds within 0-{MAX_TIMEOUT_S:,}"
                             f"{' (0 disables the watchdog)' if name == 'hang_timeout' else ''}, got {seconds:g}")
+    for name in ("node_timeout", "join_timeout"):  # no 0: a node that may never be lost hangs the others forever
+        if not 0 < (seconds := getattr(args, name)) <= MAX_TIMEOUT_S:
+            raise UserError(f"--{name.replace('_', '-')} must be a number of seconds within (0, {MAX_TIMEOUT_S:,}], "
+                            f"got {seconds:g}")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must not be negative, got {args.max_restarts}")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
@@ -253,6 +263,7 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
                 node_rank=args.node_rank, master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
                 grace_period=args.grace_period, hang_timeout=args.hang_timeout,
                 startup_timeout=args.startup_timeout, max_restarts=args.max_restarts,
+                node_timing=Timing(args.node_timeout, args.join_timeout),
                 gpu_exclusion=args.gpu_exclusion, min_gpus=min_gpus, preflight=devices.preflight,
                 fake_gpus=devices.fake, prepare=not args.no_prepare, footer=not args.no_footer)
 

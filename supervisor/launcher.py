@@ -52,7 +52,7 @@ from supervisor.worker import Worker, become_subreaper, die_with_parent
 from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints
 from trainer.config import PROJECT_ROOT, Config
 from trainer.data.prepare_cli import interrupt_once
-from trainer.errors import UserError
+from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 if TYPE_CHECKING:
     from supervisor.control.channel import ControlChannel
@@ -84,25 +84,32 @@ class Launcher:
         reaper = Reaper()
         signals: SignalInbox | None = None
         control: ControlChannel | None = None
+        failed: int | None = None
         started = time.monotonic()
         try:
             become_subreaper()
             signal.signal(signal.SIGINT, interrupt_once)
-            try:
-                failed = self.prepare()
-            except KeyboardInterrupt:
-                self.console.say("interrupted during dataset preparation; no rank was started")
-                return 130
-            if failed is not None:
-                return failed
-            signals = SignalInbox()
-            if self.plan.nnodes > 1:
+            if self.plan.nnodes > 1:  # before the dataset: the nodes join (and are heard from) while each builds
                 from supervisor.control import open_channel
 
                 assert self.plan.master_port is not None
                 control = open_channel(self.plan.node_rank, self.plan.nnodes, self.plan.master_addr,
-                                       self.plan.master_port, self.plan.startup_timeout, read_secret(os.environ),
+                                       self.plan.master_port, self.plan.node_timing, read_secret(os.environ),
                                        self.console.say)
+            try:
+                failed = self.prepare()
+            except KeyboardInterrupt:
+                failed = 130
+                self.console.say("interrupted during dataset preparation; no rank was started")
+            except UserError:
+                failed = USER_ERROR_EXIT_CODE
+                raise
+            finally:
+                if failed is not None and control is not None:  # the other nodes stop too, told why
+                    control.abort(self.plan.node_rank, "supervisor", failed)
+            if failed is not None:
+                return failed
+            signals = SignalInbox()
             restarts, before = 0, self.checkpoints()
             config = self.write_config(restarts, self.cfg.checkpoint.resume)
             while True:

@@ -267,7 +267,11 @@ class Watch:
                     # (an announced culprit is on its way out; a SIGTERM after it has left its stop handler would
                     # make its exit code 143)
                     w.terminate()
+            if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
+                self.console.say(f"SIGTERM sent; a rank still running in {self.plan.grace_period:g} s "
+                                 f"(--grace-period) gets SIGKILL", style="yellow")
         if stop.terminated and not stop.killed and now >= stop.kill_at:
+            self.say_unheeded()
             self.kill_all()
         if stop.killed and now >= stop.kill_at + KILL_WAIT:
             for w in self.workers:
@@ -278,6 +282,18 @@ class Watch:
                     w.exit_code, w.ended = 128 + signal.SIGKILL, now
                     if stop.awaiting and stop.worker is w:
                         self.settle_failure(w, w.exit_code)
+
+    def say_unheeded(self) -> None:
+        """The ranks that outlived SIGTERM by the whole grace period, and where they were: a rank still in the
+        rendezvous (no progress record yet: waiting for a node, a collective's first connection) has nothing to save,
+        and a signal handler that only sets a flag is never reached while it waits there."""
+        left = [w for w in self.workers if w.alive]
+        if not left:
+            return
+        waiting = [w.label for w in left if self.states[w.spec.rank].event is None]
+        where = f" ({', '.join(waiting)} still in start-up: the rendezvous, or before its first report)" if waiting else ""
+        self.console.say(f"{', '.join(w.label for w in left)} still running {self.plan.grace_period:g} s after "
+                         f"SIGTERM{where}; SIGKILL", style="bold yellow")
 
     def kill_all(self) -> None:
         stop = self.stop
@@ -310,12 +326,12 @@ class Watch:
                 self.kill_all()
 
     def on_remote(self, event: tuple[int, str, int, str]) -> None:
-        node, label, code, why = event
+        _, _, code, why = event
         if self.stop is None:
-            self.console.say(f"node {node}: {why}; stopping this node's ranks", style="bold red")
+            self.console.say(f"{why}; stopping this node's ranks", style="bold red")
             self.failures.quiet_fallout(None)
             # an abort always says how a rank failed; were it to say 0, the run must still not look finished
-            self.begin_stop(Stop("remote", code or LOST_CODE, f"node {node}: {why}"))
+            self.begin_stop(Stop("remote", code or LOST_CODE, why))
 
     # -- progress and hangs ----------------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from supervisor.control.wire import MAX_LINE, LineReader, Session, parse_abort
+from supervisor.control.wire import LOST_CODE, MAX_LINE, LineReader, Session, Timing, parse_abort
 from supervisor.worker import describe_exit
 
 CONTROL_PORT_OFFSET = 1
@@ -26,13 +26,27 @@ SEND_TIMEOUT = 2.0
 NOTE_INTERVAL = 10.0
 RECV_BYTES = 4096
 
-Event = tuple[int, str, int, str]  # node, label, exit code, why
+Event = tuple[int, str, int, str]  # node, label, exit code, why (a sentence that names the node)
 
 
 def remote_failure(node: int, label: str, code: int) -> Event:
     if label == "supervisor":  # no rank failed there: the supervisor itself stopped (a signal such as Slurm's USR1)
-        return node, label, code, f"its supervisor stopped with {describe_exit(code)}"
-    return node, label, code, f"{label} failed with {describe_exit(code)}"
+        return node, label, code, f"node {node}: its supervisor stopped with {describe_exit(code)}"
+    return node, label, code, f"node {node}: {label} failed with {describe_exit(code)}"
+
+
+def lost(node: int, why: str) -> Event:
+    """A node that was lost: its supervisor stopped answering, died, or never joined."""
+    return node, "supervisor", LOST_CODE, why
+
+
+def silence(node: int, address: str, since: float) -> str:
+    return f"node {node} ({host(address)}) stopped answering {time.monotonic() - since:.1f} s ago"
+
+
+def host(address: str) -> str:
+    """The host of a ``host:port`` address."""
+    return address.rpartition(":")[0] or address
 
 
 def shown(line: str) -> str:
@@ -66,6 +80,7 @@ class Peer:
     address: str
     nonce: str  # this end's nonce
     opened: float = field(default_factory=time.monotonic)
+    heard: float = field(default_factory=time.monotonic)  # the last authenticated line from it
     reader: LineReader = field(default_factory=LineReader)
     session: Session | None = None  # set once authenticated
     node: int | None = None  # server side: the node it proved to be
@@ -115,8 +130,10 @@ class Peer:
 class ControlChannel(ABC):
     """What the server and the client share: the secret, the event pipe, the thread, the notes."""
 
-    def __init__(self, node_rank: int, nnodes: int, secret: bytes, say: Callable[[str], None]) -> None:
-        self.node_rank, self.nnodes, self.secret = node_rank, nnodes, secret
+    def __init__(self, node_rank: int, nnodes: int, secret: bytes, timing: Timing, say: Callable[[str], None]) -> None:
+        self.node_rank, self.nnodes, self.secret, self.timing = node_rank, nnodes, secret, timing
+        self.say = say
+        self.next_beat = time.monotonic()
         self.notes = Notes(say)
         self.fd, self._events_w = os.pipe()
         os.set_blocking(self.fd, False)
@@ -146,6 +163,28 @@ class ControlChannel(ABC):
 
     def _wake(self) -> None:
         os.write(self._wake_w, b"x")
+
+    def _opened(self, peer: Peer, line: str) -> str | None:
+        """The message of an authentic line from `peer` (which counts as a sign of life), or None (and a note)."""
+        assert peer.session is not None
+        message = peer.session.open(line)
+        if message is None:
+            self.notes.note("mac", f"dropped a line from node {peer.node} ({peer.address}) whose MAC is wrong or "
+                                   f"out of sequence: {shown(line)}")
+        else:
+            peer.heard = time.monotonic()
+        return message
+
+    def _beat(self, peers: list[Peer]) -> None:
+        """A heartbeat to each of `peers`, when one is due."""
+        now = time.monotonic()
+        if now >= self.next_beat:
+            self.next_beat = now + self.timing.beat
+            for peer in peers:
+                peer.send("beat")
+
+    def _silent(self, peer: Peer) -> bool:
+        return time.monotonic() - peer.heard >= self.timing.node_timeout
 
     def _abort_words(self, peer: Peer, message: str) -> tuple[int, str, int] | None:
         """An authenticated abort's node, label and code, or None (and a note) when it is not one to act on."""
