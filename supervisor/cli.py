@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="node 0's rendezvous port (multi-node; the control channel uses PORT+1); "
                             "single node: a free port is chosen. In a Slurm job on several nodes all four flags "
                             "default to what the job's SLURM_* variables say")
+    nodes.add_argument("--local-addr", metavar="HOST",
+                       help="this node's address, the one node 0 sees its control connection come from (default: "
+                            "the system's choice)")
     nodes.add_argument("--node-timeout", type=float, default=30.0, metavar="S",
                        help="a node whose supervisor is not heard from for this long (frozen, cut off) is lost: "
                             "every node stops its ranks, exit 125 (default 30; heartbeats go every few seconds)")
@@ -263,7 +266,7 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
                 node_rank=args.node_rank, master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
                 grace_period=args.grace_period, hang_timeout=args.hang_timeout,
                 startup_timeout=args.startup_timeout, max_restarts=args.max_restarts,
-                node_timing=Timing(args.node_timeout, args.join_timeout),
+                node_timing=Timing(args.node_timeout, args.join_timeout), local_addr=args.local_addr,
                 gpu_exclusion=args.gpu_exclusion, min_gpus=min_gpus, preflight=devices.preflight,
                 fake_gpus=devices.fake, prepare=not args.no_prepare, footer=not args.no_footer)
 

@@ -92,10 +92,7 @@ class Launcher:
             if self.plan.nnodes > 1:  # before the dataset: the nodes join (and are heard from) while each builds
                 from supervisor.control import open_channel
 
-                assert self.plan.master_port is not None
-                control = open_channel(self.plan.node_rank, self.plan.nnodes, self.plan.master_addr,
-                                       self.plan.master_port, self.plan.node_timing, read_secret(os.environ),
-                                       self.console.say)
+                control = open_channel(self.plan, read_secret(os.environ), self.console.say)
             try:
                 failed = self.prepare()
             except KeyboardInterrupt:

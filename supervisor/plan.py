@@ -54,6 +54,7 @@ class Plan:
     hang_timeout: float = 300.0  # 0 disables the watchdog
     startup_timeout: float = 900.0
     node_timing: Timing = field(default_factory=Timing)  # multi-node: heartbeat and join timeouts
+    local_addr: str | None = None  # multi-node: the address this node's control connection comes from
     max_restarts: int = 0
     gpu_exclusion: bool = True  # a restart after a GPU fault leaves that GPU out (supervisor.exclusion)
     min_gpus: int = 1  # fewer GPUs than this after an exclusion: the run stops instead

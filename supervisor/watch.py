@@ -285,13 +285,13 @@ class Watch:
 
     def say_unheeded(self) -> None:
         """The ranks that outlived SIGTERM by the whole grace period, and where they were: a rank still in the
-        rendezvous (no progress record yet: waiting for a node, a collective's first connection) has nothing to save,
+        rendezvous (no step reported yet: waiting for a node, a collective's first connection) has nothing to save,
         and a signal handler that only sets a flag is never reached while it waits there."""
         left = [w for w in self.workers if w.alive]
         if not left:
             return
-        waiting = [w.label for w in left if self.states[w.spec.rank].event is None]
-        where = f" ({', '.join(waiting)} still in start-up: the rendezvous, or before its first report)" if waiting else ""
+        waiting = [w.label for w in left if self.states[w.spec.rank].event != "step"]
+        where = f" ({', '.join(waiting)} before the first step: in the rendezvous, or start-up)" if waiting else ""
         self.console.say(f"{', '.join(w.label for w in left)} still running {self.plan.grace_period:g} s after "
                          f"SIGTERM{where}; SIGKILL", style="bold yellow")
 

@@ -270,11 +270,12 @@ def test_a_remote_abort_never_ends_a_run_with_exit_0(tmp_path):
 
 SERVER_WITH_FEW_FDS = """
 import os, resource, select, sys
-from supervisor.control import Timing, open_channel
+from supervisor.control.server import ControlServer
+from supervisor.control.wire import Timing
 limits = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 12, limits[1]))
-channel = open_channel(0, 3, '127.0.0.1', int(sys.argv[1]), Timing(), sys.argv[2].encode(),
-                       lambda line: print(line, flush=True))
+channel = ControlServer(3, '127.0.0.1', int(sys.argv[1]) + 1, sys.argv[2].encode(), Timing(),
+                        lambda line: print(line, flush=True))
 print('listening', flush=True)
 select.select([channel.fd], [], [])
 print('event', channel.read_events(), flush=True)

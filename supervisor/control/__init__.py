@@ -43,12 +43,13 @@ from collections.abc import Callable
 from supervisor.control.channel import CONTROL_PORT_OFFSET, ControlChannel
 from supervisor.control.client import ControlClient
 from supervisor.control.server import ControlServer
-from supervisor.control.wire import Timing
+from supervisor.plan import Plan
 
 
-def open_channel(node_rank: int, nnodes: int, addr: str, master_port: int, timing: Timing, secret: bytes,
-                 say: Callable[[str], None]) -> ControlChannel:
-    port = master_port + CONTROL_PORT_OFFSET
-    if node_rank == 0:
-        return ControlServer(node_rank, nnodes, addr, port, secret, timing, say)
-    return ControlClient(node_rank, nnodes, addr, port, secret, timing, say)
+def open_channel(plan: Plan, secret: bytes, say: Callable[[str], None]) -> ControlChannel:
+    assert plan.master_port is not None
+    port = plan.master_port + CONTROL_PORT_OFFSET
+    if plan.node_rank == 0:
+        return ControlServer(plan.nnodes, plan.master_addr, port, secret, plan.node_timing, say)
+    return ControlClient(plan.node_rank, plan.nnodes, (plan.master_addr, port), plan.local_addr, secret,
+                         plan.node_timing, say)

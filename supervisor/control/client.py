@@ -38,10 +38,10 @@ from supervisor.control.wire import (
 class ControlClient(ControlChannel):
     """Every node but node 0."""
 
-    def __init__(self, node_rank: int, nnodes: int, addr: str, port: int, secret: bytes, timing: Timing,
-                 say: Callable[[str], None]) -> None:
+    def __init__(self, node_rank: int, nnodes: int, server: tuple[str, int], local_addr: str | None, secret: bytes,
+                 timing: Timing, say: Callable[[str], None]) -> None:
         super().__init__(node_rank, nnodes, secret, timing, say)
-        self.addr, self.port = addr, port
+        (self.addr, self.port), self.local_addr = server, local_addr
         self.server: Peer | None = None  # once connected and authenticated
         self.outbox: list[str] = []  # messages from before that
         self.bye = False
@@ -62,7 +62,8 @@ class ControlClient(ControlChannel):
         why = "no answer"
         while not self.closing:
             try:
-                sock = socket.create_connection((self.addr, self.port), timeout=HELLO_TIMEOUT)
+                sock = socket.create_connection((self.addr, self.port), timeout=HELLO_TIMEOUT,
+                                                source_address=(self.local_addr, 0) if self.local_addr else None)
             except OSError as e:
                 why = e.strerror or str(e)
             else:

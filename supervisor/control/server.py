@@ -45,9 +45,9 @@ from trainer.errors import UserError
 class ControlServer(ControlChannel):
     """Node 0."""
 
-    def __init__(self, node_rank: int, nnodes: int, addr: str, port: int, secret: bytes, timing: Timing,
+    def __init__(self, nnodes: int, addr: str, port: int, secret: bytes, timing: Timing,
                  say: Callable[[str], None]) -> None:
-        super().__init__(node_rank, nnodes, secret, timing, say)
+        super().__init__(0, nnodes, secret, timing, say)
         try:
             self.listener = socket.create_server((addr, port))
         except OSError:
@@ -196,6 +196,7 @@ class ControlServer(ControlChannel):
             if len(self.nodes_seen) == self.nnodes - 1:
                 self.join_deadline = math.inf
             late_abort = self.abort_message
+        self.say(f"control port: node {node} joined from {host(peer.address)}")
         if late_abort is not None:
             peer.send(late_abort)
 
