@@ -33,10 +33,11 @@ from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
 from supervisor.slurm import layout as slurm_layout
 from trainer.checkpoint.layout import check_checkpoint_dir, earlier_run, find_resume
 from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
-from trainer.config.choices import cpu_refusal
+from trainer.config.choices import cpu_rank_refusal, cpu_refusal
 from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.model.source import check_model_source
 from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2
@@ -257,6 +258,10 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
         earlier_run(cfg)  # a fresh start over an unfinished run: likewise
         check_checkpoint_dir(cfg)
     devices = choose_devices(args, cfg, trainer_entry, notes)
+    if trainer_entry:  # what the ranks would refuse only after the token cache is built: refused now
+        if not devices.gpus and (refusal := cpu_rank_refusal(cfg)):
+            raise UserError(refusal)
+        check_model_source(cfg)
     min_gpus = check_min_gpus(args, devices.gpus)
     ranks = node_ranks(devices.gpus, args.nproc or DEFAULT_CPU_RANKS, args.node_rank)
     check_world_size(cfg, args.nnodes * len(ranks))

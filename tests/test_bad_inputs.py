@@ -176,6 +176,18 @@ CASES = {
     "checkpoint folder on a full disk": BadInput(
         "run_training.sh", ("--debug",), "ckpt is not writable (No space left on device, 0 bytes free); set "
         "checkpoint.dir to a writable folder", full_disks=("ckpt",)),
+    "NCCL on CPU ranks": BadInput(
+        "supervisor", ("--debug", "--set", "system.backend=nccl"),
+        "system.backend 'nccl' needs CUDA GPUs; use gloo (or auto) on CPUs"),
+    "liger loss on CPU ranks": BadInput(
+        "supervisor", ("--debug", "--set", "training.loss=liger"),
+        "training.loss liger needs a CUDA GPU (Triton kernels); use chunked or auto on CPUs"),
+    "model folder that does not exist": BadInput(
+        "supervisor", ("--debug", "--set", "model.name_or_path=models/none"),
+        "model.name_or_path 'models/none': cannot read a model config there"),
+    "model vocabulary below the tokenizer's": BadInput(
+        "run_training.sh", ("--debug", "--set", "model.vocab_size=100", *SMALL_DATA),
+        "the model's vocabulary (100) is smaller than the tokenizer's (300); use the model's own tokenizer"),
     "unknown loss": BadInput(
         "supervisor", ("--debug", "--set", "training.loss=fused"),
         "training.loss must be one of auto, chunked, liger, full, got 'fused'"),

@@ -36,6 +36,8 @@ class Checkpointer:
         self.root = Path(cfg.checkpoint.dir)
         self.last_saved: int | None = None
         self.superseded: list[Path] = []  # a finished earlier run's checkpoints, removed at this run's first save
+        # the final model's tokenizer, held from the start: the token cache may be removed while the run trains
+        self.tokenizer_json = cache.tokenizer_path.read_text() if cfg.checkpoint.save_final and ctx.is_main else ""
 
     def meta(self, step: int) -> store.CheckpointMeta:
         return store.CheckpointMeta(
@@ -99,7 +101,7 @@ class Checkpointer:
     def save_final(self) -> None:
         """`final/`: the transformers model and the tokenizer, loadable with `from_pretrained`."""
         self.progress.phase("checkpoint")
-        final = store.save_final(self.root / store.FINAL_DIR, self.state.model, self.ctx, self.cache.tokenizer_path,
+        final = store.save_final(self.root / store.FINAL_DIR, self.state.model, self.ctx, self.tokenizer_json,
                                  self.cache.eos_id)
         if self.ctx.is_main:
             self.log.info(f"final model saved: {final} (AutoModelForCausalLM.from_pretrained)")
