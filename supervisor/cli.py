@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -276,6 +277,13 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
                 fake_gpus=devices.fake, prepare=not args.no_prepare, footer=not args.no_footer)
 
 
+def discard_refused(plan: Plan) -> None:
+    """A run refused before any rank started leaves no folder: the error line said everything, and an empty run among
+    the runs that trained only misleads."""
+    if not any((plan.run_dir / spec.log_name).exists() for spec in plan.ranks):
+        shutil.rmtree(plan.run_dir, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ours, entry_args = split_entry_args(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(ours)
@@ -302,9 +310,15 @@ def main(argv: list[str] | None = None) -> int:
             console.say(f"run {plan.run_dir.name}: {len(plan.ranks)} rank{'s' if len(plan.ranks) > 1 else ''} "
                         f"({devices}) of {plan.world_size}; logs in {plan.run_dir}/")
             console.log(f"command: {' '.join(sys.argv)}")
-            return Launcher(plan, cfg, console).run()
+            code = Launcher(plan, cfg, console).run()
+        except UserError:
+            discard_refused(plan)
+            raise
         finally:
             console.close()
+        if code == USER_ERROR_EXIT_CODE:  # the dataset build refused the data (it said why)
+            discard_refused(plan)
+        return code
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE

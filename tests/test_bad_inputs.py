@@ -271,8 +271,8 @@ def run_bad_input(case: BadInput, tmp_path: Path) -> None:
     assert case.message in lines[-1], err
     if case.before_any_work:
         assert len(lines) == 1, err
-        logs = tmp_path / "logs"
-        assert not logs.exists() or not [p for p in logs.iterdir() if p.name != FILLER], "a run folder was made"
+    logs = tmp_path / "logs"  # a refused run leaves no run folder, however far it got
+    assert not logs.exists() or not [p for p in logs.iterdir() if p.name != FILLER], "a run folder was left"
     no_half_written_output(tmp_path, case.files)
 
 

@@ -43,7 +43,7 @@ import json
 import platform
 import time
 from contextlib import closing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -425,6 +425,11 @@ def find_or_build(cfg: Config, *, force: bool, show_progress: bool | None, rehas
             progress.message(f"building token cache {key} from {corpus.description} with {spec.description}")
             with staging(root, key, "token cache") as folder:
                 write_cache(folder, key, material, corpus, spec, data, progress)
+                # (a file whose stat is unchanged since it was hashed above is not read again, even with rehash)
+                if corpus.identity(replace(digests, rehash=False)) != source:
+                    raise UserError(f"data.source {data.source} changed while it was read to build the token cache "
+                                    f"(a file written to, added or removed); nothing was kept: build again once it "
+                                    f"no longer changes")
                 publish(folder, final)
             seconds = time.perf_counter() - started
         digests.save()  # the cache folder exists now, if it did not before

@@ -15,12 +15,14 @@ those or resolve a hub name, because the cache-hit path (compute the key, open t
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import math
 import os
 import platform
 import re
+import stat
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -352,10 +354,31 @@ def local_files(source: str) -> tuple[list[Path] | None, Path]:
     if path.is_file():
         check_suffix(path)
         return [path], path.parent
+    if (kind := odd_file(path)) is not None:
+        raise UserError(f"data.source {source} is {kind}, not a file or folder of {SUPPORTED}; give a regular file, "
+                        f"a folder or a glob")
     if looks_like_path(source):
         raise UserError(f"data.source {source} does not exist; give an existing file, folder or glob of {SUPPORTED}, "
                         f"'stdlib', or a hub dataset name")
     return None, path
+
+
+ODD_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+
+
+def odd_file(path: Path) -> str | None:
+    """What `path` is when it exists but is neither a regular file nor a folder (reading /dev/zero or a FIFO would
+    never end), or a symbolic link that leads nowhere; None when there is nothing at `path`."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if path.is_symlink():
+            return f"a symbolic link to {os.readlink(path)}, which does not exist"
+        return None
+    return next((kind for test, kind in ODD_KINDS if test(mode)), "neither a file nor a folder")
 
 
 def check_suffix(path: Path) -> None:
