@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -188,6 +189,9 @@ CASES = {
     "model vocabulary below the tokenizer's": BadInput(
         "run_training.sh", ("--debug", "--set", "model.vocab_size=100", *SMALL_DATA),
         "the model's vocabulary (100) is smaller than the tokenizer's (300); use the model's own tokenizer"),
+    "character device as the data source": BadInput(
+        "supervisor", ("--debug", "--set", "data.source=/dev/zero", *SMALL_DATA),
+        "data.source /dev/zero is a character device, not a file or folder", before_any_work=False),
     "unknown loss": BadInput(
         "supervisor", ("--debug", "--set", "training.loss=fused"),
         "training.loss must be one of auto, chunked, liger, full, got 'fused'"),
@@ -274,6 +278,32 @@ def run_bad_input(case: BadInput, tmp_path: Path) -> None:
     logs = tmp_path / "logs"  # a refused run leaves no run folder, however far it got
     assert not logs.exists() or not [p for p in logs.iterdir() if p.name != FILLER], "a run folder was left"
     no_half_written_output(tmp_path, case.files)
+
+
+@pytest.mark.slow
+def test_the_final_model_survives_its_token_cache_being_deleted(tmp_path: Path) -> None:
+    """Deleting the token cache while the run trains (a cleanup, a full disk's victim) costs nothing: the rank holds
+    what the final model needs (the tokenizer) from its start."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"Line {i} of a small corpus, about foxes and dogs and numbers.\n" for i in range(400)))
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [*COMMANDS["supervisor"], "--debug", "--nproc", "1", "--log-dir", str(tmp_path / "logs"), "--no-footer",
+         "--set", f"data.cache_dir={cache}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set",
+         f"data.source={corpus}", *SMALL_DATA, "--max-steps", "3", "--set", "debug.inject_fault=slow", "--set",
+         "debug.inject_fault_step=1", "--set", "debug.inject_fault_delay_s=1"],
+        cwd=tmp_path, env=clean_env(HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with watching(proc):
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the rank trains: its tokenizer was read when it started
+            if "Step [1/" in line:
+                shutil.rmtree(cache)
+                break
+        out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, err[-3000:]
+    assert not cache.exists()
+    final = tmp_path / "ckpt" / "final"
+    assert {"tokenizer.json", "model.safetensors"} <= {p.name for p in final.iterdir()}, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -318,6 +318,10 @@ def test_the_secret_must_be_set_and_not_trivial():
         read_secret({})
     with pytest.raises(UserError, match="SUPERVISOR_CONTROL_SECRET has 6 characters; use at least 16"):
         read_secret({SECRET_ENV: "abc123"})
+    with pytest.raises(UserError, match="SUPERVISOR_CONTROL_SECRET has only 1 distinct characters; use at least 8"):
+        read_secret({SECRET_ENV: "a" * 16})
+    with pytest.raises(UserError, match="only 7 distinct characters"):
+        read_secret({SECRET_ENV: "abcdefg" * 4})
     assert read_secret({SECRET_ENV: CONTROL_SECRET}) == CONTROL_SECRET.encode()
 
 
