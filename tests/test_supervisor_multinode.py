@@ -278,7 +278,7 @@ channel = ControlServer(3, '127.0.0.1', int(sys.argv[1]) + 1, sys.argv[2].encode
                         lambda line: print(line, flush=True))
 print('listening', flush=True)
 select.select([channel.fd], [], [])
-print('event', channel.read_events(), flush=True)
+print('event', channel.read_events()[0], flush=True)
 resource.setrlimit(resource.RLIMIT_NOFILE, limits)  # room to exit in (ending a thread may load a library)
 """
 

@@ -4,10 +4,11 @@ freezes, dies or never joins is named on every other node, and every node stops 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
-from test_supervisor_multinode import free_port_pair
+from test_supervisor_multinode import FakeNode, free_port_pair
 
 from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, start, survivors
 from supervisor.control.wire import LOST_CODE
@@ -20,9 +21,10 @@ def address(node: int) -> str:
     return f"127.0.0.{node + 1}"
 
 
-def node(tmp_path, port: int, rank: int, secret: str = CONTROL_SECRET, entry_args: tuple[str, ...] = ()) -> Run:
+def node(tmp_path, port: int, rank: int, *flags: str, secret: str = CONTROL_SECRET,
+         entry_args: tuple[str, ...] = ()) -> Run:
     return start(tmp_path, "--nproc", "1", "--nnodes", str(NODES), "--node-rank", str(rank), "--master-addr",
-                 address(0), "--master-port", str(port), "--local-addr", address(rank), *TIMEOUTS,
+                 address(0), "--master-port", str(port), "--local-addr", address(rank), *TIMEOUTS, *flags,
                  env=clean_env(SUPERVISOR_CONTROL_SECRET=secret), tag=str(rank), entry_args=entry_args)
 
 
@@ -34,10 +36,10 @@ def said(run: Run, text: str, timeout: float = 30) -> None:
         time.sleep(0.05)
 
 
-def joined(tmp_path) -> list[Run]:
-    """All three nodes started, joined and training."""
+def joined(tmp_path, *flags: str, entry_args: dict[int, tuple[str, ...]] | None = None) -> list[Run]:
+    """All three nodes started, joined and training (`entry_args`: a node's rank program's arguments)."""
     port = free_port_pair()
-    nodes = [node(tmp_path, port, rank) for rank in range(NODES)]
+    nodes = [node(tmp_path, port, rank, *flags, entry_args=(entry_args or {}).get(rank, ())) for rank in range(NODES)]
     for rank in range(1, NODES):
         said(nodes[0], f"node {rank} joined from {address(rank)}")
     for run in nodes:
@@ -107,8 +109,42 @@ def test_a_node_with_another_secret_is_named_at_once_and_the_join_is_bounded(tmp
     for run in nodes[:2]:
         run.wait(timeout=60)
         assert run.returncode == LOST_CODE, run.stderr[-3000:]
-        headline = next(line for line in run.stderr.splitlines() if "run stopped after" in line)
-        assert "node 2 never joined" in headline and "within 6 s (--join-timeout)" in headline, headline
-        assert "a hello as node 2 from 127.0.0.3 was refused" in headline, headline
+        stopped = headline(run)
+        assert "node 2 never joined" in stopped and "within 6 s (--join-timeout)" in stopped, stopped
+        assert "a hello as node 2 from 127.0.0.3 was refused" in stopped, stopped
     assert "CPU0 still running 2 s after SIGTERM; SIGKILL" in nodes[1].stderr  # said, not silent
     assert survivors(nodes[0].pids() + nodes[1].pids(), timeout=5) == []
+
+
+def headline(run: Run) -> str:
+    """The report's first line: ``run stopped after ...: <why>`` (or ``run failed after``)."""
+    return next(line for line in run.stderr.splitlines() if re.match(r"supervisor: run \w+ after ", line))
+
+
+def test_a_stall_is_named_on_every_node_by_the_node_whose_evidence_names_it(tmp_path):
+    """Node 1's rank hangs in its own code: node 1's watchdog trips, the others read their own ranks' evidence
+    (still making progress: nothing of theirs stalled), and every node's headline names node 1's rank."""
+    nodes = joined(tmp_path, "--hang-timeout", "3",
+                   entry_args={1: ("--fail", "hang", "--fail-rank", "1", "--fail-step", "10")})
+    for run in nodes:
+        run.wait(timeout=60)
+    for run in nodes:
+        assert run.returncode == 124, run.stderr[-3000:]
+        assert "node 1: CPU0 (rank 1) stalled at step" in headline(run), run.stderr[-3000:]
+    assert "no rank of this node had stalled" in nodes[0].stderr
+
+
+def test_a_node_that_gives_no_stall_verdict_is_the_culprit_by_silence(tmp_path):
+    """Node 2 (the test) reports a stall and then says nothing: nodes 0 and 1, whose ranks name no culprit of their
+    own, name node 2."""
+    port = free_port_pair()
+    nodes = [node(tmp_path, port, rank) for rank in range(2)]
+    said(nodes[0], "node 1 joined from 127.0.0.2")
+    for run in nodes:
+        run.wait_for_ranks(1)
+    FakeNode(port + 1, node=2).send("abort 2 CPU0 124")
+    for run in nodes:
+        run.wait(timeout=60)
+        assert run.returncode == 124, run.stderr[-3000:]
+        assert "node 2 sent no stall verdict within 5 s" in headline(run) and "the culprit by silence" in \
+            headline(run), run.stderr[-3000:]

@@ -7,6 +7,8 @@ challenge-response, then an HMAC on every line). Once authenticated, the message
     abort <node> <label> <code>    anyone → everyone: <label> on <node> ended the run with exit code <code> (0-255)
     lost <node> <why>              server → clients: <node> was lost (stopped answering, died, never joined), and why
     beat                           both ways, every `Timing.beat` seconds (at most 2 s): this node is alive
+    verdict <node> <0|1> <text>    anyone → everyone (relayed by node 0): <node>'s stall verdict, 1 when its evidence
+                                   names a rank of its own (supervisor/verdicts.py gathers them)
     done                           client → server: this node's ranks all finished
     bye                            server → clients: the run is over; a closed connection now means nothing
 

@@ -14,7 +14,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from supervisor.control.wire import LOST_CODE, MAX_LINE, LineReader, Session, Timing, parse_abort
+from supervisor.control.wire import (
+    HANG_CODE,
+    LOST_CODE,
+    MAX_LINE,
+    LineReader,
+    Session,
+    Timing,
+    parse_abort,
+    parse_verdict,
+)
 from supervisor.worker import describe_exit
 
 CONTROL_PORT_OFFSET = 1
@@ -27,9 +36,12 @@ NOTE_INTERVAL = 10.0
 RECV_BYTES = 4096
 
 Event = tuple[int, str, int, str]  # node, label, exit code, why (a sentence that names the node)
+NodeVerdict = tuple[int, bool, str]  # node, whether its evidence names a rank of its own, its stall headline
 
 
 def remote_failure(node: int, label: str, code: int) -> Event:
+    if code == HANG_CODE:  # the node's watchdog: every node reads its own ranks' evidence (supervisor/verdicts.py)
+        return node, label, code, f"node {node}: {'its ranks' if label == 'supervisor' else label} stalled"
     if label == "supervisor":  # no rank failed there: the supervisor itself stopped (a signal such as Slurm's USR1)
         return node, label, code, f"node {node}: its supervisor stopped with {describe_exit(code)}"
     return node, label, code, f"node {node}: {label} failed with {describe_exit(code)}"
@@ -138,6 +150,7 @@ class ControlChannel(ABC):
         self.fd, self._events_w = os.pipe()
         os.set_blocking(self.fd, False)
         self._events: list[Event] = []
+        self._verdicts: list[NodeVerdict] = []
         self._lock = threading.Lock()
         self.stopping = False  # an abort went out or came in: closed connections are expected from now on
         self.closing = False
@@ -152,14 +165,28 @@ class ControlChannel(ABC):
         self.stopping = True
         os.write(self._events_w, b"!")
 
-    def read_events(self) -> list[Event]:
+    def _verdict(self, verdict: NodeVerdict) -> None:
+        with self._lock:
+            self._verdicts.append(verdict)
+        os.write(self._events_w, b"v")
+
+    def read_events(self) -> tuple[list[Event], list[NodeVerdict]]:
+        """What arrived since the last call: aborts and losses, and other nodes' stall verdicts."""
         try:
             os.read(self.fd, 4096)
         except BlockingIOError:
             pass
         with self._lock:
             events, self._events = self._events, []
-        return events
+            verdicts, self._verdicts = self._verdicts, []
+        return events, verdicts
+
+    def _verdict_words(self, peer: Peer, message: str) -> NodeVerdict | None:
+        parsed = parse_verdict(message, self.nnodes)
+        if isinstance(parsed, str):
+            self.notes.note("invalid", f"dropped a verdict from {peer.address}: {parsed}")
+            return None
+        return parsed
 
     def _wake(self) -> None:
         os.write(self._wake_w, b"x")
@@ -201,6 +228,10 @@ class ControlChannel(ABC):
     @abstractmethod
     def abort(self, node: int, label: str, code: int) -> None:
         """Tell every other node to stop: <label> on <node> ended the run with <code>."""
+
+    @abstractmethod
+    def verdict(self, node: int, named: bool, headline: str) -> None:
+        """This node's stall verdict, for every other node."""
 
     @abstractmethod
     def done(self) -> None:

@@ -31,6 +31,7 @@ from supervisor.control.wire import (
     matches,
     new_nonce,
     parse_lost,
+    verdict_message,
     welcome_proof,
 )
 
@@ -154,6 +155,9 @@ class ControlClient(ControlChannel):
                 self.notes.note("invalid", f"dropped a lost message from node 0: {parsed}")
             else:
                 self._event(lost(*parsed))
+        elif message.startswith("verdict "):
+            if (verdict := self._verdict_words(server, message)) is not None:
+                self._verdict(verdict)
         elif message == "bye":
             self.bye = True
         elif message.startswith("abort "):
@@ -165,6 +169,9 @@ class ControlClient(ControlChannel):
     def abort(self, node: int, label: str, code: int) -> None:
         self.stopping = True
         self._send(abort_message(node, label, code))
+
+    def verdict(self, node: int, named: bool, headline: str) -> None:
+        self._send(verdict_message(node, named, headline))
 
     def done(self) -> None:
         self._send("done")

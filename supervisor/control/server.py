@@ -37,6 +37,7 @@ from supervisor.control.wire import (
     lost_message,
     matches,
     new_nonce,
+    verdict_message,
     welcome_proof,
 )
 from trainer.errors import UserError
@@ -218,6 +219,12 @@ class ControlServer(ControlChannel):
                 self.abort_message = self.abort_message or message
             self._broadcast(message, skip=peer)
             self._event(remote_failure(node, label, code))
+        elif message.startswith("verdict "):
+            verdict = self._verdict_words(peer, message)
+            if verdict is None or verdict[0] != peer.node:
+                return
+            self._broadcast(message, skip=peer)
+            self._verdict(verdict)
         else:
             self.notes.note("unknown", f"dropped an unknown message from node {peer.node}: {shown(message)}")
 
@@ -273,6 +280,9 @@ class ControlServer(ControlChannel):
         with self._lock:
             self.abort_message = self.abort_message or message
         self._broadcast(message)
+
+    def verdict(self, node: int, named: bool, headline: str) -> None:
+        self._broadcast(verdict_message(node, named, headline))
 
     def done(self) -> None:
         """Node 0 says nothing: its `close` waits for the others."""

@@ -36,8 +36,10 @@ MIN_SECRET_DISTINCT = 8  # "aaaaaaaaaaaaaaaa" is long enough and guessed at once
 MAX_LINE = 512
 NONCE_HEX = 32  # 16 random bytes
 MAX_EXIT_CODE = 255
+HANG_CODE = 124  # a stalled group, as timeout(1) reports a command that ran out of time
 LOST_CODE = 125  # a node was lost (it stopped answering, died, or never joined): no rank's code to give
 MAX_WHY = 300  # a `lost` message's explanation, in characters
+MAX_VERDICT = 400  # a `verdict` message's headline, in characters
 MAX_BEAT_INTERVAL = 2.0  # seconds between heartbeats, at most
 MAX_LABEL = 32
 SECRET_HINT = (f"set {SECRET_ENV} to the same random value on every node before starting them, e.g. export "
@@ -185,3 +187,23 @@ def parse_lost(message: str, nnodes: int) -> tuple[int, str] | str:
     if not (why.isascii() and why.isprintable()) or len(why) > MAX_WHY:
         return "its explanation is not printable text"
     return int(node_text), why
+
+
+def verdict_message(node: int, named: bool, headline: str) -> str:
+    """A node's stall verdict: whether its evidence names a rank of its own, and its headline (made ASCII: the
+    line's words are checked as printable ASCII on arrival)."""
+    text = headline.encode("ascii", "replace").decode()[:MAX_VERDICT]
+    return f"verdict {node} {int(named)} {text}"
+
+
+def parse_verdict(message: str, nnodes: int) -> tuple[int, bool, str] | str:
+    """A ``verdict <node> <0|1> <headline>`` message as (node, named, headline), or why it is refused."""
+    words = message.split(" ", 3)
+    if len(words) != 4 or words[2] not in ("0", "1"):
+        return "a verdict needs a node, 0 or 1, and a headline"
+    _, node_text, named, headline = words
+    if not (node_text.isascii() and node_text.isdigit()) or int(node_text) >= nnodes:
+        return f"node {node_text[:20]!r} is not one of this run's {nnodes} nodes"
+    if not (headline.isascii() and headline.isprintable()) or len(headline) > MAX_VERDICT:
+        return "its headline is not printable text"
+    return int(node_text), named == "1", headline
