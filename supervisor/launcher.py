@@ -1,9 +1,10 @@
 """One run, start to finish: prepare the data once, start the group, watch it, restart it when allowed, report.
 
 Order matters in `run`: the sentinel (`Reaper`) is forked first, while the supervisor has no other thread; then
-the supervisor makes itself a child subreaper; then the dataset is prepared (Ctrl-C there is an ordinary
-KeyboardInterrupt, no rank exists yet, and a second Ctrl-C is ignored while it unwinds); only then do signals become
-loop events.
+the supervisor makes itself a child subreaper; then, on several nodes, the control channel opens (the nodes join,
+and are heard from, while each prepares its data; a node whose preparation fails stops the others); then the dataset
+is prepared (Ctrl-C there is an ordinary KeyboardInterrupt, no rank exists yet, and a second Ctrl-C is ignored while
+it unwinds); only then do signals become loop events.
 
 The dataset step looks for the token cache in this process (a hit costs a stat per source file); a build runs as a
 child process (`prepare_dataset.py`), so that a build the kernel's out-of-memory killer ends is reported here, with
