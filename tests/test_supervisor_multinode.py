@@ -185,7 +185,7 @@ def three_nodes(tmp_path) -> tuple[Run, Run, int]:
     """Node 0 and node 1 as supervisors (CPU1 of each prints a line per step); the test is node 2."""
     port = free_port_pair()
     common = ("--nproc", "2", "--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", str(port),
-              "--grace-period", "5")
+              "--grace-period", "5", "--node-timeout", "600")  # the test's node sends no heartbeats
     env = clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
     node0, node1 = (start(tmp_path, *common, "--node-rank", str(n), entry_args=("--chatter", "1"), env=env,
                           tag=str(n)) for n in (0, 1))
