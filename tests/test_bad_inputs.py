@@ -342,6 +342,9 @@ BAD_VALUES = {
     "hang timeout NaN": (("--hang-timeout", "nan"), "--hang-timeout must be a number of seconds within 0-2,592,000"),
     "startup timeout NaN": (("--startup-timeout", "nan"),
                             "--startup-timeout must be a number of seconds within 0-2,592,000, got nan"),
+    "node timeout 0": (("--node-timeout", "0"), "--node-timeout must be a number of seconds within (0, 2,592,000], "
+                                                "got 0"),
+    "join timeout NaN": (("--join-timeout", "nan"), "--join-timeout must be a number of seconds within (0, 2,592,000]"),
     "ranks beyond any node": (("--nproc", "99999999999"), "--nproc must be within 1-1,024 (ranks on this node)"),
     "learning rate infinite": (("--lr", "inf"), "training.learning_rate must be a finite number, got inf"),
     "empty cache folder": (("--set", "data.cache_dir="), "data.cache_dir is empty; give a value"),
