@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from supervisor import gpus, torchrun_args
 from supervisor.console import Console
-from supervisor.control.wire import read_secret
+from supervisor.control.wire import Timing, read_secret
 from supervisor.diagnosis import preflight
 from supervisor.exclusion import default_min_gpus
 from supervisor.launcher import Launcher, run_folder_writes
@@ -36,10 +37,11 @@ from supervisor.slurm import layout as slurm_layout
 from supervisor.torchrun_args import TorchrunLaunch
 from trainer.checkpoint.layout import check_checkpoint_dir, earlier_run, find_resume
 from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
-from trainer.config.choices import cpu_refusal
+from trainer.config.choices import cpu_rank_refusal, cpu_refusal
 from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError, exit_without_teardown
+from trainer.model.source import check_model_source
 from trainer.wandb_run import check_wandb
 
 DEFAULT_CPU_RANKS = 2
@@ -82,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="node 0's rendezvous port (multi-node; the control channel uses PORT+1); "
                             "single node: a free port is chosen. In a Slurm job on several nodes all four flags "
                             "default to what the job's SLURM_* variables say")
+    nodes.add_argument("--local-addr", metavar="HOST",
+                       help="this node's address, the one node 0 sees its control connection come from (default: "
+                            "the system's choice)")
+    nodes.add_argument("--node-timeout", type=float, default=30.0, metavar="S",
+                       help="a node whose supervisor is not heard from for this long (frozen, cut off) is lost: "
+                            "every node stops its ranks, exit 125 (default 30; heartbeats go every few seconds)")
+    nodes.add_argument("--join-timeout", type=float, default=300.0, metavar="S",
+                       help="a node that has not joined node 0's control channel this long after node 0 started is "
+                            "lost, and named (default 300)")
     add_config_arguments(parser)
     return parser
 
@@ -128,6 +139,10 @@ def check_flags(args: argparse.Namespace) -> None:
         if not 0 <= seconds <= MAX_TIMEOUT_S:  # NaN fails this too: a NaN allowance would stall the run at once
             raise UserError(f"--{name.replace('_', '-')} must be a number of seconds within 0-{MAX_TIMEOUT_S:,}"
                             f"{' (0 disables the watchdog)' if name == 'hang_timeout' else ''}, got {seconds:g}")
+    for name in ("node_timeout", "join_timeout"):  # no 0: a node that may never be lost hangs the others forever
+        if not 0 < (seconds := getattr(args, name)) <= MAX_TIMEOUT_S:
+            raise UserError(f"--{name.replace('_', '-')} must be a number of seconds within (0, {MAX_TIMEOUT_S:,}], "
+                            f"got {seconds:g}")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must not be negative, got {args.max_restarts}")
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
@@ -262,6 +277,10 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
         earlier_run(cfg)  # a fresh start over an unfinished run: likewise
         check_checkpoint_dir(cfg)
     devices = choose_devices(args, cfg, trainer_entry, notes)
+    if trainer_entry:  # what the ranks would refuse only after the token cache is built: refused now
+        if not devices.gpus and (refusal := cpu_rank_refusal(cfg)):
+            raise UserError(refusal)
+        check_model_source(cfg)
     min_gpus = check_min_gpus(args, devices.gpus)
     ranks = node_ranks(devices.gpus, args.nproc or args.cpu_ranks, args.node_rank)
     if launch is None:
@@ -270,6 +289,7 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
                 node_rank=args.node_rank, master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
                 grace_period=args.grace_period, hang_timeout=args.hang_timeout,
                 startup_timeout=args.startup_timeout, max_restarts=args.max_restarts,
+                node_timing=Timing(args.node_timeout, args.join_timeout), local_addr=args.local_addr,
                 gpu_exclusion=args.gpu_exclusion, min_gpus=min_gpus, preflight=devices.preflight,
                 fake_gpus=devices.fake, prepare=not args.no_prepare, footer=not args.no_footer,
                 isolate_gpus=args.isolate_gpus)
@@ -302,6 +322,13 @@ def read_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str], T
     return args, [], None, launch.notes
 
 
+def discard_refused(plan: Plan) -> None:
+    """A run refused before any rank started leaves no folder: the error line said everything, and an empty run among
+    the runs that trained only misleads."""
+    if not any((plan.run_dir / spec.log_name).exists() for spec in plan.ranks):
+        shutil.rmtree(plan.run_dir, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args, entry_args, launch, notes = read_command_line(sys.argv[1:] if argv is None else argv)
@@ -326,9 +353,15 @@ def main(argv: list[str] | None = None) -> int:
             console.say(f"run {plan.run_dir.name}: {len(plan.ranks)} rank{'s' if len(plan.ranks) > 1 else ''} "
                         f"({devices}) of {plan.world_size}; logs in {plan.run_dir}/")
             console.log(f"command: {' '.join(sys.argv)}")
-            return Launcher(plan, cfg, console).run()
+            code = Launcher(plan, cfg, console).run()
+        except UserError:
+            discard_refused(plan)
+            raise
         finally:
             console.close()
+        if code == USER_ERROR_EXIT_CODE:  # the dataset build refused the data (it said why)
+            discard_refused(plan)
+        return code
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE

@@ -29,6 +29,7 @@ from supervisor.pump import Stream
 from supervisor.worker import Worker
 
 DUMP_WAIT = 1.0  # after SIGUSR1: time for faulthandler to write every thread's stack before the stop begins
+NOTHING_STALLED = "no rank of this node had stalled: each was making progress until the stop"
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Stall:
     evidence: list[str] = field(default_factory=list)  # each rank's evidence, for the report
     kill_now: set[int] = field(default_factory=set)  # ranks to SIGKILL when the stop begins (after the pause)
     from_outside: bool = False  # a silent group, diagnosed at once from its stacks read from outside
+    forced: bool = False  # not this node's watchdog: another node's stall, which this node's evidence must explain
 
 
 class HangWatchdog:
@@ -96,6 +98,33 @@ class HangWatchdog:
             return Stall(detail, w, silence, pause=DUMP_WAIT)
         return None
 
+    def dump_all(self, why: str) -> Stall:
+        """Another node stalled: this node's ranks are asked for their evidence as if its own watchdog had tripped
+        (the verdicts of every node together name the culprit, supervisor/verdicts.py)."""
+        live = [w for w in self.workers if w.alive]
+        if not self.reporting():
+            stall = self.read_from_outside(live, 0.0)
+            stall.forced = True
+            stall = self.spare_the_busy(stall, time.monotonic())
+            stall.kill_now = set(stall.culprits)
+            return stall
+        for w in live:
+            w.signal(signal.SIGUSR1)
+            culprit.request_dump(culprit.recorder_pipe(self.plan.run_dir, w.label))
+        return Stall(why, None, 0.0, pause=DUMP_WAIT, forced=True)
+
+    def spare_the_busy(self, stall: Stall, now: float) -> Stall:
+        """A forced stall names only this node's ranks that were silent for half their allowance: one still making
+        progress a moment ago is not what the other nodes wait for."""
+        console_time = self.console.writing_time()
+        by_rank = {w.spec.rank: w for w in self.workers}
+        stall.culprits = [r for r in stall.culprits
+                          if self.states[r].silence(now, console_time) >= self.allowance(by_rank[r]) / 2]
+        stall.worker = by_rank[stall.culprits[0]] if len(stall.culprits) == 1 else None
+        if not stall.culprits:
+            stall.detail = NOTHING_STALLED
+        return stall
+
     def check_silent_group(self, now: float) -> Stall | None:
         """A program that reports nothing: every live rank sampled; stalled when none showed a sign of life for
         `--hang-timeout`. Diagnosed at once: the stacks are read from outside."""
@@ -112,6 +141,12 @@ class HangWatchdog:
             return None
         self.console.say(f"no rank has written output or used CPU time for {silence:.1f} s; reading every rank's "
                          f"Python stacks from outside (py-spy), then stopping", style="bold red")
+        stall = self.read_from_outside(live, silence)
+        self.console.say(stall.detail, style="bold red")
+        return stall
+
+    def read_from_outside(self, live: list[Worker], silence: float) -> Stall:
+        """Every live rank's stacks read with py-spy, printed, and the verdict on them."""
         verdict, dumps = stacks.read_stalled({w.spec.rank: (w.label, w.pid) for w in live})
         for w in live:
             self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) Python stacks:")
@@ -119,10 +154,8 @@ class HangWatchdog:
                 self.console.say(f"  {line}")
         by_rank = {w.spec.rank: w for w in live}
         named = [c.rank for c in verdict.culprits]
-        stall = Stall(verdict.headline(silence), by_rank[named[0]] if len(named) == 1 else None, silence,
-                      culprits=named, evidence=verdict.lines, kill_now={w.spec.rank for w in live}, from_outside=True)
-        self.console.say(stall.detail, style="bold red")
-        return stall
+        return Stall(verdict.headline(silence), by_rank[named[0]] if len(named) == 1 else None, silence,
+                     culprits=named, evidence=verdict.lines, kill_now={w.spec.rank for w in live}, from_outside=True)
 
     def diagnose(self, stall: Stall, now: float) -> Stall:
         """When the stop begins: the trainer's stall after the dump pause, named from the stacks and flight records
@@ -145,6 +178,8 @@ class HangWatchdog:
         by_rank = {w.spec.rank: w for w in self.workers}
         stall.worker = by_rank[verdict.culprits[0].rank] if len(verdict.culprits) == 1 else stall.worker
         stall.culprits = [c.rank for c in verdict.culprits] or ([] if stall.worker is None else [stall.worker.spec.rank])
+        if stall.forced:
+            stall = self.spare_the_busy(stall, now)
         self.console.say(stall.detail, style="bold red")
         for line in verdict.lines:
             self.console.log(f"stall evidence: {line}")

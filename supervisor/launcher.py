@@ -1,9 +1,10 @@
 """One run, start to finish: prepare the data once, start the group, watch it, restart it when allowed, report.
 
 Order matters in `run`: the sentinel (`Reaper`) is forked first, while the supervisor has no other thread; then
-the supervisor makes itself a child subreaper; then the dataset is prepared (Ctrl-C there is an ordinary
-KeyboardInterrupt, no rank exists yet, and a second Ctrl-C is ignored while it unwinds); only then do signals become
-loop events.
+the supervisor makes itself a child subreaper; then, on several nodes, the control channel opens (the nodes join,
+and are heard from, while each prepares its data; a node whose preparation fails stops the others); then the dataset
+is prepared (Ctrl-C there is an ordinary KeyboardInterrupt, no rank exists yet, and a second Ctrl-C is ignored while
+it unwinds); only then do signals become loop events.
 
 The dataset step looks for the token cache in this process (a hit costs a stat per source file); a build runs as a
 child process (`prepare_dataset.py`), so that a build the kernel's out-of-memory killer ends is reported here, with
@@ -55,7 +56,7 @@ from supervisor.worker import Worker, become_subreaper, die_with_parent
 from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints
 from trainer.config import PROJECT_ROOT, Config
 from trainer.data.prepare_cli import interrupt_once
-from trainer.errors import UserError
+from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 if TYPE_CHECKING:
     from supervisor.control.channel import ControlChannel
@@ -87,25 +88,29 @@ class Launcher:
         reaper = Reaper()
         signals: SignalInbox | None = None
         control: ControlChannel | None = None
+        failed: int | None = None
         started = time.monotonic()
         try:
             become_subreaper()
             signal.signal(signal.SIGINT, interrupt_once)
+            if self.plan.nnodes > 1:  # before the dataset: the nodes join (and are heard from) while each builds
+                from supervisor.control import open_channel
+
+                control = open_channel(self.plan, read_secret(os.environ), self.console.say)
             try:
                 failed = self.prepare()
             except KeyboardInterrupt:
+                failed = 130
                 self.console.say("interrupted during dataset preparation; no rank was started")
-                return 130
+            except UserError:
+                failed = USER_ERROR_EXIT_CODE
+                raise
+            finally:
+                if failed is not None and control is not None:  # the other nodes stop too, told why
+                    control.abort(self.plan.node_rank, "supervisor", failed)
             if failed is not None:
                 return failed
             signals = SignalInbox()
-            if self.plan.nnodes > 1:
-                from supervisor.control import open_channel
-
-                assert self.plan.master_port is not None
-                control = open_channel(self.plan.node_rank, self.plan.nnodes, self.plan.master_addr,
-                                       self.plan.master_port, self.plan.startup_timeout, read_secret(os.environ),
-                                       self.console.say)
             restarts, before = 0, self.checkpoints()
             config = self.write_config(restarts, self.cfg.checkpoint.resume)
             while True:

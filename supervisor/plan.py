@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.control.wire import SECRET_ENV
+from supervisor.control.wire import SECRET_ENV, Timing
 from supervisor.diagnosis.culprit import recorder_pipe
 from supervisor.diagnosis.preflight import Health
 from supervisor.rendezvous import loopback_interface
@@ -63,6 +63,8 @@ class Plan:
     grace_period: float = 30.0
     hang_timeout: float = 300.0  # 0 disables the watchdog
     startup_timeout: float = 900.0
+    node_timing: Timing = field(default_factory=Timing)  # multi-node: heartbeat and join timeouts
+    local_addr: str | None = None  # multi-node: the address this node's control connection comes from
     max_restarts: int = 0
     gpu_exclusion: bool = True  # a restart after a GPU fault leaves that GPU out (supervisor.exclusion)
     min_gpus: int = 1  # fewer GPUs than this after an exclusion: the run stops instead

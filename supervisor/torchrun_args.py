@@ -66,8 +66,6 @@ NOTED: dict[str, tuple[tuple[str, ...], bool, str]] = {
                           "not used: the run's events are in <run folder>/supervisor.log"),
     "rdzv_conf": (("--rdzv-conf", "--rdzv_conf"), True,
                   "not used: the ranks meet at MASTER_ADDR:MASTER_PORT, rank 0 hosting the store"),
-    "local_addr": (("--local-addr", "--local_addr"), True,
-                   "not used: the ranks meet at MASTER_ADDR:MASTER_PORT, rank 0 hosting the store"),
     "numa_binding": (("--numa-binding", "--numa_binding"), True, "not applied: the ranks are not bound to CPUs"),
     "signals_to_handle": (("--signals-to-handle", "--signals_to_handle"), True,
                           "the supervisor's own handling applies: SIGINT, SIGTERM, SIGHUP and SIGUSR1 stop every "
@@ -119,6 +117,7 @@ def build_parser(add_own_flags: Callable[[argparse._ArgumentGroup], None]) -> On
     t.add_argument("--log-dir", "--log_dir", dest="log_dir")
     t.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout", type=float, metavar="S")
     t.add_argument("--virtual-local-rank", "--virtual_local_rank", dest="virtual_local_rank", action="store_true")
+    t.add_argument("--local-addr", "--local_addr", dest="local_addr", metavar="HOST")
     for dest, (flags, takes_value, _) in NOTED.items():
         t.add_argument(*flags, dest=dest, **({} if takes_value else {"action": "store_true"}))
     add_own_flags(parser.add_argument_group("the supervisor's own launch flags"))
@@ -153,7 +152,7 @@ def parse(argv: list[str], add_own_flags: Callable[[argparse._ArgumentGroup], No
     t = build_parser(add_own_flags).parse_args(argv)
     args = argparse.Namespace(**vars(defaults))
     for name in ("gpus", "allow_busy_gpus", "isolate_gpus", "grace_period", "hang_timeout", "startup_timeout",
-                 "gpu_exclusion", "min_gpus", "no_footer", "max_restarts"):
+                 "gpu_exclusion", "min_gpus", "no_footer", "max_restarts", "local_addr"):
         setattr(args, name, getattr(t, name))
     if t.log_dir is not None:
         args.log_dir = t.log_dir

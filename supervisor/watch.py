@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
-from supervisor.control.wire import LOST_CODE
+from supervisor.control.wire import HANG_CODE, LOST_CODE
 from supervisor.diagnosis import stragglers
 from supervisor.failure import FailureRule
 from supervisor.hangs import HangWatchdog, Stall
@@ -33,6 +33,7 @@ from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
 from supervisor.signals import STOP_SIGNALS, SignalInbox
+from supervisor.verdicts import NodeVerdicts
 from supervisor.worker import Worker, describe_exit
 from trainer.errors import USER_ERROR_EXIT_CODE
 from trainer.progress import Progress
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 
 KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
 PUMP_WAIT = 2.0  # after the last exit: time for the pump to reach end-of-file on every pipe
-EXIT_HANG = 124  # a stalled group, as timeout(1) reports a command that ran out of time
+EXIT_HANG = HANG_CODE
 
 FINISHED = "finished"
 FAILED_FIRST = "failed first"
@@ -106,6 +107,7 @@ class Watch:
         self.hangs = HangWatchdog(plan, workers, self.states, console, tails)
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
+        self.verdicts = NodeVerdicts(plan.nnodes) if control is not None else None  # a stall's, across the nodes
 
     # -- the loop --------------------------------------------------------------------------------------------------
 
@@ -118,11 +120,12 @@ class Watch:
             if w.pidfd is not None:
                 self.selector.register(w.pidfd, selectors.EVENT_READ, ("exit", w))
         try:
-            while any(w.alive for w in self.workers):
+            while any(w.alive for w in self.workers) or self.awaiting_verdicts():
                 for key, _ in self.selector.select(self.timeout()):
                     self.dispatch(key.data)
                 self.check_exits()
                 self.check_clock()
+            self.settle_verdicts()
         finally:
             for w in self.workers:
                 if w.progress_fd >= 0:
@@ -137,9 +140,12 @@ class Watch:
         if data == "signals":
             self.on_signals(self.signals.read())
         elif data == "control":
-            assert self.control is not None
-            for event in self.control.read_events():
+            assert self.control is not None and self.verdicts is not None
+            events, verdicts = self.control.read_events()
+            for event in events:
                 self.on_remote(event)
+            for verdict in verdicts:
+                self.verdicts.add(*verdict)
         elif data[0] == "exit":
             if data[1].alive:
                 self.on_exit(data[1])
@@ -158,6 +164,9 @@ class Watch:
             deadlines.append(stop.kill_at)
         else:
             deadlines.append(stop.kill_at + KILL_WAIT)
+        if self.awaiting_verdicts():
+            assert self.verdicts is not None
+            deadlines.append(self.verdicts.deadline)
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
@@ -226,12 +235,14 @@ class Watch:
 
     # -- stopping --------------------------------------------------------------------------------------------------
 
-    def begin_stop(self, stop: Stop, pause: float = 0.0) -> None:
+    def begin_stop(self, stop: Stop, pause: float = 0.0, tell_others: bool = True) -> None:
         if self.stop is not None:
             return
         self.stop = stop
         stop.term_at = stop.at + pause
-        if not stop.awaiting:  # else once the culprit's exit gives the code (`settle_failure`)
+        if stop.stall is not None and self.verdicts is not None:
+            self.verdicts.expect(stop.term_at)
+        if tell_others and not stop.awaiting:  # else once the culprit's exit gives the code (`settle_failure`)
             self.abort_other_nodes(stop)
         self.check_clock()
 
@@ -260,6 +271,9 @@ class Watch:
                 for rank in stall.culprits:
                     self.endings[rank] = STALLED
                 stalled = stall.kill_now
+                if self.control is not None and self.verdicts is not None:  # for the headline on every node
+                    self.control.verdict(self.plan.node_rank, bool(stall.culprits), stall.detail)
+                    self.verdicts.add(self.plan.node_rank, bool(stall.culprits), stall.detail)
             for w in self.workers:
                 if w.spec.rank in stalled:
                     w.kill_group()
@@ -267,7 +281,11 @@ class Watch:
                     # (an announced culprit is on its way out; a SIGTERM after it has left its stop handler would
                     # make its exit code 143)
                     w.terminate()
+            if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
+                self.console.say(f"SIGTERM sent; a rank still running in {self.plan.grace_period:g} s "
+                                 f"(--grace-period) gets SIGKILL", style="yellow")
         if stop.terminated and not stop.killed and now >= stop.kill_at:
+            self.say_unheeded()
             self.kill_all()
         if stop.killed and now >= stop.kill_at + KILL_WAIT:
             for w in self.workers:
@@ -278,6 +296,31 @@ class Watch:
                     w.exit_code, w.ended = 128 + signal.SIGKILL, now
                     if stop.awaiting and stop.worker is w:
                         self.settle_failure(w, w.exit_code)
+
+    def awaiting_verdicts(self) -> bool:
+        return self.verdicts is not None and self.verdicts.waiting(time.monotonic())
+
+    def settle_verdicts(self) -> None:
+        """A stall on several nodes: the headline every node's verdicts agree on replaces this node's own."""
+        stop = self.stop
+        if stop is None or stop.stall is None or self.verdicts is None:
+            return
+        headline = self.verdicts.headline()
+        if headline is not None and headline != stop.detail:
+            stop.detail = headline
+            self.console.say(f"across the nodes: {headline}", style="bold red")
+
+    def say_unheeded(self) -> None:
+        """The ranks that outlived SIGTERM by the whole grace period, and where they were: a rank still in the
+        rendezvous (no step reported yet: waiting for a node, a collective's first connection) has nothing to save,
+        and a signal handler that only sets a flag is never reached while it waits there."""
+        left = [w for w in self.workers if w.alive]
+        if not left:
+            return
+        waiting = [w.label for w in left if self.states[w.spec.rank].event != "step"]
+        where = f" ({', '.join(waiting)} before the first step: in the rendezvous, or start-up)" if waiting else ""
+        self.console.say(f"{', '.join(w.label for w in left)} still running {self.plan.grace_period:g} s after "
+                         f"SIGTERM{where}; SIGKILL", style="bold yellow")
 
     def kill_all(self) -> None:
         stop = self.stop
@@ -310,12 +353,17 @@ class Watch:
                 self.kill_all()
 
     def on_remote(self, event: tuple[int, str, int, str]) -> None:
-        node, label, code, why = event
-        if self.stop is None:
-            self.console.say(f"node {node}: {why}; stopping this node's ranks", style="bold red")
+        _, _, code, why = event
+        if self.stop is None and code == EXIT_HANG:  # another node stalled: this node's evidence is asked for too
+            self.console.say(f"{why}; reading this node's ranks' evidence too, then stopping", style="bold red")
+            stall = self.hangs.dump_all(why)
+            self.begin_stop(Stop("hang", EXIT_HANG, why, worker=stall.worker, stall=stall), pause=stall.pause,
+                            tell_others=False)
+        elif self.stop is None:
+            self.console.say(f"{why}; stopping this node's ranks", style="bold red")
             self.failures.quiet_fallout(None)
             # an abort always says how a rank failed; were it to say 0, the run must still not look finished
-            self.begin_stop(Stop("remote", code or LOST_CODE, f"node {node}: {why}"))
+            self.begin_stop(Stop("remote", code or LOST_CODE, why))
 
     # -- progress and hangs ----------------------------------------------------------------------------------------
 

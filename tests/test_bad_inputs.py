@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -176,6 +177,21 @@ CASES = {
     "checkpoint folder on a full disk": BadInput(
         "run_training.sh", ("--debug",), "ckpt is not writable (No space left on device, 0 bytes free); set "
         "checkpoint.dir to a writable folder", full_disks=("ckpt",)),
+    "NCCL on CPU ranks": BadInput(
+        "supervisor", ("--debug", "--set", "system.backend=nccl"),
+        "system.backend 'nccl' needs CUDA GPUs; use gloo (or auto) on CPUs"),
+    "liger loss on CPU ranks": BadInput(
+        "supervisor", ("--debug", "--set", "training.loss=liger"),
+        "training.loss liger needs a CUDA GPU (Triton kernels); use chunked or auto on CPUs"),
+    "model folder that does not exist": BadInput(
+        "supervisor", ("--debug", "--set", "model.name_or_path=models/none"),
+        "model.name_or_path 'models/none': cannot read a model config there"),
+    "model vocabulary below the tokenizer's": BadInput(
+        "run_training.sh", ("--debug", "--set", "model.vocab_size=100", *SMALL_DATA),
+        "the model's vocabulary (100) is smaller than the tokenizer's (300); use the model's own tokenizer"),
+    "character device as the data source": BadInput(
+        "supervisor", ("--debug", "--set", "data.source=/dev/zero", *SMALL_DATA),
+        "data.source /dev/zero is a character device, not a file or folder", before_any_work=False),
     "unknown loss": BadInput(
         "supervisor", ("--debug", "--set", "training.loss=fused"),
         "training.loss must be one of auto, chunked, liger, full, got 'fused'"),
@@ -259,9 +275,35 @@ def run_bad_input(case: BadInput, tmp_path: Path) -> None:
     assert case.message in lines[-1], err
     if case.before_any_work:
         assert len(lines) == 1, err
-        logs = tmp_path / "logs"
-        assert not logs.exists() or not [p for p in logs.iterdir() if p.name != FILLER], "a run folder was made"
+    logs = tmp_path / "logs"  # a refused run leaves no run folder, however far it got
+    assert not logs.exists() or not [p for p in logs.iterdir() if p.name != FILLER], "a run folder was left"
     no_half_written_output(tmp_path, case.files)
+
+
+@pytest.mark.slow
+def test_the_final_model_survives_its_token_cache_being_deleted(tmp_path: Path) -> None:
+    """Deleting the token cache while the run trains (a cleanup, a full disk's victim) costs nothing: the rank holds
+    what the final model needs (the tokenizer) from its start."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"Line {i} of a small corpus, about foxes and dogs and numbers.\n" for i in range(400)))
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [*COMMANDS["supervisor"], "--debug", "--nproc", "1", "--log-dir", str(tmp_path / "logs"), "--no-footer",
+         "--set", f"data.cache_dir={cache}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set",
+         f"data.source={corpus}", *SMALL_DATA, "--max-steps", "3", "--set", "debug.inject_fault=slow", "--set",
+         "debug.inject_fault_step=1", "--set", "debug.inject_fault_delay_s=1"],
+        cwd=tmp_path, env=clean_env(HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with watching(proc):
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the rank trains: its tokenizer was read when it started
+            if "Step [1/" in line:
+                shutil.rmtree(cache)
+                break
+        out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, err[-3000:]
+    assert not cache.exists()
+    final = tmp_path / "ckpt" / "final"
+    assert {"tokenizer.json", "model.safetensors"} <= {p.name for p in final.iterdir()}, out[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -300,6 +342,9 @@ BAD_VALUES = {
     "hang timeout NaN": (("--hang-timeout", "nan"), "--hang-timeout must be a number of seconds within 0-2,592,000"),
     "startup timeout NaN": (("--startup-timeout", "nan"),
                             "--startup-timeout must be a number of seconds within 0-2,592,000, got nan"),
+    "node timeout 0": (("--node-timeout", "0"), "--node-timeout must be a number of seconds within (0, 2,592,000], "
+                                                "got 0"),
+    "join timeout NaN": (("--join-timeout", "nan"), "--join-timeout must be a number of seconds within (0, 2,592,000]"),
     "ranks beyond any node": (("--nproc", "99999999999"), "--nproc must be within 1-1,024 (ranks on this node)"),
     "learning rate infinite": (("--lr", "inf"), "training.learning_rate must be a finite number, got inf"),
     "empty cache folder": (("--set", "data.cache_dir="), "data.cache_dir is empty; give a value"),

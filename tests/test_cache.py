@@ -167,6 +167,25 @@ def test_source_digests_are_remembered_under_each_files_stat(tmp_path: Path, mon
     assert edited.built and edited.key not in (first.key, rehashed.key) and reads == ["3.txt"]
 
 
+def test_a_source_that_changes_while_its_cache_builds_is_named_and_nothing_is_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A .txt appended to while its cache builds: the tokens would not be the content the key names."""
+    source = tmp_path / "corpus.txt"
+    source.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    real_write = cache_module.write_cache
+
+    def write_then_append(*args: object) -> None:
+        real_write(*args)
+        with source.open("a") as f:  # another program still writing the file
+            f.write("one more line, appended during the build\n")
+
+    monkeypatch.setattr(cache_module, "write_cache", write_then_append)
+    cfg = make_config(tmp_path / "cache", source=str(source), max_samples=None)
+    with pytest.raises(UserError, match=f"data.source {source} changed while it was read to build the token cache"):
+        prepare(cfg, show_progress=False)
+    assert final_folders(tmp_path / "cache") == [] and leftovers(tmp_path / "cache") == []
+
+
 def test_sample_by_cuts_a_txt_file_into_documents_and_enters_the_key(built: tuple[Config, CacheInfo],
                                                                      tmp_path: Path) -> None:
     _, info = built

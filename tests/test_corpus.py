@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from trainer.data.corpus import (
     LocalCorpus,
     StdlibCorpus,
     is_validation,
+    local_files,
     open_corpus,
     split_documents,
     training_pieces,
@@ -202,3 +204,29 @@ def test_split_caps_documents_and_is_deterministic() -> None:
     assert all(split[i][2] == split[i + 1][2] for i in range(0, 80, 2))  # both pieces go where their document goes
     assert split == list(split_documents(iter(pieces), 40, 0.1))
     assert list(training_pieces(iter(pieces), 40, 0.1)) == [text for text, _, held in split if not held]
+
+
+def odd_source(tmp_path: Path, kind: str) -> Path:
+    """A path that exists (or seems to) but is no regular file or folder."""
+    path = tmp_path / "corpus.txt"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "loop":
+        path.symlink_to(tmp_path / "other.txt")
+        (tmp_path / "other.txt").symlink_to(path)
+    elif kind == "dangling":
+        path.symlink_to(tmp_path / "gone.txt")
+    else:
+        return Path(kind)
+    return path
+
+
+@pytest.mark.parametrize(("kind", "said"), [
+    ("/dev/zero", "is a character device"), ("fifo", "is a named pipe (FIFO)"), ("loop", "is a symbolic link loop"),
+    ("dangling", "is a symbolic link to ")])
+def test_an_odd_file_as_the_source_is_named_for_what_it_is(tmp_path: Path, kind: str, said: str) -> None:
+    """Reading /dev/zero or a FIFO would never end; each is refused at once, for what it is, not as missing."""
+    path = odd_source(tmp_path, kind)
+    with pytest.raises(UserError, match=re.escape(f"data.source {path} {said}")) as refused:
+        local_files(str(path))
+    assert "does not exist;" not in str(refused.value)

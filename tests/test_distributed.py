@@ -150,7 +150,7 @@ def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
         assert torch.equal(flat_params(restored_model), flat_params(fsdp))
 
         # The final model is gathered from the shards onto rank 0 and saved with save_pretrained.
-        store.save_final(root / "final", fsdp, ctx, tokenizer, eos_id=0)
+        store.save_final(root / "final", fsdp, ctx, tokenizer.read_text(), eos_id=0)
         save_full_params(fsdp, rank, root / "fsdp_params.pt")
     finally:
         teardown()

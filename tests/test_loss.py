@@ -100,7 +100,7 @@ def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
             assert abs(results["full"][0] - results["chunked"][0]) < 1e-5, strategy
             assert torch.allclose(results["full"][1], results["chunked"][1], rtol=1e-4, atol=1e-6), strategy
         assert is_sharded(model) and shape_signature(model) == shape_signature(fresh(cfg))
-        store.save_final(root / "final", model, ctx, tokenizer, eos_id=0)
+        store.save_final(root / "final", model, ctx, tokenizer.read_text(), eos_id=0)
         save_full_params(model, rank, root / "fsdp_params.pt")
     finally:
         teardown()

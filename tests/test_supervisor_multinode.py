@@ -17,7 +17,16 @@ import pytest
 
 from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, start, survivors
 from supervisor.control.channel import remote_failure
-from supervisor.control.wire import SECRET_ENV, LineReader, Session, hello_proof, new_nonce, read_secret, welcome_proof
+from supervisor.control.wire import (
+    LOST_CODE,
+    SECRET_ENV,
+    LineReader,
+    Session,
+    hello_proof,
+    new_nonce,
+    read_secret,
+    welcome_proof,
+)
 from trainer.errors import UserError
 
 
@@ -87,8 +96,8 @@ def test_a_vanished_node_supervisor_stops_the_others(tmp_path):
     time.sleep(0.3)  # connected by now (the client retries every 0.2 s)
     os.kill(node1.proc.pid, signal.SIGKILL)
     node0.wait(timeout=20)
-    assert node0.returncode == 1, node0.stderr[-2000:]
-    assert "lost contact with node 1's supervisor" in node0.stderr
+    assert node0.returncode == LOST_CODE, node0.stderr[-2000:]
+    assert "lost contact with node 1's supervisor (127.0.0.1): its connection closed" in node0.stderr
     assert survivors(node0.pids() + pids1, timeout=3.0) == []
 
 
@@ -96,9 +105,9 @@ def test_a_node_with_another_secret_is_refused_and_told_why(tmp_path):
     node0, node1 = two_nodes(tmp_path, node0_args=("--steps", "20"), node1_secret="another-secret-0123456789")
     node1.wait(timeout=20)
     node0.wait(timeout=20)
-    assert node1.returncode == 1, node1.stderr[-2000:]
+    assert node1.returncode == LOST_CODE, node1.stderr[-2000:]
     assert "node 0's control server refused this node's hello: SUPERVISOR_CONTROL_SECRET differs" in node1.stderr
-    assert "that does not prove this run's secret" in node0.stderr  # and node 0 goes on: a refusal is no abort
+    assert "refused a hello as node 1 from 127.0.0.1" in node0.stderr  # and node 0 goes on: a refusal is no abort
     assert node0.returncode == 0, node0.stderr[-2000:]
 
 
@@ -136,6 +145,12 @@ class FakeNode:
             assert lines is not None
         return lines
 
+    def news(self) -> list[str]:
+        """The next lines that are not heartbeats."""
+        while not (lines := [line for line in self.lines() if not line.startswith("beat ")]):
+            pass
+        return lines
+
     def send(self, message: str) -> bytes:
         line = self.session.seal(message)
         self.sock.sendall(line)
@@ -170,7 +185,7 @@ def three_nodes(tmp_path) -> tuple[Run, Run, int]:
     """Node 0 and node 1 as supervisors (CPU1 of each prints a line per step); the test is node 2."""
     port = free_port_pair()
     common = ("--nproc", "2", "--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", str(port),
-              "--grace-period", "5")
+              "--grace-period", "5", "--node-timeout", "600")  # the test's node sends no heartbeats
     env = clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
     node0, node1 = (start(tmp_path, *common, "--node-rank", str(n), entry_args=("--chatter", "1"), env=env,
                           tag=str(n)) for n in (0, 1))
@@ -236,7 +251,7 @@ def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
     assert (node0.returncode, node1.returncode) == (137, 137), node0.stderr[-3000:]
     print(f"node 0's ranks gone {stopped_in:.3f} s after node 1's rank was killed")
     assert stopped_in < 1.0, stopped_in
-    assert me.lines()[0].startswith("abort 1 CPU1 137 ")  # relayed to every node
+    assert me.news()[0].startswith("abort 1 CPU1 137 ")  # relayed to every node
     for said in ("closed before authenticating", "is not a hello", "that does not prove this run's secret",
                  "a line over 512 bytes", "did not authenticate within 3 s", "connections waiting to authenticate",
                  "exit code '99999999999999999999' is not within 0-255", "whose MAC is wrong",
@@ -249,19 +264,21 @@ def test_a_remote_abort_never_ends_a_run_with_exit_0(tmp_path):
     FakeNode(control, node=2).send("abort 2 CPU0 0")
     node0.wait(timeout=20)
     node1.wait(timeout=20)
-    assert (node0.returncode, node1.returncode) == (1, 1), node0.stderr[-3000:]
+    assert (node0.returncode, node1.returncode) == (LOST_CODE, LOST_CODE), node0.stderr[-3000:]
     assert "node 2: CPU0 failed with exit 0" in node0.stderr
 
 
 SERVER_WITH_FEW_FDS = """
 import os, resource, select, sys
-from supervisor.control import open_channel
+from supervisor.control.server import ControlServer
+from supervisor.control.wire import Timing
 limits = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 12, limits[1]))
-channel = open_channel(0, 3, '127.0.0.1', int(sys.argv[1]), 5, sys.argv[2].encode(), lambda line: print(line, flush=True))
+channel = ControlServer(3, '127.0.0.1', int(sys.argv[1]) + 1, sys.argv[2].encode(), Timing(),
+                        lambda line: print(line, flush=True))
 print('listening', flush=True)
 select.select([channel.fd], [], [])
-print('event', channel.read_events(), flush=True)
+print('event', channel.read_events()[0], flush=True)
 resource.setrlimit(resource.RLIMIT_NOFILE, limits)  # room to exit in (ending a thread may load a library)
 """
 
@@ -281,7 +298,7 @@ def test_out_of_file_descriptors_the_control_port_goes_on_hearing_the_nodes(tmp_
     finally:
         server.kill()
     assert "out of file descriptors (Too many open files): closed the oldest connection" in out
-    assert "event [(1, 'GPU5', 9, 'GPU5 failed with exit 9')]" in out
+    assert "event [(1, 'GPU5', 9, 'node 1: GPU5 failed with exit 9')]" in out
 
 
 def test_a_line_is_worth_nothing_on_another_connection_or_twice():
@@ -301,9 +318,13 @@ def test_the_secret_must_be_set_and_not_trivial():
         read_secret({})
     with pytest.raises(UserError, match="SUPERVISOR_CONTROL_SECRET has 6 characters; use at least 16"):
         read_secret({SECRET_ENV: "abc123"})
+    with pytest.raises(UserError, match="SUPERVISOR_CONTROL_SECRET has only 1 distinct characters; use at least 8"):
+        read_secret({SECRET_ENV: "a" * 16})
+    with pytest.raises(UserError, match="only 7 distinct characters"):
+        read_secret({SECRET_ENV: "abcdefg" * 4})
     assert read_secret({SECRET_ENV: CONTROL_SECRET}) == CONTROL_SECRET.encode()
 
 
 def test_an_abort_says_whether_a_rank_failed_or_a_supervisor_stopped():
-    assert remote_failure(1, "GPU3", 7)[3] == "GPU3 failed with exit 7"
-    assert remote_failure(1, "supervisor", 138)[3] == "its supervisor stopped with SIGUSR1 (138)"  # Slurm's warning
+    assert remote_failure(1, "GPU3", 7)[3] == "node 1: GPU3 failed with exit 7"
+    assert remote_failure(1, "supervisor", 138)[3] == "node 1: its supervisor stopped with SIGUSR1 (138)"  # Slurm's warning

@@ -201,10 +201,10 @@ def test_flags_without_a_use_here_are_accepted_with_one_line_each():
              "--numa-binding", "node", "--signals-to-handle", "SIGUSR1", "--event-log-handler", "x",
              "--logs-specs", "x", "--duplicate-stdout-filters", "a", "--duplicate-stderr-filters", "b"]
     args, _, _, notes = read(*flags, str(PROGRAMS / "flaky.py"))
-    assert args.log_dir == "/tmp/x"
+    assert args.log_dir == "/tmp/x" and args.local_addr == "h"  # honoured: where this node connects from
     named = [note.split(":", 1)[0] for note in notes]
     assert sorted(named) == sorted(["--tee 3", "--redirects 3", "--log-dir /tmp/x", "--monitor-interval 1",
-                                    "--start-method fork", "--rdzv-conf join_timeout=5", "--local-addr h",
+                                    "--start-method fork", "--rdzv-conf join_timeout=5",
                                     "--local-ranks-filter 0", "--run-path", "--numa-binding node",
                                     "--signals-to-handle SIGUSR1", "--event-log-handler x", "--logs-specs x",
                                     "--duplicate-stdout-filters a", "--duplicate-stderr-filters b"])

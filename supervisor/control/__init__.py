@@ -5,15 +5,24 @@ node's supervisor connects to it and proves it holds the run's secret (superviso
 challenge-response, then an HMAC on every line). Once authenticated, the messages are:
 
     abort <node> <label> <code>    anyone → everyone: <label> on <node> ended the run with exit code <code> (0-255)
+    lost <node> <why>              server → clients: <node> was lost (stopped answering, died, never joined), and why
+    beat                           both ways, every `Timing.beat` seconds (at most 2 s): this node is alive
+    verdict <node> <0|1> <text>    anyone → everyone (relayed by node 0): <node>'s stall verdict, 1 when its evidence
+                                   names a rank of its own (supervisor/verdicts.py gathers them)
     done                           client → server: this node's ranks all finished
     bye                            server → clients: the run is over; a closed connection now means nothing
 
 Node 0 relays every client's ``abort`` to the other clients, and hands it to a node that connects only later; an
 aborting supervisor lingers (up to the grace period) until its abort is delivered: to every node, for node 0, or
 to node 0, for the others. An authenticated connection that closes without ``done`` (seen by the server) or without
-``bye`` (seen by a client), while nobody has aborted, means that supervisor died: the others treat it as an abort with
-exit code 1. Every node then exits with the code of the rank that failed first, wherever it ran, and its report says
-where that was.
+``bye`` (seen by a client), while nobody has aborted, means that supervisor died; one that stays open but says nothing
+for `Timing.node_timeout` seconds (``--node-timeout``: its supervisor frozen, its host gone without a reset) means it
+stopped answering. Either way the node is lost: node 0 names it to everyone (``lost``), a client that loses node 0
+names it itself, and every node stops its ranks with `LOST_CODE` (125). A node that has not joined within
+`Timing.join_timeout` seconds of node 0 opening the channel (``--join-timeout``) is lost the same way ("node 2 never
+joined"), with any hello refused in its name (another secret, another run) said at once and again in that headline.
+Otherwise every node exits with the code of the rank that failed first, wherever it ran, and its report says where
+that was.
 
 The port is open to the whole network, so the server assumes nothing of a connection until its hello proves the
 secret. A connection that has not done so within `HELLO_TIMEOUT` seconds is closed, as is one that sends a line over
@@ -36,11 +45,13 @@ from collections.abc import Callable
 from supervisor.control.channel import CONTROL_PORT_OFFSET, ControlChannel
 from supervisor.control.client import ControlClient
 from supervisor.control.server import ControlServer
+from supervisor.plan import Plan
 
 
-def open_channel(node_rank: int, nnodes: int, addr: str, master_port: int, connect_timeout: float, secret: bytes,
-                 say: Callable[[str], None]) -> ControlChannel:
-    port = master_port + CONTROL_PORT_OFFSET
-    if node_rank == 0:
-        return ControlServer(node_rank, nnodes, addr, port, secret, say)
-    return ControlClient(node_rank, nnodes, addr, port, connect_timeout, secret, say)
+def open_channel(plan: Plan, secret: bytes, say: Callable[[str], None]) -> ControlChannel:
+    assert plan.master_port is not None
+    port = plan.master_port + CONTROL_PORT_OFFSET
+    if plan.node_rank == 0:
+        return ControlServer(plan.nnodes, plan.master_addr, port, secret, plan.node_timing, say)
+    return ControlClient(plan.node_rank, plan.nnodes, (plan.master_addr, port), plan.local_addr, secret,
+                         plan.node_timing, say)

@@ -14,7 +14,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from supervisor.control.wire import MAX_LINE, LineReader, Session, parse_abort
+from supervisor.control.wire import (
+    HANG_CODE,
+    LOST_CODE,
+    MAX_LINE,
+    LineReader,
+    Session,
+    Timing,
+    parse_abort,
+    parse_verdict,
+)
 from supervisor.worker import describe_exit
 
 CONTROL_PORT_OFFSET = 1
@@ -26,13 +35,30 @@ SEND_TIMEOUT = 2.0
 NOTE_INTERVAL = 10.0
 RECV_BYTES = 4096
 
-Event = tuple[int, str, int, str]  # node, label, exit code, why
+Event = tuple[int, str, int, str]  # node, label, exit code, why (a sentence that names the node)
+NodeVerdict = tuple[int, bool, str]  # node, whether its evidence names a rank of its own, its stall headline
 
 
 def remote_failure(node: int, label: str, code: int) -> Event:
+    if code == HANG_CODE:  # the node's watchdog: every node reads its own ranks' evidence (supervisor/verdicts.py)
+        return node, label, code, f"node {node}: {'its ranks' if label == 'supervisor' else label} stalled"
     if label == "supervisor":  # no rank failed there: the supervisor itself stopped (a signal such as Slurm's USR1)
-        return node, label, code, f"its supervisor stopped with {describe_exit(code)}"
-    return node, label, code, f"{label} failed with {describe_exit(code)}"
+        return node, label, code, f"node {node}: its supervisor stopped with {describe_exit(code)}"
+    return node, label, code, f"node {node}: {label} failed with {describe_exit(code)}"
+
+
+def lost(node: int, why: str) -> Event:
+    """A node that was lost: its supervisor stopped answering, died, or never joined."""
+    return node, "supervisor", LOST_CODE, why
+
+
+def silence(node: int, address: str, since: float) -> str:
+    return f"node {node} ({host(address)}) stopped answering {time.monotonic() - since:.1f} s ago"
+
+
+def host(address: str) -> str:
+    """The host of a ``host:port`` address."""
+    return address.rpartition(":")[0] or address
 
 
 def shown(line: str) -> str:
@@ -66,6 +92,7 @@ class Peer:
     address: str
     nonce: str  # this end's nonce
     opened: float = field(default_factory=time.monotonic)
+    heard: float = field(default_factory=time.monotonic)  # the last authenticated line from it
     reader: LineReader = field(default_factory=LineReader)
     session: Session | None = None  # set once authenticated
     node: int | None = None  # server side: the node it proved to be
@@ -115,12 +142,15 @@ class Peer:
 class ControlChannel(ABC):
     """What the server and the client share: the secret, the event pipe, the thread, the notes."""
 
-    def __init__(self, node_rank: int, nnodes: int, secret: bytes, say: Callable[[str], None]) -> None:
-        self.node_rank, self.nnodes, self.secret = node_rank, nnodes, secret
+    def __init__(self, node_rank: int, nnodes: int, secret: bytes, timing: Timing, say: Callable[[str], None]) -> None:
+        self.node_rank, self.nnodes, self.secret, self.timing = node_rank, nnodes, secret, timing
+        self.say = say
+        self.next_beat = time.monotonic()
         self.notes = Notes(say)
         self.fd, self._events_w = os.pipe()
         os.set_blocking(self.fd, False)
         self._events: list[Event] = []
+        self._verdicts: list[NodeVerdict] = []
         self._lock = threading.Lock()
         self.stopping = False  # an abort went out or came in: closed connections are expected from now on
         self.closing = False
@@ -135,17 +165,53 @@ class ControlChannel(ABC):
         self.stopping = True
         os.write(self._events_w, b"!")
 
-    def read_events(self) -> list[Event]:
+    def _verdict(self, verdict: NodeVerdict) -> None:
+        with self._lock:
+            self._verdicts.append(verdict)
+        os.write(self._events_w, b"v")
+
+    def read_events(self) -> tuple[list[Event], list[NodeVerdict]]:
+        """What arrived since the last call: aborts and losses, and other nodes' stall verdicts."""
         try:
             os.read(self.fd, 4096)
         except BlockingIOError:
             pass
         with self._lock:
             events, self._events = self._events, []
-        return events
+            verdicts, self._verdicts = self._verdicts, []
+        return events, verdicts
+
+    def _verdict_words(self, peer: Peer, message: str) -> NodeVerdict | None:
+        parsed = parse_verdict(message, self.nnodes)
+        if isinstance(parsed, str):
+            self.notes.note("invalid", f"dropped a verdict from {peer.address}: {parsed}")
+            return None
+        return parsed
 
     def _wake(self) -> None:
         os.write(self._wake_w, b"x")
+
+    def _opened(self, peer: Peer, line: str) -> str | None:
+        """The message of an authentic line from `peer` (which counts as a sign of life), or None (and a note)."""
+        assert peer.session is not None
+        message = peer.session.open(line)
+        if message is None:
+            self.notes.note("mac", f"dropped a line from node {peer.node} ({peer.address}) whose MAC is wrong or "
+                                   f"out of sequence: {shown(line)}")
+        else:
+            peer.heard = time.monotonic()
+        return message
+
+    def _beat(self, peers: list[Peer]) -> None:
+        """A heartbeat to each of `peers`, when one is due."""
+        now = time.monotonic()
+        if now >= self.next_beat:
+            self.next_beat = now + self.timing.beat
+            for peer in peers:
+                peer.send("beat")
+
+    def _silent(self, peer: Peer) -> bool:
+        return time.monotonic() - peer.heard >= self.timing.node_timeout
 
     def _abort_words(self, peer: Peer, message: str) -> tuple[int, str, int] | None:
         """An authenticated abort's node, label and code, or None (and a note) when it is not one to act on."""
@@ -162,6 +228,10 @@ class ControlChannel(ABC):
     @abstractmethod
     def abort(self, node: int, label: str, code: int) -> None:
         """Tell every other node to stop: <label> on <node> ended the run with <code>."""
+
+    @abstractmethod
+    def verdict(self, node: int, named: bool, headline: str) -> None:
+        """This node's stall verdict, for every other node."""
 
     @abstractmethod
     def done(self) -> None:

@@ -1,5 +1,5 @@
-"""The end of every node but 0: connects to node 0 (retrying until the connect timeout), proves the secret, and
-passes aborts both ways.
+"""The end of every node but 0: connects to node 0 (retrying until the join timeout), proves the secret, passes
+aborts both ways, and beats; node 0 silent for the node timeout is lost.
 """
 
 from __future__ import annotations
@@ -16,18 +16,22 @@ from supervisor.control.channel import (
     RETRY_INTERVAL,
     ControlChannel,
     Peer,
+    lost,
     remote_failure,
     shown,
+    silence,
 )
 from supervisor.control.wire import (
-    LOST_CODE,
     SECRET_ENV,
     Session,
+    Timing,
     abort_message,
     hello_proof,
     is_nonce,
     matches,
     new_nonce,
+    parse_lost,
+    verdict_message,
     welcome_proof,
 )
 
@@ -35,10 +39,10 @@ from supervisor.control.wire import (
 class ControlClient(ControlChannel):
     """Every node but node 0."""
 
-    def __init__(self, node_rank: int, nnodes: int, addr: str, port: int, connect_timeout: float, secret: bytes,
-                 say: Callable[[str], None]) -> None:
-        super().__init__(node_rank, nnodes, secret, say)
-        self.addr, self.port, self.connect_timeout = addr, port, connect_timeout
+    def __init__(self, node_rank: int, nnodes: int, server: tuple[str, int], local_addr: str | None, secret: bytes,
+                 timing: Timing, say: Callable[[str], None]) -> None:
+        super().__init__(node_rank, nnodes, secret, timing, say)
+        (self.addr, self.port), self.local_addr = server, local_addr
         self.server: Peer | None = None  # once connected and authenticated
         self.outbox: list[str] = []  # messages from before that
         self.bye = False
@@ -53,29 +57,30 @@ class ControlClient(ControlChannel):
         server.send(message)
 
     def _join(self) -> Peer | None:
-        """Connect and authenticate, retrying until `connect_timeout`: node 0 may not be listening yet, or may have
+        """Connect and authenticate, retrying until the join timeout: node 0 may not be listening yet, or may have
         closed this connection among a flood of others. None when it cannot be done (the reason is an event)."""
-        deadline = time.monotonic() + self.connect_timeout
+        deadline = time.monotonic() + self.timing.join_timeout
         why = "no answer"
         while not self.closing:
             try:
-                sock = socket.create_connection((self.addr, self.port), timeout=HELLO_TIMEOUT)
+                sock = socket.create_connection((self.addr, self.port), timeout=HELLO_TIMEOUT,
+                                                source_address=(self.local_addr, 0) if self.local_addr else None)
             except OSError as e:
                 why = e.strerror or str(e)
             else:
-                result = self._handshake(Peer(sock, f"{self.addr}:{self.port}", new_nonce()))
+                result = self._handshake(Peer(sock, f"{self.addr}:{self.port}", new_nonce(), node=0))
                 if isinstance(result, Peer):
                     return result
                 sock.close()
                 if result == "refused":
-                    self._event((0, "supervisor", LOST_CODE, f"node 0's control server refused this node's hello: "
-                                                             f"{SECRET_ENV} differs between the nodes"))
+                    self._event(lost(0, f"node 0's control server refused this node's hello: {SECRET_ENV} differs "
+                                        f"between the nodes (or node 0 is another run's)"))
                     return None
                 why = result
             if time.monotonic() >= deadline:
                 if not self.stopping:
-                    self._event((0, "supervisor", LOST_CODE,
-                                 f"cannot reach node 0's control server at {self.addr}:{self.port} ({why})"))
+                    self._event(lost(0, f"could not join node 0's control server at {self.addr}:{self.port} "
+                                        f"within {self.timing.join_timeout:g} s (--join-timeout): {why}"))
                 return None
             time.sleep(RETRY_INTERVAL)
         return None
@@ -113,11 +118,16 @@ class ControlClient(ControlChannel):
             self._message(server, line)
         self.selector.register(server.sock, selectors.EVENT_READ, "server")
         while not self.closing:
-            for key, _ in self.selector.select():
+            deadline = min(self.next_beat, server.heard + self.timing.node_timeout)
+            for key, _ in self.selector.select(max(0.0, deadline - time.monotonic())):
                 if key.data is None:
                     os.read(self._wake_r, 64)
                 elif not self._read(server):
                     return
+            self._beat([server])
+            if self._silent(server) and not (self.bye or self.stopping or self.closing):
+                self._event(lost(0, silence(0, server.address, server.heard)))
+                return
 
     def _read(self, server: Peer) -> bool:
         """Handle what node 0 sent; False once the connection is over."""
@@ -129,17 +139,25 @@ class ControlClient(ControlChannel):
         if lines is None:
             self.selector.unregister(server.sock)
             if not self.bye and not self.stopping and not self.closing:
-                self._event((0, "supervisor", LOST_CODE, "lost contact with node 0's supervisor"))
+                self._event(lost(0, f"lost contact with node 0's supervisor ({self.addr}): its connection closed"))
             return False
         for line in lines:
             self._message(server, line)
         return True
 
     def _message(self, server: Peer, line: str) -> None:
-        assert server.session is not None
-        message = server.session.open(line)
-        if message is None:
-            self.notes.note("mac", f"dropped a line from node 0 whose MAC is wrong or out of sequence: {shown(line)}")
+        message = self._opened(server, line)
+        if message is None or message == "beat":
+            pass
+        elif message.startswith("lost "):
+            parsed = parse_lost(message, self.nnodes)
+            if isinstance(parsed, str):
+                self.notes.note("invalid", f"dropped a lost message from node 0: {parsed}")
+            else:
+                self._event(lost(*parsed))
+        elif message.startswith("verdict "):
+            if (verdict := self._verdict_words(server, message)) is not None:
+                self._verdict(verdict)
         elif message == "bye":
             self.bye = True
         elif message.startswith("abort "):
@@ -151,6 +169,9 @@ class ControlClient(ControlChannel):
     def abort(self, node: int, label: str, code: int) -> None:
         self.stopping = True
         self._send(abort_message(node, label, code))
+
+    def verdict(self, node: int, named: bool, headline: str) -> None:
+        self._send(verdict_message(node, named, headline))
 
     def done(self) -> None:
         self._send("done")

@@ -4,6 +4,7 @@ says `bye` when the run is over.
 
 from __future__ import annotations
 
+import math
 import os
 import selectors
 import socket
@@ -19,19 +20,24 @@ from supervisor.control.channel import (
     SEND_TIMEOUT,
     ControlChannel,
     Peer,
+    host,
+    lost,
     remote_failure,
     shown,
+    silence,
 )
 from supervisor.control.wire import (
-    LOST_CODE,
     MAX_LINE,
     SECRET_ENV,
     Session,
+    Timing,
     abort_message,
     hello_proof,
     is_nonce,
+    lost_message,
     matches,
     new_nonce,
+    verdict_message,
     welcome_proof,
 )
 from trainer.errors import UserError
@@ -40,9 +46,9 @@ from trainer.errors import UserError
 class ControlServer(ControlChannel):
     """Node 0."""
 
-    def __init__(self, node_rank: int, nnodes: int, addr: str, port: int, secret: bytes,
+    def __init__(self, nnodes: int, addr: str, port: int, secret: bytes, timing: Timing,
                  say: Callable[[str], None]) -> None:
-        super().__init__(node_rank, nnodes, secret, say)
+        super().__init__(0, nnodes, secret, timing, say)
         try:
             self.listener = socket.create_server((addr, port))
         except OSError:
@@ -57,6 +63,8 @@ class ControlServer(ControlChannel):
         self.abort_message: str | None = None  # the abort, for nodes that connect after it
         self.nodes_seen: set[int] = set()
         self.accept_paused_until: float | None = None
+        self.join_deadline = time.monotonic() + timing.join_timeout  # inf once every node joined, or after
+        self.refused: dict[int, str] = {}  # a node that has not joined → the address of a refused hello in its name
         self.thread.start()
 
     def _run(self) -> None:
@@ -74,14 +82,31 @@ class ControlServer(ControlChannel):
         """The connections that have not authenticated yet, oldest first."""
         return [p for p in self.peers if p.session is None]
 
+    def _live(self) -> list[Peer]:
+        """The connected nodes whose ranks are still at work: each must be heard from every `node_timeout`."""
+        return [p for p in self.peers if p.session is not None and not p.done]
+
     def _timeout(self) -> float | None:
         deadlines = [p.opened + HELLO_TIMEOUT for p in self._waiting()]
         if self.accept_paused_until is not None:
             deadlines.append(self.accept_paused_until)
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        if not self.stopping:
+            live = self._live()
+            deadlines += [p.heard + self.timing.node_timeout for p in live]
+            deadlines += [self.next_beat] if live else []
+            deadlines.append(self.join_deadline)
+        finite = [d for d in deadlines if d != math.inf]
+        return max(0.0, min(finite) - time.monotonic()) if finite else None
 
     def _expire(self) -> None:
         now = time.monotonic()
+        self._beat([p for p in self.peers if p.session is not None])
+        if not self.stopping and not self.closing:
+            for peer in self._live():
+                if self._silent(peer):
+                    self._close(peer, silence(peer.node or 0, peer.address, peer.heard))
+            if now >= self.join_deadline:
+                self._never_joined()
         for peer in self._waiting():
             if now >= peer.opened + HELLO_TIMEOUT:
                 self._drop(peer, "silent", f"closed the connection from {peer.address}: it did not authenticate "
@@ -149,8 +174,16 @@ class ControlServer(ControlChannel):
         node, client_nonce = int(words[1]), words[2]
         if not matches(words[3], hello_proof(self.secret, node, peer.nonce, client_nonce)):
             peer.send_plain("refused")
-            self._drop(peer, "forged", f"refused a hello from {peer.address} that does not prove this run's secret "
-                                       f"(a stranger, or a node started with another {SECRET_ENV})")
+            if 0 < node < self.nnodes and node not in self.nodes_seen:  # said at once, each such node on its own
+                self.refused[node] = peer.address
+                left = max(0.0, self.join_deadline - time.monotonic())
+                self._drop(peer, f"forged-{node}", f"refused a hello as node {node} from {peer.address}: it does not "
+                                                   f"prove this run's secret ({SECRET_ENV} differs there, or it is "
+                                                   f"another run's node); unless node {node} joins, the run stops "
+                                                   f"in {left:.0f} s (--join-timeout)")
+            else:
+                self._drop(peer, "forged", f"refused a hello from {peer.address} that does not prove this run's "
+                                           f"secret (a stranger, or a node started with another {SECRET_ENV})")
             return
         if not 0 < node < self.nnodes or any(p.node == node for p in self.peers):
             self._drop(peer, "node", f"closed the connection from {peer.address}: node {node} is not one of this "
@@ -161,16 +194,17 @@ class ControlServer(ControlChannel):
             peer.session = Session.derive(self.secret, peer.nonce, client_nonce, server=True)
             peer.node = node
             self.nodes_seen.add(node)
+            if len(self.nodes_seen) == self.nnodes - 1:
+                self.join_deadline = math.inf
             late_abort = self.abort_message
+        self.say(f"control port: node {node} joined from {host(peer.address)}")
         if late_abort is not None:
             peer.send(late_abort)
 
     def _message(self, peer: Peer, line: str) -> None:
-        assert peer.session is not None
-        message = peer.session.open(line)
-        if message is None:
-            self.notes.note("mac", f"dropped a line from node {peer.node} ({peer.address}) whose MAC is wrong or out "
-                                   f"of sequence: {shown(line)}")
+        message = self._opened(peer, line)
+        if message is None or message == "beat":
+            pass
         elif message == "done":
             peer.done = True
         elif message.startswith("abort "):
@@ -185,6 +219,12 @@ class ControlServer(ControlChannel):
                 self.abort_message = self.abort_message or message
             self._broadcast(message, skip=peer)
             self._event(remote_failure(node, label, code))
+        elif message.startswith("verdict "):
+            verdict = self._verdict_words(peer, message)
+            if verdict is None or verdict[0] != peer.node:
+                return
+            self._broadcast(message, skip=peer)
+            self._verdict(verdict)
         else:
             self.notes.note("unknown", f"dropped an unknown message from node {peer.node}: {shown(message)}")
 
@@ -192,9 +232,9 @@ class ControlServer(ControlChannel):
         self.notes.note(kind, note)
         self._close(peer)
 
-    def _close(self, peer: Peer) -> None:
+    def _close(self, peer: Peer, why: str | None = None) -> None:
         """Forget a connection; an authenticated node's, closed before it was done and while nobody has aborted, means
-        its supervisor died."""
+        its supervisor was lost: it died, or (`why`) it stopped answering."""
         if peer.closed:
             return
         self.selector.unregister(peer.sock)
@@ -203,9 +243,30 @@ class ControlServer(ControlChannel):
         with self._lock:
             self.peers.remove(peer)
         if peer.session is not None and not peer.done and not self.stopping and not self.closing:
-            node = peer.node if peer.node is not None else -1
-            self._broadcast(abort_message(node, "supervisor", LOST_CODE))
-            self._event((node, "supervisor", LOST_CODE, f"lost contact with node {node}'s supervisor"))
+            node = peer.node or 0
+            self._lose(node, why or f"lost contact with node {node}'s supervisor ({host(peer.address)}): its "
+                                    f"connection closed")
+
+    def _lose(self, node: int, why: str) -> None:
+        """`node` was lost: the other nodes hear why (as does one that connects later), and so does this one."""
+        message = lost_message(node, why)
+        with self._lock:
+            self.abort_message = self.abort_message or message
+        self._broadcast(message)
+        self._event(lost(node, why))
+
+    def _never_joined(self) -> None:
+        """The join timeout ran out: the nodes still missing are named, with the hellos refused in their names."""
+        self.join_deadline = math.inf
+        missing = [n for n in range(1, self.nnodes) if n not in self.nodes_seen]
+        if not missing:
+            return
+        names = f"node{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"
+        why = (f"{names} never joined: no supervisor of {'them' if len(missing) > 1 else 'it'} connected to node 0 "
+               f"and proved this run's secret within {self.timing.join_timeout:g} s (--join-timeout)")
+        why += "".join(f"; a hello as node {n} from {host(self.refused[n])} was refused ({SECRET_ENV} differs there, "
+                       f"or it is another run's node)" for n in missing if n in self.refused)
+        self._lose(missing[0], why)
 
     def _broadcast(self, message: str, skip: Peer | None = None) -> None:
         with self._lock:
@@ -219,6 +280,9 @@ class ControlServer(ControlChannel):
         with self._lock:
             self.abort_message = self.abort_message or message
         self._broadcast(message)
+
+    def verdict(self, node: int, named: bool, headline: str) -> None:
+        self._broadcast(verdict_message(node, named, headline))
 
     def done(self) -> None:
         """Node 0 says nothing: its `close` waits for the others."""

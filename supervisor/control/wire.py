@@ -10,6 +10,9 @@ wire). The handshake is a challenge-response with a fresh nonce from each side:
     welcome <proof>                          server → client; proof = HMAC(secret, "welcome <node> <both nonces>")
     refused                                  server → client: the hello's proof is wrong (another secret)
 
+A node that authenticated is then heard from at least every few seconds (``beat``, `Timing`), so a node that
+stops answering (frozen, cut off) is told apart from one that is merely quiet; see supervisor/control/__init__.py.
+
 Both sides then derive a session key from the secret and both nonces, and every later line is ``<message> <mac>``:
 HMAC-SHA256 under that key over the direction, the line's sequence number in that direction, and the message. A line
 recorded on one connection is worthless on another (other nonces, other key), and on its own connection it is out of
@@ -29,14 +32,36 @@ from trainer.errors import UserError
 
 SECRET_ENV = "SUPERVISOR_CONTROL_SECRET"
 MIN_SECRET_LENGTH = 16
+MIN_SECRET_DISTINCT = 8  # "aaaaaaaaaaaaaaaa" is long enough and guessed at once
 MAX_LINE = 512
 NONCE_HEX = 32  # 16 random bytes
 MAX_EXIT_CODE = 255
-LOST_CODE = 1  # the exit code of a run whose other node's supervisor was lost (it had no rank's code to give)
+HANG_CODE = 124  # a stalled group, as timeout(1) reports a command that ran out of time
+LOST_CODE = 125  # a node was lost (it stopped answering, died, or never joined): no rank's code to give
+MAX_WHY = 300  # a `lost` message's explanation, in characters
+MAX_VERDICT = 400  # a `verdict` message's headline, in characters
+MAX_BEAT_INTERVAL = 2.0  # seconds between heartbeats, at most
 MAX_LABEL = 32
 SECRET_HINT = (f"set {SECRET_ENV} to the same random value on every node before starting them, e.g. export "
                f"{SECRET_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(32))'); train_slurm.sbatch "
                f"sets one for its job")
+
+@dataclass(frozen=True)
+class Timing:
+    """How long a node may be silent, and how long the others wait for one to join.
+
+    Every authenticated line counts as a sign of life; a ``beat`` goes out every `beat` seconds both ways, so that a
+    node stays heard while nothing else happens. A connected node silent for `node_timeout` (its supervisor frozen,
+    its host or the network gone without a reset) is lost; a node that has not joined `join_timeout` seconds after
+    node 0 opened the channel never will."""
+
+    node_timeout: float = 30.0
+    join_timeout: float = 300.0
+
+    @property
+    def beat(self) -> float:
+        return min(MAX_BEAT_INTERVAL, self.node_timeout / 4)
+
 
 def read_secret(env: Mapping[str, str]) -> bytes:
     """The run's control secret: a multi-node launch without one is refused before anything starts."""
@@ -47,6 +72,9 @@ def read_secret(env: Mapping[str, str]) -> bytes:
     if len(secret) < MIN_SECRET_LENGTH:
         raise UserError(f"{SECRET_ENV} has {len(secret)} characters; use at least {MIN_SECRET_LENGTH} random ones: "
                         f"{SECRET_HINT}")
+    if len(set(secret)) < MIN_SECRET_DISTINCT:
+        raise UserError(f"{SECRET_ENV} has only {len(set(secret))} distinct characters; use at least "
+                        f"{MIN_SECRET_DISTINCT} (a random value): {SECRET_HINT}")
     return secret.encode()
 
 
@@ -141,3 +169,41 @@ def parse_abort(words: list[str], nnodes: int) -> tuple[int, str, int] | str:
     if not (label.isascii() and label.isprintable()) or len(label) > MAX_LABEL:
         return f"label {label[:MAX_LABEL]!r} is not a device label"
     return int(node_text), label, int(code_text)
+
+
+def lost_message(node: int, why: str) -> str:
+    return f"lost {node} {why[:MAX_WHY]}"
+
+
+def parse_lost(message: str, nnodes: int) -> tuple[int, str] | str:
+    """A ``lost <node> <why>`` message (node 0 telling the others a node was lost) as (node, why), or why it is
+    refused."""
+    words = message.split(" ", 2)
+    if len(words) != 3:
+        return "a lost message needs a node and an explanation"
+    _, node_text, why = words
+    if not (node_text.isascii() and node_text.isdigit()) or int(node_text) >= nnodes:
+        return f"node {node_text[:20]!r} is not one of this run's {nnodes} nodes"
+    if not (why.isascii() and why.isprintable()) or len(why) > MAX_WHY:
+        return "its explanation is not printable text"
+    return int(node_text), why
+
+
+def verdict_message(node: int, named: bool, headline: str) -> str:
+    """A node's stall verdict: whether its evidence names a rank of its own, and its headline (made ASCII: the
+    line's words are checked as printable ASCII on arrival)."""
+    text = headline.encode("ascii", "replace").decode()[:MAX_VERDICT]
+    return f"verdict {node} {int(named)} {text}"
+
+
+def parse_verdict(message: str, nnodes: int) -> tuple[int, bool, str] | str:
+    """A ``verdict <node> <0|1> <headline>`` message as (node, named, headline), or why it is refused."""
+    words = message.split(" ", 3)
+    if len(words) != 4 or words[2] not in ("0", "1"):
+        return "a verdict needs a node, 0 or 1, and a headline"
+    _, node_text, named, headline = words
+    if not (node_text.isascii() and node_text.isdigit()) or int(node_text) >= nnodes:
+        return f"node {node_text[:20]!r} is not one of this run's {nnodes} nodes"
+    if not (headline.isascii() and headline.isprintable()) or len(headline) > MAX_VERDICT:
+        return "its headline is not printable text"
+    return int(node_text), named == "1", headline

@@ -82,6 +82,8 @@ class Checkpointer:
         self.in_flight: BackgroundWrite | None = None
         self.saved: list[SaveRecord] = []  # appended by the writer as each save is published (rank 0)
         self.load_s: float | None = None  # how long the resume's load took
+        # the final model's tokenizer, held from the start: the token cache may be removed while the run trains
+        self.tokenizer_json = cache.tokenizer_path.read_text() if cfg.checkpoint.save_final and ctx.is_main else ""
 
     def meta(self, step: int) -> store.CheckpointMeta:
         return store.CheckpointMeta(
@@ -227,7 +229,7 @@ class Checkpointer:
     def save_final(self) -> None:
         """`final/`: the transformers model and the tokenizer, loadable with `from_pretrained`."""
         self.progress.phase("checkpoint")
-        final = store.save_final(self.root / store.FINAL_DIR, self.state.model, self.ctx, self.cache.tokenizer_path,
+        final = store.save_final(self.root / store.FINAL_DIR, self.state.model, self.ctx, self.tokenizer_json,
                                  self.cache.eos_id)
         if self.ctx.is_main:
             self.log.info(f"final model saved: {final} (AutoModelForCausalLM.from_pretrained)")

@@ -382,9 +382,12 @@ def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> Che
 # The final model
 
 
-def save_final(out_dir: Path, model: torch.nn.Module, ctx: DistContext, tokenizer_path: Path,
+def save_final(out_dir: Path, model: torch.nn.Module, ctx: DistContext, tokenizer_json: str,
                eos_id: int | None) -> Path:
-    """`save_pretrained` (safetensors) plus the tokenizer, atomically, into `out_dir` (collective when sharded)."""
+    """`save_pretrained` (safetensors) plus the tokenizer, atomically, into `out_dir` (collective when sharded).
+
+    The tokenizer comes as its JSON text, read when the run started: the token cache it came from may be gone by the
+    end of a long run (cleaned up, rebuilt elsewhere), and the final model must not depend on it."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a progress bar per shard would garble the rank's log
@@ -392,7 +395,7 @@ def save_final(out_dir: Path, model: torch.nn.Module, ctx: DistContext, tokenize
     state_dict = None
     if is_sharded(model):  # gather full weights onto rank 0's CPU
         state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    failure = failure_of(lambda: write_final(out_dir, model, state_dict, tokenizer_path, eos_id),
+    failure = failure_of(lambda: write_final(out_dir, model, state_dict, tokenizer_json, eos_id),
                          out_dir.parent) if ctx.is_main else None
     if failure is not None:
         remove(out_dir.with_name(TMP_PREFIX + out_dir.name))
@@ -400,8 +403,9 @@ def save_final(out_dir: Path, model: torch.nn.Module, ctx: DistContext, tokenize
     return out_dir
 
 
-def write_final(out_dir: Path, model: torch.nn.Module, state_dict: dict[str, Any] | None, tokenizer_path: Path,
+def write_final(out_dir: Path, model: torch.nn.Module, state_dict: dict[str, Any] | None, tokenizer_json: str,
                 eos_id: int | None) -> None:
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     tmp = out_dir.with_name(TMP_PREFIX + out_dir.name)
@@ -413,7 +417,7 @@ def write_final(out_dir: Path, model: torch.nn.Module, state_dict: dict[str, Any
         model.save_pretrained(tmp, state_dict=state_dict)
     finally:
         model.config.use_cache = use_cache
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer_json))
     if eos_id is not None:
         eos = tokenizer.convert_ids_to_tokens(eos_id)
         tokenizer.eos_token = tokenizer.bos_token = tokenizer.pad_token = eos

@@ -12,6 +12,8 @@ if TYPE_CHECKING:
     from trainer.config import Config
 
 CPU_MAX_PARAMETERS = 1_000_000_000  # beyond this a CPU run is not training, it is waiting
+NCCL_ON_CPU = "system.backend 'nccl' needs CUDA GPUs; use gloo (or auto) on CPUs"
+LIGER_ON_CPU = "training.loss liger needs a CUDA GPU (Triton kernels); use chunked or auto on CPUs"
 
 # Logits per chunk of the chunked loss: 128M (512 MiB in fp32), 4,096 tokens of a 32k vocabulary. Small enough to be
 # a minor share of a GPU's memory, large enough that each chunk's matmul keeps the GPU busy.
@@ -51,3 +53,13 @@ def cpu_refusal(cfg: Config) -> str | None:
         return None
     return (f"preset '{cfg.preset}' ({human(params)} parameters, {t.strategy}, {t.precision}) needs GPUs and none was "
             f"found; use --debug (or --preset small) on a CPU, or force it with --set system.device=cpu")
+
+
+def cpu_rank_refusal(cfg: Config) -> str | None:
+    """Why CPU ranks cannot run `cfg` at all (None: they can): settings that only exist on CUDA. The rank refuses them
+    when it meets them; the supervisor, knowing its ranks will be CPU ranks, refuses them before the token cache."""
+    if cfg.system.backend == "nccl":
+        return NCCL_ON_CPU
+    if cfg.training.loss == "liger":
+        return LIGER_ON_CPU
+    return None

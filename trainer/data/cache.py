@@ -412,7 +412,8 @@ def find_or_build(cfg: Config, *, force: bool, show_progress: bool | None, rehas
             return None
         infos = []
         for source, corpus, identity in zip(sources, corpora, identities):
-            info = find_or_build_source(source, corpus, identity, spec, root, progress, force=force, build=build)
+            info = find_or_build_source(source, corpus, identity, spec, root, progress, digests, force=force,
+                                        build=build)
             if info is None:
                 return None
             infos.append(info)
@@ -423,7 +424,8 @@ def find_or_build(cfg: Config, *, force: bool, show_progress: bool | None, rehas
 
 
 def find_or_build_source(data: DataConfig, corpus: Corpus, source: dict[str, Any], spec: TokenizerSpec, root: Path,
-                         progress: BuildProgress, *, force: bool, build: bool) -> CacheInfo | None:
+                         progress: BuildProgress, digests: DigestMemo, *, force: bool,
+                         build: bool) -> CacheInfo | None:
     """One source's cache: a hit without any lock, else built under the key's lock (see the module docstring)."""
     material = key_material(data, source, spec)
     key = digest(material)
@@ -440,6 +442,11 @@ def find_or_build_source(data: DataConfig, corpus: Corpus, source: dict[str, Any
         progress.message(f"building token cache {key} from {corpus.description} with {spec.description}")
         with staging(root, key, "token cache") as folder:
             write_cache(folder, key, material, corpus, spec, data, progress)
+            # (a file whose stat is unchanged since it was hashed above is not read again, even with rehash)
+            if corpus.identity(replace(digests, rehash=False)) != source:
+                raise UserError(f"data.source {data.source} changed while it was read to build the token cache "
+                                f"(a file written to, added or removed); nothing was kept: build again once it "
+                                f"no longer changes")
             publish(folder, final)
         seconds = time.perf_counter() - started
     return cache_info(TokenCache.open(final), built=True, seconds=seconds)

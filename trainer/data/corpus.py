@@ -16,12 +16,14 @@ path (compute the key, open the cache) must not pay for them.
 
 from __future__ import annotations
 
+import errno
 import glob
 import io
 import math
 import os
 import platform
 import re
+import stat
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -327,6 +329,9 @@ def local_files(source: str, split: str) -> tuple[list[Path] | None, Path]:
     if path.is_file():
         format_of(path)
         return [path], path.parent
+    if (kind := odd_file(path)) is not None:
+        raise UserError(f"data.source {source} is {kind}, not a file or folder of {SUPPORTED}; give a regular file, "
+                        f"a folder or a glob")
     if looks_like_path(source):
         raise UserError(f"data.source {source} does not exist; give an existing file, folder or glob of {SUPPORTED}, "
                         f"'stdlib', or a hub dataset name")
@@ -343,6 +348,25 @@ def split_shards(files: list[Path], split: str, source: str) -> list[Path]:
         raise UserError(f"data.source folder {source} holds the splits {', '.join(sorted(splits))}; set data.split "
                         f"to one of them")
     return [p for p in files if (m := SHARD.match(p.name)) and m["split"] == split]
+
+
+ODD_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+
+
+def odd_file(path: Path) -> str | None:
+    """What `path` is when it exists but is neither a regular file nor a folder (reading /dev/zero or a FIFO would
+    never end), or a symbolic link that leads nowhere; None when there is nothing at `path`."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if path.is_symlink():
+            return f"a symbolic link to {os.readlink(path)}, which does not exist"
+        return None
+    return next((kind for test, kind in ODD_KINDS if test(mode)), "neither a file nor a folder")
+
 
 
 def looks_like_path(source: str) -> bool:

@@ -14,11 +14,12 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from trainer.config import Config
 from trainer.config.sizes import model_vocab_size
 from trainer.errors import UserError
+from trainer.model.source import check_vocabulary, pretrained_config
 
 ATTENTION = "sdpa"  # PyTorch's fused attention: flash / memory-efficient kernels on GPUs, a fused kernel on CPUs
 MASKLESS_ATTENTION = "sdpa_causal_no_mask"  # the same kernel, registered under a name no mask builder knows
@@ -52,14 +53,6 @@ def has_weights(folder: Path) -> bool:
     return any(any(folder.glob(pattern)) for pattern in WEIGHT_FILE_PATTERNS)
 
 
-def pretrained_config(name_or_path: str) -> PretrainedConfig:
-    """The architecture of a hub model or local folder (its `config.json`)."""
-    try:
-        return AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"model.name_or_path '{name_or_path}': cannot read a model config there ({e})") from None
-
-
 def model_config(cfg: Config, vocab_size: int | None = None, eos_id: int | None = None) -> PretrainedConfig:
     """The transformers config this run trains: from `model.name_or_path` when set, else from the config's fields."""
     if cfg.model.name_or_path:
@@ -77,11 +70,7 @@ def build_model(cfg: Config, vocab_size: int, eos_id: int | None, device: torch.
     """
     name = cfg.model.name_or_path
     config = model_config(cfg, vocab_size, eos_id)
-    if config.vocab_size < vocab_size:
-        raise UserError(
-            f"the model's vocabulary ({config.vocab_size}) is smaller than the tokenizer's ({vocab_size}); "
-            f"use the model's own tokenizer (data.tokenizer) or a larger model.vocab_size"
-        )
+    check_vocabulary(config.vocab_size, vocab_size)
     if name and (not Path(name).is_dir() or has_weights(Path(name))):
         try:
             model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32,

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.config import Config
+from trainer.config.choices import NCCL_ON_CPU
 from trainer.errors import UserError
 from trainer.model.build import decoder_layers
 
@@ -115,7 +116,7 @@ def init_distributed(cfg: Config) -> DistContext:
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
-        raise UserError("system.backend 'nccl' needs CUDA GPUs; use gloo (or auto) on CPUs")
+        raise UserError(NCCL_ON_CPU)
     timeout = timedelta(seconds=cfg.system.dist_timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config import Config
-from trainer.config.choices import CHUNK_ELEMENTS, auto_loss
+from trainer.config.choices import CHUNK_ELEMENTS, LIGER_ON_CPU, auto_loss
 from trainer.errors import UserError
 
 LIGER_MODULE = "liger_kernel"
@@ -76,7 +76,7 @@ def choose_loss(cfg: Config, model: torch.nn.Module, device: torch.device) -> Lo
                           device.type == "cuda" else None)
     if want == "liger":
         if device.type != "cuda":
-            raise UserError("training.loss liger needs a CUDA GPU (Triton kernels); use chunked or auto on CPUs")
+            raise UserError(LIGER_ON_CPU)
         if not liger_installed():
             return LossChoice("chunked", "liger-kernel is not installed (pip install '.[liger]'); using chunked")
     return LossChoice(want)

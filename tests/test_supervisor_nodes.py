@@ -1,0 +1,150 @@
+"""Three node supervisors on three loopback addresses (127.0.0.1-3; Linux routes all of 127/8 to lo): a node that
+freezes, dies or never joins is named on every other node, and every node stops with the code for a lost node."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+from test_supervisor_multinode import FakeNode, free_port_pair
+
+from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, start, survivors
+from supervisor.control.wire import LOST_CODE
+
+NODES = 3
+TIMEOUTS = ("--node-timeout", "3", "--join-timeout", "6", "--grace-period", "2")
+
+
+def address(node: int) -> str:
+    return f"127.0.0.{node + 1}"
+
+
+def node(tmp_path, port: int, rank: int, *flags: str, secret: str = CONTROL_SECRET,
+         entry_args: tuple[str, ...] = ()) -> Run:
+    return start(tmp_path, "--nproc", "1", "--nnodes", str(NODES), "--node-rank", str(rank), "--master-addr",
+                 address(0), "--master-port", str(port), "--local-addr", address(rank), *TIMEOUTS, *flags,
+                 env=clean_env(SUPERVISOR_CONTROL_SECRET=secret), tag=str(rank), entry_args=entry_args)
+
+
+def said(run: Run, text: str, timeout: float = 30) -> None:
+    """Wait until `run`'s console has said `text`."""
+    deadline = time.monotonic() + timeout
+    while text not in run.err_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.err_path.read_text()[-3000:]
+        time.sleep(0.05)
+
+
+def joined(tmp_path, *flags: str, entry_args: dict[int, tuple[str, ...]] | None = None) -> list[Run]:
+    """All three nodes started, joined and training (`entry_args`: a node's rank program's arguments)."""
+    port = free_port_pair()
+    nodes = [node(tmp_path, port, rank, *flags, entry_args=(entry_args or {}).get(rank, ())) for rank in range(NODES)]
+    for rank in range(1, NODES):
+        said(nodes[0], f"node {rank} joined from {address(rank)}")
+    for run in nodes:
+        run.wait_for_ranks(1)
+    return nodes
+
+
+def freeze(run: Run) -> list[int]:
+    """SIGSTOP a node: its supervisor and its ranks. Returns the pids, to SIGKILL at the end."""
+    pids = [run.proc.pid, *run.pids()]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+def thaw(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_frozen_node_is_named_on_every_other_node(tmp_path):
+    nodes = joined(tmp_path)
+    frozen = freeze(nodes[2])
+    try:
+        for run in nodes[:2]:
+            run.wait(timeout=60)
+            assert run.returncode == LOST_CODE, run.stderr[-3000:]
+            assert "node 2 (127.0.0.3) stopped answering" in run.stderr, run.stderr[-3000:]
+            assert f"exit code {LOST_CODE}" in run.stderr
+        assert survivors(nodes[0].pids() + nodes[1].pids(), timeout=5) == []
+    finally:
+        thaw(frozen)
+
+
+def test_node_0_frozen_is_named_by_the_others(tmp_path):
+    nodes = joined(tmp_path)
+    frozen = freeze(nodes[0])
+    try:
+        for run in nodes[1:]:
+            run.wait(timeout=60)
+            assert run.returncode == LOST_CODE, run.stderr[-3000:]
+            assert "node 0 (127.0.0.1) stopped answering" in run.stderr, run.stderr[-3000:]
+    finally:
+        thaw(frozen)
+
+
+def test_node_0_killed_is_named_by_the_others(tmp_path):
+    nodes = joined(tmp_path)
+    os.kill(nodes[0].proc.pid, signal.SIGKILL)
+    for run in nodes[1:]:
+        run.wait(timeout=60)
+        assert run.returncode == LOST_CODE, run.stderr[-3000:]
+        assert "lost contact with node 0's supervisor (127.0.0.1): its connection closed" in run.stderr
+    assert survivors(nodes[0].pids() + nodes[1].pids() + nodes[2].pids(), timeout=5) == []
+
+
+def test_a_node_with_another_secret_is_named_at_once_and_the_join_is_bounded(tmp_path):
+    port = free_port_pair()
+    nodes = [node(tmp_path, port, 0), node(tmp_path, port, 1, entry_args=("--on-term", "ignore"))]
+    said(nodes[0], "node 1 joined from 127.0.0.2")
+    nodes.append(node(tmp_path, port, 2, secret="another-secret-0123456789"))
+    said(nodes[0], "refused a hello as node 2 from 127.0.0.3")  # at once: node 0 is still waiting for node 2
+    nodes[2].wait(timeout=30)
+    assert nodes[2].returncode == LOST_CODE
+    assert "node 0's control server refused this node's hello: SUPERVISOR_CONTROL_SECRET differs" in nodes[2].stderr
+    for run in nodes[:2]:
+        run.wait(timeout=60)
+        assert run.returncode == LOST_CODE, run.stderr[-3000:]
+        stopped = headline(run)
+        assert "node 2 never joined" in stopped and "within 6 s (--join-timeout)" in stopped, stopped
+        assert "a hello as node 2 from 127.0.0.3 was refused" in stopped, stopped
+    assert "CPU0 still running 2 s after SIGTERM; SIGKILL" in nodes[1].stderr  # said, not silent
+    assert survivors(nodes[0].pids() + nodes[1].pids(), timeout=5) == []
+
+
+def headline(run: Run) -> str:
+    """The report's first line: ``run stopped after ...: <why>`` (or ``run failed after``)."""
+    return next(line for line in run.stderr.splitlines() if re.match(r"supervisor: run \w+ after ", line))
+
+
+def test_a_stall_is_named_on_every_node_by_the_node_whose_evidence_names_it(tmp_path):
+    """Node 1's rank hangs in its own code: node 1's watchdog trips, the others read their own ranks' evidence
+    (still making progress: nothing of theirs stalled), and every node's headline names node 1's rank."""
+    nodes = joined(tmp_path, "--hang-timeout", "3",
+                   entry_args={1: ("--fail", "hang", "--fail-rank", "1", "--fail-step", "10")})
+    for run in nodes:
+        run.wait(timeout=60)
+    for run in nodes:
+        assert run.returncode == 124, run.stderr[-3000:]
+        assert "node 1: CPU0 (rank 1) stalled at step" in headline(run), run.stderr[-3000:]
+    assert "no rank of this node had stalled" in nodes[0].stderr
+
+
+def test_a_node_that_gives_no_stall_verdict_is_the_culprit_by_silence(tmp_path):
+    """Node 2 (the test) reports a stall and then says nothing: nodes 0 and 1, whose ranks name no culprit of their
+    own, name node 2."""
+    port = free_port_pair()
+    nodes = [node(tmp_path, port, rank) for rank in range(2)]
+    said(nodes[0], "node 1 joined from 127.0.0.2")
+    for run in nodes:
+        run.wait_for_ranks(1)
+    FakeNode(port + 1, node=2).send("abort 2 CPU0 124")
+    for run in nodes:
+        run.wait(timeout=60)
+        assert run.returncode == 124, run.stderr[-3000:]
+        assert "node 2 sent no stall verdict within 5 s" in headline(run) and "the culprit by silence" in \
+            headline(run), run.stderr[-3000:]
