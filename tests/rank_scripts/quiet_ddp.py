@@ -44,6 +44,7 @@ def main() -> None:
         go_on.fill_(float(time.monotonic() - start < args.seconds))
         dist.broadcast(go_on, src=0)
     print(f"rank {rank}: {step} steps, loss {loss.item():.4f}", flush=True)
+    dist.barrier()  # no collective still in gloo's worker threads when the group goes (a torch abort at exit)
     dist.destroy_process_group()
 
 

@@ -105,6 +105,7 @@ def main(total_epochs, batch_size, out, bar_wait):
     record_file = {"losses": trainer.losses, "env": {k: os.environ.get(k) for k in TORCHRUN_ENV},
                    "device": str(trainer.device), "would_use_gpu": physical_gpu(local_rank)}
     Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(record_file))
+    dist.barrier()  # no collective still in gloo's worker threads when the group goes (a torch abort at exit)
     dist.destroy_process_group()
 
 

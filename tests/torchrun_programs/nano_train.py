@@ -12,7 +12,7 @@ from ast import literal_eval
 
 import torch
 import torch.nn as nn
-from torch.distributed import destroy_process_group, init_process_group
+from torch.distributed import barrier, destroy_process_group, init_process_group
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # -----------------------------------------------------------------------------
@@ -101,4 +101,5 @@ with open(os.path.join(out_dir, f"losses{ddp_rank}.json"), "w") as f:
     json.dump({"losses": losses, "device": device, "world": ddp_world_size,
                "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}, f)
 if ddp:
+    barrier()  # no collective of DDP's still in gloo's worker threads when the group goes (a torch abort at exit)
     destroy_process_group()
