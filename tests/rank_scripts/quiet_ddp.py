@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -44,9 +45,12 @@ def main() -> None:
         go_on.fill_(float(time.monotonic() - start < args.seconds))
         dist.broadcast(go_on, src=0)
     print(f"rank {rank}: {step} steps, loss {loss.item():.4f}", flush=True)
-    dist.barrier()  # no collective still in gloo's worker threads when the group goes (a torch abort at exit)
+    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # torch can abort in the interpreter's finalisation while gloo's threads still hold tensors: leave without it

@@ -12,6 +12,7 @@ tqdm bar on rank 0, and writes ``DIR/rank<RANK>.json``: its losses, its environm
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def main(total_epochs, batch_size, out, bar_wait):
     record_file = {"losses": trainer.losses, "env": {k: os.environ.get(k) for k in TORCHRUN_ENV},
                    "device": str(trainer.device), "would_use_gpu": physical_gpu(local_rank)}
     Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(record_file))
-    dist.barrier()  # no collective still in gloo's worker threads when the group goes (a torch abort at exit)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -117,3 +118,6 @@ if __name__ == "__main__":
     parser.add_argument("--bar-wait", help="rank 0 holds its bar half-way through epoch 0 until this file exists")
     args = parser.parse_args()
     main(args.total_epochs, args.batch_size, args.out, args.bar_wait)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # torch can abort in the interpreter's finalisation while gloo's threads still hold tensors: leave without it

@@ -101,5 +101,8 @@ with open(os.path.join(out_dir, f"losses{ddp_rank}.json"), "w") as f:
     json.dump({"losses": losses, "device": device, "world": ddp_world_size,
                "run_id": os.environ.get("TORCHELASTIC_RUN_ID")}, f)
 if ddp:
-    barrier()  # no collective of DDP's still in gloo's worker threads when the group goes (a torch abort at exit)
+    barrier()
     destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)  # torch can abort in the interpreter's finalisation while gloo's threads still hold tensors: leave without it
