@@ -228,5 +228,5 @@ def test_an_odd_file_as_the_source_is_named_for_what_it_is(tmp_path: Path, kind:
     """Reading /dev/zero or a FIFO would never end; each is refused at once, for what it is, not as missing."""
     path = odd_source(tmp_path, kind)
     with pytest.raises(UserError, match=re.escape(f"data.source {path} {said}")) as refused:
-        local_files(str(path))
+        local_files(str(path), "train")
     assert "does not exist;" not in str(refused.value)

@@ -390,5 +390,5 @@ def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: P
     for node in again:
         node.wait(timeout=240)
     assert [n.returncode for n in again] == [0, 0], again[0].stderr[-3000:] + again[1].stderr[-3000:]
-    assert re.search(rf"CPU0:INFO \| resumed from \S+{saved.name} at step {stopped_at}\n", again[0].stdout)
+    assert re.search(rf"CPU0:INFO \| resumed from \S+{saved.name} at step {stopped_at} \(loaded in ", again[0].stdout)
     assert "step 60/60" in again[0].stderr

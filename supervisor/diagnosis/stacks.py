@@ -111,7 +111,9 @@ def read_stalled(ranks: dict[int, tuple[str, int]]) -> tuple[Verdict, dict[int, 
         if evidence[-1].when == STOPPED:
             stopped.append(evidence[-1])
     verdict = find_culprit(evidence)
-    if stopped and len(stopped) < len(evidence):
+    if stopped and len(stopped) == len(evidence):  # stopped all alike (a job suspended): nobody is singled out
+        verdict.culprits, verdict.waits, verdict.method = [], {}, "process state: every rank is stopped"
+    elif stopped:
         # A stopped process cannot run, wherever its stack stands (even inside a collective it was stopped in):
         # the ranks still running wait for it.
         verdict.culprits, verdict.method = stopped, "process state"
