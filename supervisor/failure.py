@@ -10,17 +10,27 @@ the trainer's error handler) failed hard, and is the failure itself: the records
 after its end, however early they are read.
 
 While the failure is being settled, the other ranks' stderr stays off the console (`quiet_fallout`): their collectives
-were cut short by the failure, and their tracebacks would bury its lines.
+were cut short by the failure, and their tracebacks would bury its lines. The pump's thread shows rank output while
+the watcher's thread reads records and exits, so `FalloutGate` keeps their order: a rank's stderr lines reach the
+console only once every ``failing`` record and exit that came before them has been handled (a failure comes before
+its fallout: the failing rank says ``failing``, or exits, before the others' collectives break). Without it, on a
+loaded machine the pump could be scheduled first and show the fallout the rule was about to mute.
 """
 
 from __future__ import annotations
 
+import os
+import select
+import threading
+import time
 from pathlib import Path
 
 from supervisor.diagnosis import oom
 from supervisor.pump import Stream
 from supervisor.worker import Worker, describe_exit
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
+
+SETTLE_WAIT = 1.0  # the longest a rank's stderr lines wait for the watcher to handle the events before them
 
 
 class FailureRule:
@@ -61,3 +71,51 @@ class FailureRule:
             return (f"{w.label} (rank {w.spec.rank}) failed: it reported an error, then was killed after the grace "
                     f"period ({describe_exit(code)})")
         return f"{w.label} (rank {w.spec.rank}) failed: {describe_exit(code)}"
+
+
+class FalloutGate:
+    """The watcher handles events inside ``with gate:`` (never while it waits in ``select``); the pump calls `wait`
+    before it shows a rank's stderr lines on the console."""
+
+    def __init__(self, workers: list[Worker]) -> None:
+        self.workers = workers
+        self.handling = threading.Condition()
+
+    def __enter__(self) -> "FalloutGate":
+        self.handling.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handling.notify_all()
+        self.handling.release()
+
+    def wait(self) -> None:
+        """Until no record or exit that has already arrived is waiting for the watcher, `SETTLE_WAIT` at most (the
+        watcher may be busy; the lines then go on as they would without the gate)."""
+        deadline = time.monotonic() + SETTLE_WAIT
+        if not self.handling.acquire(timeout=SETTLE_WAIT):
+            return
+        try:
+            while self.unhandled() and (left := deadline - time.monotonic()) > 0:
+                self.handling.wait(left)
+        finally:
+            self.handling.release()
+
+    def unhandled(self) -> bool:
+        """A progress pipe holds unread records (or its end), or a rank has exited unreaped. Called under the lock,
+        so the watcher is not between reading an event and acting on it, nor closing these descriptors."""
+        poller = select.poll()
+        for w in self.workers:
+            if w.progress_fd >= 0:
+                poller.register(w.progress_fd, select.POLLIN)
+            if w.alive and w.pidfd is not None:
+                poller.register(w.pidfd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def close_records(self) -> None:
+        """The watcher is done: close the progress pipes (under the lock, as `unhandled` polls them)."""
+        with self.handling:
+            for w in self.workers:
+                if w.progress_fd >= 0:
+                    os.close(w.progress_fd)
+                    w.progress_fd = -1

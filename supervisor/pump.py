@@ -113,6 +113,7 @@ class Pump(threading.Thread):
         self.stop_requested = False
         self.wake_r, self.wake_w = os.pipe()
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
+        self.gate: Callable[[], None] | None = None  # set by the watcher while it runs
 
     def add(self, fd: int, prefix: bytes, console_fd: int, log_fd: int | None, keep_tail: bool) -> Stream:
         stream = Stream(fd, prefix, console_fd, log_fd, keep_tail)
@@ -268,6 +269,8 @@ class Pump(threading.Thread):
             except OSError as e:
                 stream.log_fd = None
                 self.console.say(f"cannot write the log of {stream.label} any more: {e}")
+        if stream.keep_tail and not stream.muted and (gate := self.gate) is not None:
+            gate()  # stderr: what came before these lines may make them fallout (`supervisor.failure.FalloutGate`)
         if stream.muted:
             stream.muted_lines += data.count(b"\n", 0, size)  # `head` is the start of a line, never a whole one
         elif self.console.terminal:

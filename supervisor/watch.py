@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from supervisor.console import Console
 from supervisor.control.wire import HANG_CODE, LOST_CODE
 from supervisor.diagnosis import stragglers
-from supervisor.failure import FailureRule
+from supervisor.failure import FailureRule, FalloutGate
 from supervisor.hangs import HangWatchdog, Stall
 from supervisor.liveness import RankState
 from supervisor.plan import Plan
@@ -102,7 +102,7 @@ class Watch:
         self.endings: dict[int, str] = {}
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
-        self.failures = FailureRule(plan.run_dir, tails)
+        self.failures, self.gate = FailureRule(plan.run_dir, tails), FalloutGate(workers)
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
         self.hangs = HangWatchdog(plan, workers, self.states, console, tails)
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
@@ -119,18 +119,19 @@ class Watch:
             self.selector.register(w.progress_fd, selectors.EVENT_READ, ("progress", w))
             if w.pidfd is not None:
                 self.selector.register(w.pidfd, selectors.EVENT_READ, ("exit", w))
+        self.pump.gate = self.gate.wait
         try:
             while any(w.alive for w in self.workers) or self.awaiting_verdicts():
-                for key, _ in self.selector.select(self.timeout()):
-                    self.dispatch(key.data)
-                self.check_exits()
-                self.check_clock()
+                events = self.selector.select(self.timeout())
+                with self.gate:  # no rank's stderr reaches the console while events before it are being handled
+                    for key, _ in events:
+                        self.dispatch(key.data)
+                    self.check_exits()
+                    self.check_clock()
             self.settle_verdicts()
         finally:
-            for w in self.workers:
-                if w.progress_fd >= 0:
-                    os.close(w.progress_fd)
-                    w.progress_fd = -1
+            self.pump.gate = None
+            self.gate.close_records()
             self.selector.close()
         self.sweep()
         self.pump.finish(PUMP_WAIT)

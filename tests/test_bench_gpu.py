@@ -95,7 +95,12 @@ def test_smoke_mode_writes_the_tables(tmp_path: Path, token_cache_dir: Path) -> 
     (base, chunked) = table_rows(pieces[1])
     assert (base[0], chunked[0]) == ("rank, `debug` preset as shipped",
                                      "rank, `debug` preset as shipped with training.loss=chunked")
-    assert base[4] == "1.00×" and abs(float(chunked[4].rstrip("×")) - rate(chunked[1]) / rate(base[1])) < 0.01
+    assert base[4] == "1.00×"
+    # the ratio is of the measured rates, the cells show them rounded to whole tokens/s: a slow base (a loaded
+    # machine) moves the cells' own ratio by more than the ratio's last digit
+    shown, chunked_rate, base_rate = float(chunked[4].rstrip("×")), rate(chunked[1]), rate(base[1])
+    measured = chunked_rate / base_rate
+    assert abs(shown - measured) <= 0.005 + (chunked_rate + 0.5) / (base_rate - 0.5) - measured, (chunked, base)
     assert "loss full" in base[5] and "loss chunked" in chunked[5] and "torch.compile off" in base[5], text
     assert "| cores | tokens | tokens/s | of linear scaling |" in text
     assert re.search(rf"^\| 1 \| {NUMBER} \| \d+\.\d\d M \| 100% \|$", text, re.M), text

@@ -27,6 +27,7 @@ from trainer.diagnosis.oom_report import OOM_EXIT_CODE, OomReport
 RUN_TIMEOUT = 150.0
 STALL_TO_GONE = 3.0
 STALL_CUE = b"stalled: no progress"
+PACED_MAIN = Path(__file__).resolve().parent / "rank_scripts" / "paced" / "pretrain_main.py"
 
 
 @dataclass
@@ -86,13 +87,19 @@ def test_oom_headline_and_exit_code(tmp_path: Path, token_cache_dir: Path) -> No
     assert run.code == OOM_EXIT_CODE, out[-4000:]
     assert re.search(r"run failed after .*: GPU1 \(rank 1\) ran out of memory at step 2: .*the dry run estimated "
                      r"[\d.]+ GiB per GPU\. Fixes, in order: 1\) lower --batch-size", out), out[-4000:]
-    # the traceback is in the report file only; GPU0's own error (its all-reduce cut short by GPU1's exit) is
-    # fallout: in its log file, and the report says so, but not on the console
+    # the traceback is in the report file only, and GPU0's lines after the failure are fallout: never on the console
     assert not re.search(r"^GPU[01]:.*Traceback", out, re.M), out[-4000:]
-    fallout = re.search(r"^supervisor: GPU0 \(rank 0\): (\d+) more stderr lines after the failure, in (\S+) only$",
+    assert re.search(r"^supervisor:\s+GPU1\s+1\s+\d+\s+exit 99\s+failed first", out, re.M), out[-4000:]
+    # GPU0 either fails as fallout (its all-reduce cut short by GPU1's exit) or is stopped by the supervisor's SIGTERM
+    # before its collective fails: which comes first is a race. Either way, what it wrote after the failure is in its
+    # log file only, and the report says so.
+    assert re.search(r"^supervisor:\s+GPU0\s+0\s+\d+\s+.*\s(stopped by the supervisor|failed after the first "
+                     r"failure)\s", out, re.M), out[-4000:]
+    fallout = re.search(r"^supervisor: GPU0 \(rank 0\): (\d+) more stderr lines? after the failure, in (\S+) only$",
                         out, re.M)
-    assert fallout, out[-4000:]
-    assert "Traceback" in Path(fallout[2]).read_text()
+    gpu0_log = (run.run_dir / "gpu0.log").read_text()
+    if "Traceback" in gpu0_log:
+        assert fallout and Path(fallout[2]) == run.run_dir / "gpu0.log", out[-4000:]
     report = OomReport.load(run.run_dir, "GPU1")
     assert report is not None and report.step == 2 and "OutOfMemoryError" in report.traceback
     assert f"exit code {OOM_EXIT_CODE}; logs in" in out
@@ -129,8 +136,12 @@ def test_straggler_named(tmp_path: Path, token_cache_dir: Path) -> None:
 
 
 def test_no_straggler_on_a_normal_run(tmp_path: Path, token_cache_dir: Path) -> None:
-    run = supervise(tmp_path, token_cache_dir, {}, 40)
+    """Two ranks doing the same work, each step padded by the same 0.15 s (rank_scripts/paced): on a loaded machine
+    one CPU rank's ~10 ms of compute can be stretched more than the other's, which is a real straggler; with the pad,
+    a rank would have to be ~4 times slower than the other all along to reach the 25 % threshold."""
+    run = supervise(tmp_path, token_cache_dir, {}, 40, "--entry", str(PACED_MAIN), env={"PACED_STEP_S": "0.15"})
     assert run.code == 0, run.output[-4000:]
+    assert re.search(r"run finished in .*: step 40/40", run.output), run.output[-4000:]  # the detector judged 19 windows
     assert "straggler:" not in run.output
     assert not (run.run_dir / "stragglers.json").exists()
 
