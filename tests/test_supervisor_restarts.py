@@ -51,7 +51,8 @@ def test_a_trainer_restart_resumes_only_this_runs_checkpoints(tmp_path: Path, to
     planted.mkdir(parents=True)
     (planted / "meta.json").write_text(json.dumps({"config": {"training": {"max_steps": 10}}}))
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 6},
-                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": 2},
+                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": 2,
+                                         "async_save": False},  # step 2's checkpoint complete before the fault
                           "debug": {"inject_fault": "exit", "inject_fault_step": fault_step,
                                     "inject_fault_code": 3}})
     proc = subprocess.run([sys.executable, "-m", "supervisor", "--debug", "--nproc", "1", "--no-footer",

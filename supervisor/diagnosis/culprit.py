@@ -31,6 +31,7 @@ THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+ ")
 FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
 WAITING_FILES = ("torch/distributed/", "trainer/model/distributed.py")
 WAITING_FUNCS = ("_engine_run_backward",)
+INNERMOST_WAITING_FILES = ("torch/nn/parallel/distributed.py",)
 PROJECT_PACKAGES = ("trainer", "supervisor")
 
 
@@ -70,8 +71,10 @@ def main_stack(text: str) -> list[Frame] | None:
 
 
 def waiting_in(stack: list[Frame]) -> Frame | None:
-    """The outermost frame that shows the thread waits for other ranks, or None when it does not."""
-    found = None
+    """The outermost frame that shows the thread waits for other ranks, or None when it does not. DDP's own code as
+    the innermost Python frame is a collective it issues before the forward (buffers, bucket rebuild): waiting too
+    (a rank computing inside DDP's forward has the model's frames innermost)."""
+    found = stack[0] if stack and any(part in stack[0].file for part in INNERMOST_WAITING_FILES) else None
     for frame in stack:
         if any(part in frame.file for part in WAITING_FILES) or frame.func in WAITING_FUNCS:
             found = frame
