@@ -68,8 +68,8 @@ def config_for(cache_dir: Path, **data: object) -> Config:
 
 def child(mode: str, *args: str) -> dict:
     """Run one measurement in a fresh interpreter (no warm tokenizer threads, no forked parallelism, own RSS)."""
-    out = subprocess.run([sys.executable, __file__, "--child", mode, *args], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", mode, *args], capture_output=True,
+                         text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -141,7 +141,8 @@ def child_map(tokenizer_folder: str) -> dict:
 
 
 def child_map_files(tokenizer_folder: str, path: str) -> dict:
-    """datasets' own way on the files: load (Arrow conversion), map(num_proc=cores), save_to_disk."""
+    """datasets' own way on the files: load (Arrow conversion), map(num_proc=cores), save_to_disk. `path`: a
+    `.jsonl`, a `.txt` (by paragraphs), or a folder of Parquet shards."""
     import datasets
     from transformers import PreTrainedTokenizerFast
 
@@ -151,8 +152,10 @@ def child_map_files(tokenizer_folder: str, path: str) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-map-", dir=Path(path).parent))
     try:
         cpu, started = cpu_seconds(), time.perf_counter()
-        builder, options = ("json", {}) if path.endswith(".jsonl") else ("text", {"sample_by": "paragraph"})
-        dataset = datasets.load_dataset(builder, data_files=[path], split="train", cache_dir=str(work / "hf"),
+        files = sorted(str(p) for p in Path(path).rglob("*.parquet")) if Path(path).is_dir() else [path]
+        builder, options = (("parquet", {}) if Path(path).is_dir() else ("json", {}) if path.endswith(".jsonl")
+                            else ("text", {"sample_by": "paragraph"}))
+        dataset = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=str(work / "hf"),
                                         **options)
 
         def tokenize(batch: dict) -> dict:

@@ -6,7 +6,7 @@ downloaded).
     python bench/bench_corpus_formats.py [--mb 1024]
 
 The BPE (8,192) is trained once on the standard library and given by path, so every build does the same tokenizing
-work; each measurement runs in a fresh interpreter (`bench_cache.child_ours`, and `map_parquet` here). Goals: Parquet
+work; each measurement runs in a fresh interpreter (`bench_cache.child`: `child_ours`, and `child_map_files` for the Parquet shards). Goals: Parquet
 ≥ 1.0× JSONL's tokens/s with a peak RSS ≤ 600 MB; compressed JSONL ≥ 0.9× plain JSONL.
 """
 
@@ -15,31 +15,16 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
-import psutil
-from bench_cache import ROOT, config_for, cpu_seconds, max_rss_mb, prepare  # beside this file (sets the path)
+from bench_cache import child, config_for, prepare, work_folder  # beside this file (sets the path)
 from bench_cache_scale import generate_corpus
 
 SHARDS = 4  # Parquet files, as data/train-0000i-of-00004.parquet
 ROW_GROUP_ROWS = 2_000  # rows per Parquet row group (a few tens of MB of text: what hub shards hold)
 COPY_CHUNK = 1 << 20
 
-
-def child(mode: str, *args: str) -> dict:
-    """One measurement in a fresh interpreter (own peak RSS, no warm encoder threads)."""
-    script = Path(__file__).with_name("bench_cache.py") if mode == "ours" else Path(__file__)
-    out = subprocess.run([sys.executable, str(script), "--child", mode, *args], capture_output=True, text=True,
-                         check=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def compressed_copies(jsonl: Path) -> dict[str, Path]:
@@ -78,32 +63,6 @@ def parquet_snapshot(jsonl: Path, folder: Path) -> Path:
     return folder
 
 
-def map_parquet(tokenizer_folder: str, folder: str) -> dict:
-    """`datasets`' own way on the shards: load (Arrow conversion), map(num_proc=cores), save_to_disk."""
-    import datasets
-    from transformers import PreTrainedTokenizerFast
-
-    datasets.disable_progress_bars()
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(Path(tokenizer_folder) / "tokenizer.json"),
-                                 eos_token="<|endoftext|>")
-    work = Path(tempfile.mkdtemp(prefix="bench-map-", dir=Path(folder).parent))
-    try:
-        cpu, started = cpu_seconds(), time.perf_counter()
-        files = sorted(str(p) for p in Path(folder).rglob("*.parquet"))
-        dataset = datasets.load_dataset("parquet", data_files=files, split="train", cache_dir=str(work / "hf"))
-
-        def tokenize(batch: dict) -> dict:
-            ids = hf(batch["text"])["input_ids"]
-            return {"ids": [x + [hf.eos_token_id] for x in ids], "len": [len(x) + 1 for x in ids]}
-
-        mapped = dataset.map(tokenize, batched=True, remove_columns=dataset.column_names, num_proc=os.cpu_count())
-        mapped.save_to_disk(str(work / "saved"))
-        seconds = time.perf_counter() - started
-        tokens = int(np.sum(mapped.with_format("numpy")["len"]))
-        return {"tokens": tokens, "seconds": seconds, "cpu": cpu_seconds() - cpu, "rss_peak_mb": max_rss_mb()}
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
 
 def formats(work: Path, tokenizer: Path, megabytes: int) -> None:
     jsonl, txt = generate_corpus(work, megabytes)
@@ -120,7 +79,7 @@ def formats(work: Path, tokenizer: Path, megabytes: int) -> None:
         config_for(work / "formats-cache", source=str(path), tokenizer=str(tokenizer)).save(config)
         results[label] = child("ours", str(config))
         report(label, results[label])
-    results["datasets.map on the Parquet shards"] = child("map_parquet", str(tokenizer), str(work / "snapshot"))
+    results["datasets.map on the Parquet shards"] = child("map_files", str(tokenizer), str(work / "snapshot"))
     report("datasets.map on the Parquet shards", results["datasets.map on the Parquet shards"])
     rate = {label: r["tokens"] / r["seconds"] for label, r in results.items()}
     per_cpu = {label: r["tokens"] / r["cpu"] for label, r in results.items()}
@@ -143,24 +102,10 @@ def report(label: str, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=1024, help="the generated corpus, in MB of text")
-    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child:
-        mode, *rest = args.child
-        print(json.dumps({"map_parquet": map_parquet}[mode](*rest)))
-        return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: still remove the work folder below
-    print(f"machine: {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB; load average "
-          f"{os.getloadavg()[0]:.1f} at start")
-    work = Path(tempfile.mkdtemp(prefix="bench-formats-"))
-    started = time.perf_counter()
-    try:
+    with work_folder("bench-formats-") as work:
         tokenizer = prepare(config_for(work / "formats-cache"), show_progress=False).path  # BPE 8192, stdlib
         formats(work, tokenizer, args.mb)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"(benchmark wall time {time.perf_counter() - started:.0f} s; load average {os.getloadavg()[0]:.1f} at the end)")
-
 
 if __name__ == "__main__":
     main()
