@@ -26,7 +26,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout first
 
-from rank_scripts.harness import WORKER, alive  # noqa: E402
+from rank_scripts.harness import WORKER, alive, free_port_pair  # noqa: E402
 from supervisor.control.wire import Timing  # noqa: E402
 
 PY = sys.executable
@@ -51,18 +50,6 @@ KILL_NODES = 10  # node 9's rank is killed
 SECRET = "bench-nodes-secret-0123456789abcdef"
 
 
-def free_port_pair() -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port pair")
 
 
 @dataclass

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, start, survivors
+from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, free_port_pair, start, survivors
 from supervisor.control.channel import remote_failure
 from supervisor.control.wire import (
     LOST_CODE,
@@ -28,22 +28,6 @@ from supervisor.control.wire import (
     welcome_proof,
 )
 from trainer.errors import UserError
-
-
-def free_port_pair() -> int:
-    """A port P such that P and P+1 (the control channel) are both free right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 65534:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + 1))
-                    return port
-                except OSError:
-                    continue
-    raise RuntimeError("no free port pair")
 
 
 def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0,

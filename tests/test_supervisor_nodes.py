@@ -8,9 +8,9 @@ import re
 import signal
 import time
 
-from test_supervisor_multinode import FakeNode, free_port_pair
+from test_supervisor_multinode import FakeNode
 
-from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, start, survivors
+from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, free_port_pair, start, survivors
 from supervisor.control.wire import LOST_CODE
 
 NODES = 3

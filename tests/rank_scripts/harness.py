@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,22 @@ def project_pythonpath(*first: str) -> str:
     where the dependencies are installed outside the interpreter (wheels unpacked into a folder on PYTHONPATH, as on a
     GPU machine that gets them carried), a process without them could not import them."""
     return os.pathsep.join(filter(None, [*first, str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
+def free_port_pair() -> int:
+    """A port P such that P and P+1 (the control channel) are both free right now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 65534:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+    raise RuntimeError("no free port pair")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
