@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".installed-pyproject-sha256"
 REQUIRED_MODULES = ("torch", "transformers", "datasets", "tokenizers", "numpy", "psutil", "rich", "filelock",
-                    "pynvml", "safetensors", "matplotlib", "hostlist")
+                    "pynvml", "safetensors", "matplotlib", "hostlist",
+                    "zstandard", "pyarrow")
 TEST_MODULES = ("pytest",)
 PACKAGES = {"pynvml": "nvidia-ml-py", "hostlist": "python-hostlist"}  # where the pip package is named otherwise
 PROBE = "import importlib.util, sys; print(*(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"
