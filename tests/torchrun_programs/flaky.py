@@ -16,6 +16,12 @@ rank = int(os.environ["RANK"])
 with open(Path(sys.argv[1]) / "attempts.txt", "a") as log:
     log.write(f"attempt {restart} of {os.environ['TORCHELASTIC_MAX_RESTARTS']} rank {rank}\n")
 if restart == 0 and rank == 1:
+    attempts = Path(sys.argv[1]) / "attempts.txt"
+    deadline = time.monotonic() + 60
+    while f"attempt 0 of {os.environ['TORCHELASTIC_MAX_RESTARTS']} rank 0" not in attempts.read_text():
+        if time.monotonic() > deadline:  # (rank 0 never started: fail all the same)
+            break
+        time.sleep(0.01)  # fail once rank 0 has said it started: every launcher then sees the same attempts
     print("rank 1: the first attempt fails", file=sys.stderr, flush=True)
     sys.exit(2)
 if restart == 0:
