@@ -77,7 +77,7 @@ def test_a_vanished_node_supervisor_stops_the_others(tmp_path):
     node0, node1 = two_nodes(tmp_path)
     pids1 = node1.wait_for_ranks(2)
     node0.wait_for_ranks(2)
-    time.sleep(0.3)  # connected by now (the client retries every 0.2 s)
+    node0.wait_for_stderr("control port: node 1 joined")
     os.kill(node1.proc.pid, signal.SIGKILL)
     node0.wait(timeout=20)
     assert node0.returncode == LOST_CODE, node0.stderr[-2000:]
@@ -175,6 +175,7 @@ def three_nodes(tmp_path) -> tuple[Run, Run, int]:
                           tag=str(n)) for n in (0, 1))
     node0.wait_for_ranks(2)
     node1.wait_for_ranks(2)
+    node0.wait_for_stderr("control port: node 1 joined")  # a hello as node 1 is a stranger's from here on
     return node0, node1, port + 1
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 from test_supervisor_multinode import FakeNode
 
@@ -28,20 +27,12 @@ def node(tmp_path, port: int, rank: int, *flags: str, secret: str = CONTROL_SECR
                  env=clean_env(SUPERVISOR_CONTROL_SECRET=secret), tag=str(rank), entry_args=entry_args)
 
 
-def said(run: Run, text: str, timeout: float = 30) -> None:
-    """Wait until `run`'s console has said `text`."""
-    deadline = time.monotonic() + timeout
-    while text not in run.err_path.read_text(errors="replace"):
-        assert time.monotonic() < deadline and run.proc.poll() is None, run.err_path.read_text()[-3000:]
-        time.sleep(0.05)
-
-
 def joined(tmp_path, *flags: str, entry_args: dict[int, tuple[str, ...]] | None = None) -> list[Run]:
     """All three nodes started, joined and training (`entry_args`: a node's rank program's arguments)."""
     port = free_port_pair()
     nodes = [node(tmp_path, port, rank, *flags, entry_args=(entry_args or {}).get(rank, ())) for rank in range(NODES)]
     for rank in range(1, NODES):
-        said(nodes[0], f"node {rank} joined from {address(rank)}")
+        nodes[0].wait_for_stderr(f"node {rank} joined from {address(rank)}")
     for run in nodes:
         run.wait_for_ranks(1)
     return nodes
@@ -100,9 +91,9 @@ def test_node_0_killed_is_named_by_the_others(tmp_path):
 def test_a_node_with_another_secret_is_named_at_once_and_the_join_is_bounded(tmp_path):
     port = free_port_pair()
     nodes = [node(tmp_path, port, 0), node(tmp_path, port, 1, entry_args=("--on-term", "ignore"))]
-    said(nodes[0], "node 1 joined from 127.0.0.2")
+    nodes[0].wait_for_stderr("node 1 joined from 127.0.0.2")
     nodes.append(node(tmp_path, port, 2, secret="another-secret-0123456789"))
-    said(nodes[0], "refused a hello as node 2 from 127.0.0.3")  # at once: node 0 is still waiting for node 2
+    nodes[0].wait_for_stderr("refused a hello as node 2 from 127.0.0.3")  # at once: node 0 is still waiting for node 2
     nodes[2].wait(timeout=30)
     assert nodes[2].returncode == LOST_CODE
     assert "node 0's control server refused this node's hello: SUPERVISOR_CONTROL_SECRET differs" in nodes[2].stderr
@@ -139,7 +130,7 @@ def test_a_node_that_gives_no_stall_verdict_is_the_culprit_by_silence(tmp_path):
     own, name node 2."""
     port = free_port_pair()
     nodes = [node(tmp_path, port, rank) for rank in range(2)]
-    said(nodes[0], "node 1 joined from 127.0.0.2")
+    nodes[0].wait_for_stderr("node 1 joined from 127.0.0.2")
     for run in nodes:
         run.wait_for_ranks(1)
     FakeNode(port + 1, node=2).send("abort 2 CPU0 124")

@@ -104,6 +104,14 @@ class Run:
             time.sleep(0.02)
         return self.pids()
 
+    def wait_for_stderr(self, text: str, timeout: float = 30) -> None:
+        """Wait until the supervisor has said `text` on stderr (a node joined, a state reached): never a fixed sleep."""
+        deadline = time.monotonic() + timeout
+        while text not in self.err_path.read_text(errors="replace"):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise AssertionError(f"never said {text!r}: {self.err_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.02)
+
 
 def start(tmp: Path, *args: str, entry: Path | None = WORKER, entry_args: tuple[str, ...] = (),
           env: dict[str, str] | None = None, stdout: int | None = None, stderr: int | None = None,
