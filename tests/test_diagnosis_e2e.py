@@ -123,13 +123,13 @@ def test_a_cpu_rank_out_of_host_memory_is_an_oom(tmp_path: Path, token_cache_dir
 
 def test_straggler_named(tmp_path: Path, token_cache_dir: Path) -> None:
     run = supervise(tmp_path, token_cache_dir, {"inject_fault": "slow", "inject_fault_rank": 1,
-                                                "inject_fault_step": 5, "inject_fault_delay_s": 0.15}, 40)
+                                                "inject_fault_step": 5, "inject_fault_delay_s": 0.15}, 30)
     out = run.output
     assert run.code == 0, out[-4000:]
     found = re.findall(r"^supervisor: straggler: (GPU\d) is (\d+) % slower than the median over the last 20 steps "
                        r"\(at step (\d+)\)$", out, re.M)
     assert len(found) == 1 and found[0][0] == "GPU1", out[-4000:]
-    assert int(found[0][2]) <= 5 + 30
+    assert int(found[0][2]) <= 5 + 25  # within the window's persistence after the slowdown began
     history = json.loads((run.run_dir / "stragglers.json").read_text())["stragglers"]
     assert [(s["label"], s["rank"]) for s in history] == [("GPU1", 1)]
     assert "straggler: GPU1" in (run.run_dir / "supervisor.log").read_text()
@@ -139,9 +139,9 @@ def test_no_straggler_on_a_normal_run(tmp_path: Path, token_cache_dir: Path) -> 
     """Two ranks doing the same work, each step padded by the same 0.15 s (rank_scripts/paced): on a loaded machine
     one CPU rank's ~10 ms of compute can be stretched more than the other's, which is a real straggler; with the pad,
     a rank would have to be ~4 times slower than the other all along to reach the 25 % threshold."""
-    run = supervise(tmp_path, token_cache_dir, {}, 40, "--entry", str(PACED_MAIN), env={"PACED_STEP_S": "0.15"})
+    run = supervise(tmp_path, token_cache_dir, {}, 28, "--entry", str(PACED_MAIN), env={"PACED_STEP_S": "0.15"})
     assert run.code == 0, run.output[-4000:]
-    assert re.search(r"run finished in .*: step 40/40", run.output), run.output[-4000:]  # the detector judged 19 windows
+    assert re.search(r"run finished in .*: step 28/28", run.output), run.output[-4000:]  # the detector judged 7 windows
     assert "straggler:" not in run.output
     assert not (run.run_dir / "stragglers.json").exists()
 

@@ -15,12 +15,14 @@ and 1, and checks what must hold however a run ends:
 * ``--resume auto`` then continues from the latest checkpoint (or from step 0 where there is none) and completes.
 
 A run costs about ten seconds on two cores, most of it two ranks importing torch, so CI runs CI_CASES (every phase at
-least once per kind of ending: a rank's exception, exit, SIGKILL and hang; the supervisor's Ctrl-C) with the resume
-leg where a checkpoint exists to resume from, once mid-run and once after a save cut short (RESUMED_IN_CI; with none,
-`--resume auto` is a fresh start, tests/test_checkpoint.py). The other 22 cases are marked slow (``-m slow``), and
-there every case resumes. A segfault, the supervisor's SIGTERM and its SIGKILL stay in CI through other files: the
-segfault through tests/test_supervisor_failures.py, SIGTERM to the supervisor and its checkpoint-and-resume through
-test_supervisor_signals.py, test_rank_e2e.py and test_slurm.py (SIGUSR1), its SIGKILL through test_supervisor_signals.py.
+least once per kind of ending: a rank's exception, exit and SIGKILL; the supervisor's Ctrl-C) with the resume leg
+where a checkpoint exists to resume from, once mid-run and once after a save cut short (RESUMED_IN_CI; with none,
+`--resume auto` is a fresh start, tests/test_checkpoint.py). The other 23 cases are marked slow (``-m slow``), and
+there every case resumes. A hang, a segfault, the supervisor's SIGTERM and its SIGKILL stay in CI through other files:
+a hang through tests/test_diagnosis_e2e.py and test_supervisor_failures.py (a hang is caught only after the watchdog's
+allowance, 15 s inside a save here: the slowest case of all), the segfault through test_supervisor_failures.py,
+SIGTERM to the supervisor and its checkpoint-and-resume through test_supervisor_signals.py, test_rank_e2e.py and
+test_slurm.py (SIGUSR1), its SIGKILL through test_supervisor_signals.py.
 
 The last section adds the machine's faults, all slow tests: a rank frozen by SIGSTOP (named as the culprit), the
 checkpoint disk and the log disk filling up mid-run (a small tmpfs), and a damaged latest checkpoint under
@@ -66,8 +68,7 @@ HANG_TIMEOUT, HANG_FIRST_STARTUP_TIMEOUT = 3.0, 15.0
 SAFETY_TIMEOUT = 60.0
 RUN_TIMEOUT = 150.0
 
-CI_CASES = {("raise", "checkpoint"), ("exit", "mid"), ("sigkill", "first"), ("hang", "checkpoint"),
-            ("SIGINT", "checkpoint")}
+CI_CASES = {("raise", "checkpoint"), ("exit", "mid"), ("sigkill", "first"), ("SIGINT", "checkpoint")}
 RESUMED_IN_CI = {("exit", "mid"), ("SIGINT", "checkpoint")}
 
 

@@ -26,7 +26,7 @@ def wait_for_pids(folder: Path, count: int, run_proc, timeout: float = 60) -> li
 def test_a_quiet_program_outlasts_the_startup_timeout(tmp_path: Path) -> None:
     """No progress records and no output for longer than both timeouts, but CPU time all along: it is working."""
     r = start(tmp_path, "--nproc", "2", "--startup-timeout", "1", "--hang-timeout", "2", entry=QUIET,
-              entry_args=("--seconds", "6")).wait(timeout=120)
+              entry_args=("--seconds", "4.5")).wait(timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"rank 0: \d+ steps, loss", r.stdout)
     assert "stalled" not in r.stderr and "SIGUSR1" not in r.stderr
