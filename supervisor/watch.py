@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
 from supervisor.control.wire import HANG_CODE, LOST_CODE
-from supervisor.diagnosis import stragglers
+from supervisor.diagnosis import stacks, stragglers
 from supervisor.failure import FailureRule, FalloutGate
 from supervisor.hangs import HangWatchdog, Stall
 from supervisor.liveness import RankState
@@ -36,12 +36,16 @@ from supervisor.signals import STOP_SIGNALS, SignalInbox
 from supervisor.verdicts import NodeVerdicts
 from supervisor.worker import Worker, describe_exit
 from trainer.errors import USER_ERROR_EXIT_CODE
-from trainer.progress import Progress
+from trainer.progress import RENDEZVOUS_PHASE, Progress
 
 if TYPE_CHECKING:
     from supervisor.control.channel import ControlChannel
 
 KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
+# after SIGTERM: a rank still joining its process group by then gets SIGKILL instead of the grace period. It has
+# nothing to save, and a program that answers SIGTERM by setting a flag (the trainer: checkpoint at the next step)
+# never reads it while it waits there, for a node that may never come
+RENDEZVOUS_WAIT = 2.0
 PUMP_WAIT = 2.0  # after the last exit: time for the pump to reach end-of-file on every pipe
 EXIT_HANG = HANG_CODE
 
@@ -66,6 +70,7 @@ class Stop:
     at: float = field(default_factory=time.monotonic)
     term_at: float = 0.0  # when SIGTERM goes out (later than `at` only for a hang: the stack-dump pause)
     kill_at: float = float("inf")
+    rendezvous_at: float = float("inf")  # when the ranks still in the rendezvous get SIGKILL (`RENDEZVOUS_WAIT`)
     terminated: bool = False
     killed: bool = False
     awaiting: bool = False  # a failure: `worker` said ``failing`` and has not exited yet; its exit sets the code
@@ -162,7 +167,7 @@ class Watch:
         elif not stop.terminated:
             deadlines.append(stop.term_at)
         elif not stop.killed:
-            deadlines.append(stop.kill_at)
+            deadlines.append(min(stop.kill_at, stop.rendezvous_at))
         else:
             deadlines.append(stop.kill_at + KILL_WAIT)
         if self.awaiting_verdicts():
@@ -282,9 +287,16 @@ class Watch:
                     # (an announced culprit is on its way out; a SIGTERM after it has left its stop handler would
                     # make its exit code 143)
                     w.terminate()
+            short = self.plan.grace_period > RENDEZVOUS_WAIT
+            if short:
+                stop.rendezvous_at = now + RENDEZVOUS_WAIT
             if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
                 self.console.say(f"SIGTERM sent; a rank still running in {self.plan.grace_period:g} s "
-                                 f"(--grace-period) gets SIGKILL", style="yellow")
+                                 f"(--grace-period) gets SIGKILL" + (f", one still in the rendezvous in "
+                                 f"{RENDEZVOUS_WAIT:g} s (it has nothing to save)" if short else ""), style="yellow")
+        if stop.terminated and not stop.killed and now >= stop.rendezvous_at:
+            stop.rendezvous_at = float("inf")
+            self.kill_rendezvous()
         if stop.terminated and not stop.killed and now >= stop.kill_at:
             self.say_unheeded()
             self.kill_all()
@@ -322,6 +334,24 @@ class Watch:
         where = f" ({', '.join(waiting)} before the first step: in the rendezvous, or start-up)" if waiting else ""
         self.console.say(f"{', '.join(w.label for w in left)} still running {self.plan.grace_period:g} s after "
                          f"SIGTERM{where}; SIGKILL", style="bold yellow")
+
+    def kill_rendezvous(self) -> None:
+        """SIGKILL for the ranks still joining their process group `RENDEZVOUS_WAIT` seconds after SIGTERM: one that
+        reports progress says so by its phase (`RENDEZVOUS_PHASE`, before any step); one that has reported nothing is
+        read from outside (its main thread in the rendezvous store, ``init_process_group``)."""
+        live = [w for w in self.workers if w.alive]
+        silent = [w.pid for w in live if self.states[w.spec.rank].event is None]
+        read = stacks.in_rendezvous(silent) if silent else {}
+        joining = [w for w in live if w.pid in read or (self.states[w.spec.rank].event == "phase"
+                                                         and self.states[w.spec.rank].phase == RENDEZVOUS_PHASE)]
+        if not joining:
+            return
+        where = "; ".join(f"{w.label} in {read[w.pid].short()}" for w in joining if w.pid in read)
+        self.console.say(f"{', '.join(w.label for w in joining)} still in the rendezvous {RENDEZVOUS_WAIT:g} s after "
+                         f"SIGTERM{f' ({where})' if where else ''}: no process group yet, so nothing to save; SIGKILL "
+                         f"now rather than after the {self.plan.grace_period:g} s grace period", style="bold yellow")
+        for w in joining:
+            w.kill_group()
 
     def kill_all(self) -> None:
         stop = self.stop

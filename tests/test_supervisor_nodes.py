@@ -3,14 +3,18 @@ freezes, dies or never joins is named on every other node, and every node stops 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import time
+from pathlib import Path
 
 from test_supervisor_multinode import FakeNode
 
-from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, free_port_pair, start, survivors
+from rank_scripts.harness import CONTROL_SECRET, ROOT, Run, clean_env, free_port_pair, start, survivors
 from supervisor.control.wire import LOST_CODE
+from supervisor.watch import RENDEZVOUS_WAIT
 
 NODES = 3
 TIMEOUTS = ("--node-timeout", "3", "--join-timeout", "6", "--grace-period", "2")
@@ -20,10 +24,14 @@ def address(node: int) -> str:
     return f"127.0.0.{node + 1}"
 
 
+def layout(port: int, rank: int) -> tuple[str, ...]:
+    return ("--nnodes", str(NODES), "--node-rank", str(rank), "--master-addr", address(0), "--master-port", str(port),
+            "--local-addr", address(rank))
+
+
 def node(tmp_path, port: int, rank: int, *flags: str, secret: str = CONTROL_SECRET,
          entry_args: tuple[str, ...] = ()) -> Run:
-    return start(tmp_path, "--nproc", "1", "--nnodes", str(NODES), "--node-rank", str(rank), "--master-addr",
-                 address(0), "--master-port", str(port), "--local-addr", address(rank), *TIMEOUTS, *flags,
+    return start(tmp_path, "--nproc", "1", *layout(port, rank), *TIMEOUTS, *flags,
                  env=clean_env(SUPERVISOR_CONTROL_SECRET=secret), tag=str(rank), entry_args=entry_args)
 
 
@@ -139,3 +147,63 @@ def test_a_node_that_gives_no_stall_verdict_is_the_culprit_by_silence(tmp_path):
         assert run.returncode == 124, run.stderr[-3000:]
         assert "node 2 sent no stall verdict within 5 s" in headline(run) and "the culprit by silence" in \
             headline(run), run.stderr[-3000:]
+
+
+
+def in_rendezvous_store(rank: int, pid: int, port: int) -> bool:
+    """Rank 0 listens on the rendezvous port (the store it hosts), another rank is connected to it."""
+    import psutil
+
+    try:
+        connections = psutil.Process(pid).net_connections("tcp")
+    except psutil.Error:
+        return False
+    if rank == 0:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
+    return any(c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port == port for c in connections)
+
+
+def rank_pid(run: Run, program: Path) -> int:
+    """The pid of the rank running ``python <program>`` under `run`'s supervisor, once it has started."""
+    import psutil
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for child in psutil.Process(run.proc.pid).children():
+            with contextlib.suppress(psutil.Error):
+                if child.cmdline()[1:2] == [str(program)]:
+                    return child.pid
+        time.sleep(0.02)
+    raise AssertionError(f"no rank of {program}: {run.err_path.read_text()[-2000:]}")
+
+
+def test_ranks_waiting_in_the_rendezvous_for_a_node_that_never_came_are_not_given_the_grace_period(tmp_path):
+    """Nodes 0 and 1 have a 60 s grace period and ranks that do not leave on SIGTERM: node 0's a torchrun program
+    that sets a flag for its loop (reporting nothing: its stack is read from outside), node 1's a rank that reports
+    it is joining its process group. Node 2 (the test) joins the control channel, and once both ranks wait in the
+    rendezvous for its rank, which never comes, its supervisor vanishes. The ranks have nothing to save: SIGKILL
+    follows SIGTERM after the short wait, not the grace period, and the console says why."""
+    port = free_port_pair()
+    flags = ("--node-timeout", "600", "--join-timeout", "600", "--grace-period", "60")  # the test's node never beats
+    program = ROOT / "tests" / "torchrun_programs" / "allreduce_loop.py"
+    nodes = [start(tmp_path, "--nproc-per-node", "1", *layout(port, 0), *flags, str(program), "--save-on-term",
+                   entry=None, env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="0"),
+             node(tmp_path, port, 1, *flags, entry_args=("--gloo", "--on-term", "ignore"))]
+    nodes[0].wait_for_stderr("node 1 joined from 127.0.0.2")
+    fake = FakeNode(port + 1, node=2)
+    ranks = [rank_pid(nodes[0], program), nodes[1].wait_for_ranks(1)[0]]
+    deadline = time.monotonic() + 60
+    while not all(in_rendezvous_store(rank, pid, port) for rank, pid in enumerate(ranks)):
+        assert time.monotonic() < deadline, "the ranks never reached the rendezvous"
+        time.sleep(0.05)
+    fake.sock.close()  # node 2's supervisor is gone before its rank ever started
+    for run in nodes:
+        run.wait(timeout=45)  # well within the grace period
+        assert run.returncode == LOST_CODE, run.stderr[-3000:]
+        assert "lost contact with node 2's supervisor" in headline(run), run.stderr[-3000:]
+        assert f"one still in the rendezvous in {RENDEZVOUS_WAIT:g} s (it has nothing to save)" in run.stderr
+        assert f"CPU0 still in the rendezvous {RENDEZVOUS_WAIT:g} s after SIGTERM" in run.stderr, run.stderr[-3000:]
+        assert "SIGKILL now rather than after the 60 s grace period" in run.stderr
+        assert re.search(r"CPU0 +\d+ +\d+ +SIGKILL \(137\) +killed \(SIGKILL\)", run.stderr), run.stderr[-3000:]
+    assert "(CPU0 in _create_c10d_store (distributed/rendezvous.py:" in nodes[0].stderr  # where py-spy found it
+    assert survivors(ranks, timeout=5) == []

@@ -13,8 +13,8 @@ challenge-response, then an HMAC on every line). Once authenticated, the message
     bye                            server → clients: the run is over; a closed connection now means nothing
 
 Node 0 relays every client's ``abort`` to the other clients, and hands it to a node that connects only later; an
-aborting supervisor lingers (up to the grace period) until its abort is delivered: to every node, for node 0, or
-to node 0, for the others. An authenticated connection that closes without ``done`` (seen by the server) or without
+aborting supervisor lingers (up to the grace period) until its abort is delivered: to every node (but one named as
+never joined), for node 0, or to node 0, for the others. An authenticated connection that closes without ``done`` (seen by the server) or without
 ``bye`` (seen by a client), while nobody has aborted, means that supervisor died; one that stays open but says nothing
 for `Timing.node_timeout` seconds (``--node-timeout``: its supervisor frozen, its host gone without a reset) means it
 stopped answering. Either way the node is lost: node 0 names it to everyone (``lost``), a client that loses node 0
