@@ -77,6 +77,7 @@ class Stop:
     silence: float = 0.0  # a hang: how long the rank that tripped the watchdog had been silent
     evidence: list[str] = field(default_factory=list)  # a hang: each rank's evidence, for the report
     stall: Stall | None = None  # a hang: what the watchdog found
+    node_verdicts: list[str] = field(default_factory=list)  # a hang on several nodes: what each node's evidence said
 
 
 @dataclass
@@ -314,10 +315,12 @@ class Watch:
         return self.verdicts is not None and self.verdicts.waiting(time.monotonic())
 
     def settle_verdicts(self) -> None:
-        """A stall on several nodes: the headline every node's verdicts agree on replaces this node's own."""
+        """A stall on several nodes: the headline every node's verdicts agree on replaces this node's own, and the
+        report lists what each node said."""
         stop = self.stop
         if stop is None or stop.stall is None or self.verdicts is None:
             return
+        stop.node_verdicts = self.verdicts.lines(self.plan.node_rank)
         headline = self.verdicts.headline()
         if headline is not None and headline != stop.detail:
             stop.detail = headline

@@ -14,6 +14,7 @@ from test_supervisor_multinode import FakeNode
 
 from rank_scripts.harness import CONTROL_SECRET, ROOT, Run, clean_env, free_port_pair, start, survivors
 from supervisor.control.wire import LOST_CODE
+from supervisor.hangs import NOTHING_STALLED
 from supervisor.watch import RENDEZVOUS_WAIT
 
 NODES = 3
@@ -127,10 +128,24 @@ def test_a_stall_is_named_on_every_node_by_the_node_whose_evidence_names_it(tmp_
                    entry_args={1: ("--fail", "hang", "--fail-rank", "1", "--fail-step", "10")})
     for run in nodes:
         run.wait(timeout=60)
-    for run in nodes:
+    for rank, run in enumerate(nodes):
         assert run.returncode == 124, run.stderr[-3000:]
         assert "node 1: CPU0 (rank 1) stalled at step" in headline(run), run.stderr[-3000:]
-    assert "no rank of this node had stalled" in nodes[0].stderr
+        said = verdicts(run)  # every node's report: what each node's evidence said, its own and the others'
+        assert sorted(said) == [f"node {n}{' (this node)' if n == rank else ''}" for n in range(NODES)], said
+        for n, (node_name, text) in enumerate(sorted(said.items())):
+            assert text.startswith("CPU0 (rank 1) stalled at step" if n == 1 else NOTHING_STALLED), (node_name, text)
+
+
+def verdicts(run: Run) -> dict[str, str]:
+    """The report's list of what each node said of its own ranks: ``node 2`` (``node 0 (this node)``) → headline."""
+    lines = run.stderr.splitlines()
+    start = lines.index("supervisor: what each node's evidence says of its own ranks:") + 1
+    found = {}
+    for line in lines[start:start + NODES]:
+        name, _, text = line.removeprefix("supervisor:   ").partition(": ")
+        found[name] = text
+    return found
 
 
 def test_a_node_that_gives_no_stall_verdict_is_the_culprit_by_silence(tmp_path):
@@ -147,6 +162,7 @@ def test_a_node_that_gives_no_stall_verdict_is_the_culprit_by_silence(tmp_path):
         assert run.returncode == 124, run.stderr[-3000:]
         assert "node 2 sent no stall verdict within 5 s" in headline(run) and "the culprit by silence" in \
             headline(run), run.stderr[-3000:]
+        assert verdicts(run)["node 2"] == "no verdict within 5 s"
 
 
 
