@@ -5,11 +5,14 @@ rank to die is the first we see), a signal (SIGCHLD, or a stop request), a progr
 multi-node control channel, or the next deadline (a hang allowance running out, the end of the stack-dump pause,
 the end of the grace period). There is no polling interval.
 
-Which rank's failure is the run's, when several fail one after another, is `supervisor.failure`'s rule. Stopping the others: SIGTERM to each rank process,
-then SIGKILL to its whole process group once the grace period ends. SIGTERM goes to the rank alone, not its group,
-so its DataLoader workers keep serving it while it finishes its step and checkpoints; the moment a rank exits, its
-group is SIGKILLed, so nothing it started outlives it. After the last exit, a sweep kills any descendant that left
-the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to init).
+Which rank's failure is the run's, when several fail one after another, is `supervisor.failure`'s rule. Stopping
+the others: SIGTERM to each rank process, then SIGKILL to its whole process group once the grace period ends. SIGTERM
+goes to the rank alone, not its group, so its DataLoader workers keep serving it while it finishes its step and
+checkpoints; the moment a rank exits, its group is SIGKILLed, so nothing it started outlives it. A rank still joining
+its process group `RENDEZVOUS_WAIT` seconds after SIGTERM (waiting for a node that may never come) gets SIGKILL then,
+not after the grace period: it has nothing to save. After the last exit, a sweep (`Reaper.sweep`) kills any
+descendant that left the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to
+init).
 
 Hang watchdog: `supervisor.hangs` says when a group is stalled and which rank holds it up (the headline).
 """
@@ -25,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
 from supervisor.control.wire import HANG_CODE, LOST_CODE
-from supervisor.diagnosis import stacks, stragglers
+from supervisor.diagnosis import stragglers
 from supervisor.failure import FailureRule, FalloutGate
 from supervisor.hangs import HangWatchdog, Stall
-from supervisor.liveness import RankState
+from supervisor.liveness import RankState, in_rendezvous
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
@@ -36,7 +39,7 @@ from supervisor.signals import STOP_SIGNALS, SignalInbox
 from supervisor.verdicts import NodeVerdicts
 from supervisor.worker import Worker, describe_exit
 from trainer.errors import USER_ERROR_EXIT_CODE
-from trainer.progress import RENDEZVOUS_PHASE, Progress
+from trainer.progress import Progress
 
 if TYPE_CHECKING:
     from supervisor.control.channel import ControlChannel
@@ -139,7 +142,7 @@ class Watch:
             self.pump.gate = None
             self.gate.close_records()
             self.selector.close()
-        self.sweep()
+        self.reaper.sweep(KILL_WAIT)
         self.pump.finish(PUMP_WAIT)
         return GroupResult(self.workers, self.states, self.endings, self.tails, self.stop)
 
@@ -339,21 +342,17 @@ class Watch:
                          f"SIGTERM{where}; SIGKILL", style="bold yellow")
 
     def kill_rendezvous(self) -> None:
-        """SIGKILL for the ranks still joining their process group `RENDEZVOUS_WAIT` seconds after SIGTERM: one that
-        reports progress says so by its phase (`RENDEZVOUS_PHASE`, before any step); one that has reported nothing is
-        read from outside (its main thread in the rendezvous store, ``init_process_group``)."""
-        live = [w for w in self.workers if w.alive]
-        silent = [w.pid for w in live if self.states[w.spec.rank].event is None]
-        read = stacks.in_rendezvous(silent) if silent else {}
-        joining = [w for w in live if w.pid in read or (self.states[w.spec.rank].event == "phase"
-                                                         and self.states[w.spec.rank].phase == RENDEZVOUS_PHASE)]
-        if not joining:
+        """SIGKILL for the ranks still joining their process group `RENDEZVOUS_WAIT` seconds after SIGTERM
+        (`supervisor.liveness.in_rendezvous`)."""
+        joining = in_rendezvous({w.pid: self.states[w.spec.rank] for w in self.workers if w.alive})
+        ranks = [w for w in self.workers if w.pid in joining]
+        if not ranks:
             return
-        where = "; ".join(f"{w.label} in {read[w.pid].short()}" for w in joining if w.pid in read)
-        self.console.say(f"{', '.join(w.label for w in joining)} still in the rendezvous {RENDEZVOUS_WAIT:g} s after "
+        where = "; ".join(f"{w.label} in {frame.short()}" for w in ranks if (frame := joining[w.pid]) is not None)
+        self.console.say(f"{', '.join(w.label for w in ranks)} still in the rendezvous {RENDEZVOUS_WAIT:g} s after "
                          f"SIGTERM{f' ({where})' if where else ''}: no process group yet, so nothing to save; SIGKILL "
                          f"now rather than after the {self.plan.grace_period:g} s grace period", style="bold yellow")
-        for w in joining:
+        for w in ranks:
             w.kill_group()
 
     def kill_all(self) -> None:
@@ -431,26 +430,6 @@ class Watch:
                 if failure := stragglers.record(self.plan.run_dir, self.straggler_history):
                     self.console.say(failure, style="yellow")
 
-    # -- the sweep -------------------------------------------------------------------------------------------------
-
-    def sweep(self) -> None:
-        """Kill every process we still have below us except the sentinel: children that left their rank's process
-        group, and orphans re-parented to us. Then reap them, so none is left even as a zombie."""
-        if direct_children() == {self.reaper.pid}:
-            return  # the common case, known without walking the process table
-        import psutil
-
-        try:
-            leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid != self.reaper.pid]
-        except psutil.Error:
-            return
-        for p in leftovers:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(leftovers, timeout=KILL_WAIT)
-
     def footer_rows(self) -> list[tuple[Worker, RankState, str]]:
         rows = []
         for w in self.workers:
@@ -462,18 +441,3 @@ class Watch:
                 status = self.endings.get(w.spec.rank, describe_exit(w.exit_code or 0))
             rows.append((w, self.states[w.spec.rank], status))
         return rows
-
-
-
-def direct_children() -> set[int] | None:
-    """Our child pids from /proc (every thread's list), or None where the kernel does not publish them.
-
-    Anything below us hangs from a child of ours: ranks are reaped by now, and orphans come to us (subreaper)."""
-    children: set[int] = set()
-    try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                children.update(int(pid) for pid in f.read().split())
-    except OSError:
-        return None
-    return children

@@ -223,3 +223,55 @@ def test_ranks_waiting_in_the_rendezvous_for_a_node_that_never_came_are_not_give
         assert re.search(r"CPU0 +\d+ +\d+ +SIGKILL \(137\) +killed \(SIGKILL\)", run.stderr), run.stderr[-3000:]
     assert "(CPU0 in _create_c10d_store (distributed/rendezvous.py:" in nodes[0].stderr  # where py-spy found it
     assert survivors(ranks, timeout=5) == []
+
+
+
+def building(tmp_path, port: int) -> tuple[Run, int]:
+    """Node 1 running the trainer, whose token cache it builds before starting its rank, with that build frozen
+    (SIGSTOP: it would never end). Returns the node and the build's pid."""
+    run = start(tmp_path, "--nproc", "1", *layout(port, 1), *TIMEOUTS, "--debug", "--set",
+                f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.vocab_size=300", "--set", "data.max_samples=400",
+                entry=None, env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="1")
+    build = rank_pid(run, ROOT / "prepare_dataset.py")
+    os.kill(build, signal.SIGSTOP)
+    return run, build
+
+
+def test_a_node_still_building_its_dataset_stops_as_soon_as_another_node_is_lost(tmp_path):
+    """Node 1 is still building its dataset when node 2's supervisor is killed: node 0 names node 2 to node 1, which
+    kills its build, starts no rank and exits with the lost-node code, naming node 2."""
+    import psutil
+
+    port = free_port_pair()
+    nodes = [node(tmp_path, port, 0), *building(tmp_path, port), node(tmp_path, port, 2)]
+    (node0, (node1, build), node2) = nodes[0], nodes[1:3], nodes[3]
+    for rank in (1, 2):
+        node0.wait_for_stderr(f"node {rank} joined from {address(rank)}")
+    node2.wait_for_ranks(1)
+    os.kill(node2.proc.pid, signal.SIGKILL)
+    node1.wait(timeout=30)
+    assert node1.returncode == LOST_CODE, node1.stderr[-3000:]
+    assert (f"lost contact with node 2's supervisor (127.0.0.3): its connection closed; stopped this node's dataset "
+            f"preparation (prepare_dataset.py, pid {build}, after ") in node1.stderr, node1.stderr[-3000:]
+    assert f"no rank was started; exit code {LOST_CODE}" in node1.stderr
+    assert "CPU0:" not in node1.stderr + node1.stdout  # no rank ever ran there
+    assert not psutil.pid_exists(build) or psutil.Process(build).status() == psutil.STATUS_ZOMBIE
+    node0.wait(timeout=30)
+    assert node0.returncode == LOST_CODE, node0.stderr[-3000:]
+
+
+def test_a_stall_elsewhere_names_the_node_still_building_its_dataset(tmp_path):
+    """Node 2 (the test) reports a stall while node 1 still builds its dataset: node 1 stops its build and answers
+    with its verdict, which names it (the other nodes' ranks wait for its, which never started)."""
+    port = free_port_pair()
+    node0 = node(tmp_path, port, 0)
+    node1, _ = building(tmp_path, port)
+    node0.wait_for_stderr("node 1 joined from 127.0.0.2")
+    node0.wait_for_ranks(1)
+    FakeNode(port + 1, node=2).send("abort 2 CPU0 124")
+    for run in (node0, node1):
+        run.wait(timeout=30)
+        assert run.returncode == 124, run.stderr[-3000:]
+    assert "node 2: CPU0 stalled; stopped this node's dataset preparation" in node1.stderr, node1.stderr[-3000:]
+    assert "node 1: no rank of this node has started: it is still preparing its dataset (prepare_dataset.py, for " \
+           in headline(node0), node0.stderr[-3000:]

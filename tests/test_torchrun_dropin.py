@@ -180,7 +180,8 @@ def test_torchruns_flags_become_the_supervisors_launch():
     assert (args.nproc, args.max_restarts, args.grace_period, args.master_port) == (3, 2, 5.0, 1234)
     assert program_args == ["--nproc_per_node", "9", "--", "x"], "everything after the program is the program's"
     assert (launch.mode, launch.role, launch.run_id, notes) == ("script", "trainer", "job7", [])
-    args, _, _, _ = read("--nnodes", "2", "--node-timeout", "7", "--join-timeout", "60", script)
+    args, _, _, _ = read("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--node-timeout", "7",
+                         "--join-timeout", "60", script)
     assert (args.node_timeout, args.join_timeout) == (7.0, 60.0)  # the supervisor's own, beside torchrun's
     args, _, launch, _ = read("--standalone", "--master-port", "1234", script)
     assert (args.master_addr, args.master_port, args.nnodes) == ("localhost", None, 1)
