@@ -149,7 +149,10 @@ class Launcher:
                                  f"{resumes}{layout}", style="bold yellow")
             self.console.stop_footer()
             if result.exit_code != 0 and self.verdict is not None and self.verdict.gpu_fault:
-                self.record_node_fault(self.verdict)
+                self.record(exclusion.NodeFault.here(self.verdict.faulty), "the GPU fault", "leave this node out")
+            if result.stop is not None and result.stop.lost_node is not None:
+                self.record(exclusion.LostNode.here(result.stop.lost_node, result.stop.detail), "the lost node",
+                            "end with its exit code")
             self.report(result, restarts, time.monotonic() - started)
             if control is not None and result.exit_code == 0:
                 control.done()
@@ -237,7 +240,8 @@ class Launcher:
         events, _ = control.read_events()
         if not events:
             return None  # other nodes' stall verdicts: no rank of this node runs to be explained
-        _, _, code, why = events[0]
+        event = events[0]
+        code, why = event.code, event.why
         elapsed = time.monotonic() - started
         if code == HANG_CODE:
             control.verdict(self.plan.node_rank, True, f"no rank of this node has started: it is still preparing its "
@@ -245,6 +249,8 @@ class Launcher:
         proc.kill()
         proc.wait()
         code = code or LOST_CODE  # a stop from elsewhere never ends the run with 0
+        if event.lost:
+            self.record(exclusion.LostNode.here(event.node, why), "the lost node", "end with its exit code")
         self.console.say(f"{why}; stopped this node's dataset preparation (prepare_dataset.py, pid {proc.pid}, after "
                          f"{elapsed:.1f} s): no rank was started; exit code {code}", style="bold red")
         return code
@@ -294,13 +300,14 @@ class Launcher:
                                         f"{ranks}", style="bold yellow")
         return None
 
-    def record_node_fault(self, verdict: gpu_fault.Verdict) -> None:
-        """gpu_fault.json, for the job script; a folder that cannot take it any more is said, not a new failure."""
+    def record(self, record: exclusion.NodeFault | exclusion.LostNode, what: str, then: str) -> None:
+        """gpu_fault.json or node_lost.json, for the job script; a folder that cannot take it any more is said, not
+        a new failure."""
         try:
-            exclusion.NodeFault.here(verdict.faulty).write(self.plan.run_dir)
+            record.write(self.plan.run_dir)
         except OSError as e:
-            self.console.say(f"cannot record the GPU fault in {self.plan.run_dir} ({e.strerror or e}): a job script "
-                             f"will not leave this node out")
+            self.console.say(f"cannot record {what} in {self.plan.run_dir} ({e.strerror or e}): a job script will not "
+                             f"{then}")
 
     def checkpoints(self) -> dict[Path, int]:
         """The published checkpoints in checkpoint.dir, each with its meta.json's modification time: what changed

@@ -42,7 +42,7 @@ from trainer.errors import USER_ERROR_EXIT_CODE
 from trainer.progress import Progress
 
 if TYPE_CHECKING:
-    from supervisor.control.channel import ControlChannel
+    from supervisor.control.channel import ControlChannel, Event
 
 KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
 # after SIGTERM: a rank still joining its process group by then gets SIGKILL instead of the grace period. It has
@@ -81,6 +81,7 @@ class Stop:
     evidence: list[str] = field(default_factory=list)  # a hang: each rank's evidence, for the report
     stall: Stall | None = None  # a hang: what the watchdog found
     node_verdicts: list[str] = field(default_factory=list)  # a hang on several nodes: what each node's evidence said
+    lost_node: int | None = None  # another node was lost (stopped answering, died, never joined): which
 
 
 @dataclass
@@ -385,8 +386,8 @@ class Watch:
                 self.console.say(f"{name} again: killing every rank now", style="bold yellow")
                 self.kill_all()
 
-    def on_remote(self, event: tuple[int, str, int, str]) -> None:
-        _, _, code, why = event
+    def on_remote(self, event: Event) -> None:
+        code, why = event.code, event.why
         if self.stop is None and code == EXIT_HANG:  # another node stalled: this node's evidence is asked for too
             self.console.say(f"{why}; reading this node's ranks' evidence too, then stopping", style="bold red")
             stall = self.hangs.dump_all(why)
@@ -396,7 +397,7 @@ class Watch:
             self.console.say(f"{why}; stopping this node's ranks", style="bold red")
             self.failures.quiet_fallout(None)
             # an abort always says how a rank failed; were it to say 0, the run must still not look finished
-            self.begin_stop(Stop("remote", code or LOST_CODE, why))
+            self.begin_stop(Stop("remote", code or LOST_CODE, why, lost_node=event.node if event.lost else None))
 
     # -- progress and hangs ----------------------------------------------------------------------------------------
 
