@@ -305,8 +305,8 @@ def test_a_lost_node_ends_the_job_with_its_code_and_its_name(tmp_path: Path) -> 
                          SLURM_RESTART_COUNT="1",
                          stand_ins={"srun": StandIn(137, files={**lost(0, "earlier"), **lost(1, "now")})})
     assert out.returncode == LOST_CODE, out.stderr
-    assert out.stdout.splitlines() == ["node n2 (node 1 of the job) was lost: node 1 (10.0.0.2) stopped answering "
-                                       f"30.0 s ago; the job ends with exit code {LOST_CODE}"]
+    assert out.stdout.splitlines() == [("node n2 (node 1 of the job) was lost: node 1 (10.0.0.2) stopped answering "
+                                        f"30.0 s ago; the job ends with exit code {LOST_CODE}")]
     assert calls(tmp_path, "scontrol") == []  # nothing requeued
 
 
