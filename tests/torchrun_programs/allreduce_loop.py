@@ -4,7 +4,7 @@ MASTER_ADDR, MASTER_PORT) and all-reduces a tensor in a loop, as data-parallel t
     torchrun --nnodes 2 --node-rank 0 --master-addr HOST --master-port PORT --nproc-per-node 8 allreduce_loop.py
         [--step-time S] [--ready DIR] [--save-on-term]
 
-``--ready DIR``: each rank writes ``DIR/rank<RANK>`` (its pid) once its first all-reduce is done, the moment the
+``--ready DIR``: each rank writes ``DIR/rank<RANK>.pids`` (its pid) once its first all-reduce is done, the moment the
 whole world has formed. ``--save-on-term``: SIGTERM sets a flag the loop reads between steps (where a training
 script saves its checkpoint before leaving), as many training scripts answer it; without it SIGTERM ends the process
 as Python's default does. It never reports progress to a supervisor.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--step-time", type=float, default=0.1, help="seconds asleep between two all-reduces")
-    parser.add_argument("--ready", help="a folder where each rank writes rank<RANK> after its first all-reduce")
+    parser.add_argument("--ready", help="a folder where each rank writes rank<RANK>.pids after its first all-reduce")
     parser.add_argument("--save-on-term", action="store_true", help="SIGTERM: leave after the step, saying so")
     args = parser.parse_args()
     stop = []
@@ -37,7 +37,7 @@ def main() -> None:
         dist.all_reduce(torch.ones(1))
         step += 1
         if step == 1 and args.ready:
-            path = Path(args.ready) / f"rank{rank}"
+            path = Path(args.ready) / f"rank{rank}.pids"
             path.with_suffix(".tmp").write_text(str(os.getpid()))
             path.with_suffix(".tmp").replace(path)
         time.sleep(args.step_time)
