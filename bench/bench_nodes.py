@@ -319,9 +319,9 @@ def report(count: int, k: int, starts: dict[str, list[float]], kills: dict[str, 
     for index, name, unit in ((1, "launcher CPU per rank (light ranks)", "CPU s per hour"),
                               (2, "launcher RSS per rank (light ranks)", "MiB"),
                               (3, "launchers' own traffic at node 0 (light ranks)", "B/s")):
-        scale = 36 if index == 1 else 1  # % of a core → CPU seconds per hour
+        scale, digits = (36, 2) if index == 1 else (1, 1 if index == 2 else 0)  # % of a core → CPU s per hour
         for ranks in sizes:
-            rows.append((f"{name}, {ranks} ranks", *(f"{scaling[launcher, ranks][index] * scale:.3g} {unit}"
+            rows.append((f"{name}, {ranks} ranks", *(f"{scaling[launcher, ranks][index] * scale:.{digits}f} {unit}"
                                                      for launcher in LAUNCHERS), ""))
         if index < 3:
             rows.append((f"{name}: growth {sizes[0]} -> {sizes[-1]} ranks",
