@@ -4,6 +4,7 @@ freezes, dies or never joins is named on every other node, and every node stops 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ from test_supervisor_multinode import FakeNode
 
 from rank_scripts.harness import CONTROL_SECRET, ROOT, Run, clean_env, free_port_pair, start, survivors
 from supervisor.control.wire import LOST_CODE
+from supervisor.exclusion import LOST_NODE_FILE
 from supervisor.hangs import NOTHING_STALLED
 from supervisor.watch import RENDEZVOUS_WAIT
 
@@ -70,6 +72,8 @@ def test_a_frozen_node_is_named_on_every_other_node(tmp_path):
             assert run.returncode == LOST_CODE, run.stderr[-3000:]
             assert "node 2 (127.0.0.3) stopped answering" in run.stderr, run.stderr[-3000:]
             assert f"exit code {LOST_CODE}" in run.stderr
+            record = json.loads((run.run_dir() / LOST_NODE_FILE).read_text())  # for a job script (Slurm's)
+            assert record["node"] == 2 and headline(run).endswith(f": {record['why']}"), record
         assert survivors(nodes[0].pids() + nodes[1].pids(), timeout=5) == []
     finally:
         thaw(frozen)
@@ -268,7 +272,9 @@ def test_a_stall_elsewhere_names_the_node_still_building_its_dataset(tmp_path):
     node1, _ = building(tmp_path, port)
     node0.wait_for_stderr("node 1 joined from 127.0.0.2")
     node0.wait_for_ranks(1)
-    FakeNode(port + 1, node=2).send("abort 2 CPU0 124")
+    fake = FakeNode(port + 1, node=2)
+    fake.send("abort 2 CPU0 124")
+    fake.send("verdict 2 0 no rank of this node had stalled")  # every verdict in: nobody waits for the rest
     for run in (node0, node1):
         run.wait(timeout=30)
         assert run.returncode == 124, run.stderr[-3000:]
