@@ -111,6 +111,14 @@ def in_rendezvous(ranks: dict[int, RankState]) -> dict[int, Frame | None]:
     ``init_process_group``)."""
     silent = [pid for pid, state in ranks.items() if state.event is None]
     found: dict[int, Frame | None] = dict(stacks.in_rendezvous(silent)) if silent else {}
-    found.update({pid: None for pid, state in ranks.items()
-                  if state.event == "phase" and state.phase == RENDEZVOUS_PHASE})
+    found.update({pid: None for pid, state in ranks.items() if says_joining(state)})
     return found
+
+
+def may_be_joining(state: RankState) -> bool:
+    """Whether a rank may still be joining its process group: it said so, or it has said nothing (its stack tells)."""
+    return state.event is None or says_joining(state)
+
+
+def says_joining(state: RankState) -> bool:
+    return state.event == "phase" and state.phase == RENDEZVOUS_PHASE

@@ -31,7 +31,7 @@ from supervisor.control.wire import HANG_CODE, LOST_CODE
 from supervisor.diagnosis import stragglers
 from supervisor.failure import FailureRule, FalloutGate
 from supervisor.hangs import HangWatchdog, Stall
-from supervisor.liveness import RankState, in_rendezvous
+from supervisor.liveness import RankState, in_rendezvous, may_be_joining
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
@@ -292,7 +292,8 @@ class Watch:
                     # (an announced culprit is on its way out; a SIGTERM after it has left its stop handler would
                     # make its exit code 143)
                     w.terminate()
-            short = self.plan.grace_period > RENDEZVOUS_WAIT
+            short = self.plan.grace_period > RENDEZVOUS_WAIT and any(
+                w.alive and may_be_joining(self.states[w.spec.rank]) for w in self.workers)
             if short:
                 stop.rendezvous_at = now + RENDEZVOUS_WAIT
             if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
