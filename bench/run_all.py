@@ -9,7 +9,7 @@
                                                 # gives the commands for machines that allow 10 minutes a command)
 
 Each `bench_<name>.py` prints its own figures and ratios, measured side by side against its anchor in the same run;
-this script records the machine, the command and the output verbatim. Not part of CI: about 10-15 minutes on 2 cores.
+this script records the machine, the command and the output verbatim. Not part of CI: about 35 minutes on 2 cores.
 """
 
 from __future__ import annotations

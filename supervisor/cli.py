@@ -87,14 +87,25 @@ def build_parser() -> argparse.ArgumentParser:
     nodes.add_argument("--local-addr", metavar="HOST",
                        help="this node's address, the one node 0 sees its control connection come from (default: "
                             "the system's choice)")
-    nodes.add_argument("--node-timeout", type=float, default=30.0, metavar="S",
-                       help="a node whose supervisor is not heard from for this long (frozen, cut off) is lost: "
-                            "every node stops its ranks, exit 125 (default 30; heartbeats go every few seconds)")
-    nodes.add_argument("--join-timeout", type=float, default=300.0, metavar="S",
-                       help="a node that has not joined node 0's control channel this long after node 0 started is "
-                            "lost, and named (default 300)")
+    add_own_node_flags(nodes)
     add_config_arguments(parser)
     return parser
+
+
+def add_own_node_flags(group: argparse._ArgumentGroup) -> None:
+    """The multi-node flags torchrun does not have, which both command lines take."""
+    group.add_argument("--node-timeout", type=float, default=30.0, metavar="S",
+                       help="a node whose supervisor is not heard from for this long (frozen, cut off) is lost: "
+                            "every node stops its ranks, exit 125 (default 30; heartbeats go every few seconds)")
+    group.add_argument("--join-timeout", type=float, default=300.0, metavar="S",
+                       help="a node that has not joined node 0's control channel this long after node 0 started is "
+                            "lost, and named (default 300)")
+
+
+def add_torchrun_side_flags(group: argparse._ArgumentGroup) -> None:
+    """What torchrun's command line takes of the supervisor's own: the launch flags and the node timeouts."""
+    add_own_launch_flags(group)
+    add_own_node_flags(group)
 
 
 def add_own_launch_flags(group: argparse._ArgumentGroup) -> None:
@@ -307,10 +318,10 @@ def read_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str], T
     arguments are the config flags it takes (``--nproc-per-node 2 pretrain_main.py --debug``). Last, the lines
     saying what torchrun's flags that change nothing here do instead."""
     own = build_parser()
-    if not torchrun_args.recognised(argv, own, torchrun_args.build_parser(add_own_launch_flags)):
+    if not torchrun_args.recognised(argv, own, torchrun_args.build_parser(add_torchrun_side_flags)):
         ours, entry_args = split_entry_args(argv)
         return own.parse_args(ours), entry_args, None, []
-    launch = torchrun_args.parse(argv, add_own_launch_flags, own.parse_args([]))
+    launch = torchrun_args.parse(argv, add_torchrun_side_flags, own.parse_args([]))
     args = launch.args
     args.entry = str(launch.program)
     if launch.mode != "script" or launch.program.name != TRAINER_ENTRY:

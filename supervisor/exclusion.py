@@ -12,7 +12,10 @@ run stops, saying why. Every exclusion is kept in ``<run>/exclusions.json`` (`Ex
 
 A run that ends on a GPU fault (no restart left, exclusion off, too few GPUs left, or a multi-node run, which never
 restarts) leaves ``<run>/gpu_fault.json`` (`NodeFault`): which node's GPUs failed, so that a job script can leave the
-node out of the job's next allocation (`supervisor.slurm.job`).
+node out of the job's next allocation (`supervisor.slurm.job`). Likewise a run that stopped because another node
+was lost (it stopped answering, died, or never joined) leaves ``<run>/node_lost.json`` (`LostNode`) on each node that
+stopped for it: the job's exit code is then the lost node's (125), not the code of the task the scheduler killed on
+that node.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from trainer.config import Config
 
 EXCLUSIONS_FILE = "exclusions.json"
 GPU_FAULT_FILE = "gpu_fault.json"
+LOST_NODE_FILE = "node_lost.json"
 
 
 def node_name(environ: Mapping[str, str] = os.environ) -> str:
@@ -118,7 +122,7 @@ class NodeFault:
     @classmethod
     def here(cls, faulty: Mapping[int, list[str]], environ: Mapping[str, str] = os.environ) -> NodeFault:
         return cls(node_name(environ), {str(gpu): list(evidence) for gpu, evidence in faulty.items()}, now(),
-                   environ.get("SLURM_JOB_ID"), int(environ.get("SLURM_RESTART_COUNT") or 0))
+                   *slurm_allocation(environ))
 
     def write(self, run_dir: Path) -> None:
         write_json(run_dir / GPU_FAULT_FILE, asdict(self))
@@ -126,6 +130,31 @@ class NodeFault:
     def line(self) -> str:
         return f"node {self.node}: " + "; ".join(f"GPU {gpu} ({', '.join(evidence)})"
                                                 for gpu, evidence in self.gpus.items())
+
+
+@dataclass(frozen=True)
+class LostNode:
+    """Another node of the run that was lost, as node_lost.json records it on a node that stopped for it; the Slurm
+    job and allocation, as for `NodeFault`."""
+
+    node: int  # the lost node's rank (SLURM_NODEID under Slurm)
+    why: str  # the headline that named it
+    seen_by: str  # `node_name` of the node that recorded it
+    time: str
+    slurm_job_id: str | None
+    slurm_restart_count: int
+
+    @classmethod
+    def here(cls, node: int, why: str, environ: Mapping[str, str] = os.environ) -> LostNode:
+        return cls(node, why, node_name(environ), now(), *slurm_allocation(environ))
+
+    def write(self, run_dir: Path) -> None:
+        write_json(run_dir / LOST_NODE_FILE, asdict(self))
+
+
+def slurm_allocation(environ: Mapping[str, str]) -> tuple[str | None, int]:
+    """SLURM_JOB_ID (None outside Slurm) and SLURM_RESTART_COUNT (0: the job's first allocation)."""
+    return environ.get("SLURM_JOB_ID"), int(environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 def write_json(path: Path, content: Any) -> None:

@@ -2,7 +2,8 @@
 
 Order matters in `run`: the sentinel (`Reaper`) is forked first, while the supervisor has no other thread; then
 the supervisor makes itself a child subreaper; then, on several nodes, the control channel opens (the nodes join,
-and are heard from, while each prepares its data; a node whose preparation fails stops the others); then the dataset
+and are heard from, while each prepares its data; a node whose preparation fails stops the others, and a node lost,
+failed or stalled elsewhere stops this one's build at once, with that node named and its code); then the dataset
 is prepared (Ctrl-C there is an ordinary KeyboardInterrupt, no rank exists yet, and a second Ctrl-C is ignored while
 it unwinds); only then do signals become loop events.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor import exclusion
 from supervisor.console import Console
-from supervisor.control.wire import read_secret
+from supervisor.control.wire import HANG_CODE, LOST_CODE, read_secret
 from supervisor.diagnosis import gpu_fault, preflight
 from supervisor.diagnosis.culprit import make_pipe, recorder_pipe
 from supervisor.exclusion import Exclusion
@@ -60,6 +62,8 @@ from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 if TYPE_CHECKING:
     from supervisor.control.channel import ControlChannel
+
+BUILD_SAMPLE = 0.5  # seconds between two samples of the dataset build's memory
 
 
 @contextmanager
@@ -98,7 +102,7 @@ class Launcher:
 
                 control = open_channel(self.plan, read_secret(os.environ), self.console.say)
             try:
-                failed = self.prepare()
+                failed = self.prepare(control)
             except KeyboardInterrupt:
                 failed = 130
                 self.console.say("interrupted during dataset preparation; no rank was started")
@@ -145,7 +149,10 @@ class Launcher:
                                  f"{resumes}{layout}", style="bold yellow")
             self.console.stop_footer()
             if result.exit_code != 0 and self.verdict is not None and self.verdict.gpu_fault:
-                self.record_node_fault(self.verdict)
+                self.record(exclusion.NodeFault.here(self.verdict.faulty), "the GPU fault", "leave this node out")
+            if result.stop is not None and result.stop.lost_node is not None:
+                self.record(exclusion.LostNode.here(result.stop.lost_node, result.stop.detail), "the lost node",
+                            "end with its exit code")
             self.report(result, restarts, time.monotonic() - started)
             if control is not None and result.exit_code == 0:
                 control.done()
@@ -160,10 +167,11 @@ class Launcher:
 
     # -- steps -----------------------------------------------------------------------------------------------------
 
-    def prepare(self) -> int | None:
+    def prepare(self, control: ControlChannel | None) -> int | None:
         """Find (or build) the token cache once, before any rank starts, so ranks never race to build it; then, with
         its key known, refuse a --resume checkpoint that does not fit this run (trainer.checkpoint.layout.check_resume).
-        Returns the exit code of a build that failed (it has said why), None when the data is ready."""
+        Returns the exit code of a build that failed or was stopped (it has said why), None when the data is
+        ready. `control`: another node's stop (a lost node, a failure, a stall) stops the build at once."""
         if not (self.plan.prepare and self.plan.trainer_entry):
             return None
         from trainer.data.cache import find
@@ -171,7 +179,7 @@ class Launcher:
         info = find(self.cfg)
         built = info is None
         if info is None:
-            failed = self.build_dataset()
+            failed = self.build_dataset(control)
             if failed is not None:
                 return failed
             info = find(self.cfg)
@@ -183,10 +191,11 @@ class Launcher:
         check_resume(self.cfg, info.key, info.vocab_size)  # other data or another model: refused before any rank
         return None
 
-    def build_dataset(self) -> int | None:
+    def build_dataset(self, control: ControlChannel | None) -> int | None:
         """`prepare_dataset.py` on this run's resolved config, as a child that dies with the supervisor; its progress
         goes straight to the console. Its resident memory is sampled while it runs, for the report of a build the
-        out-of-memory killer ends (the only sender of SIGKILL a user does not know of)."""
+        out-of-memory killer ends (the only sender of SIGKILL a user does not know of). On several nodes the control
+        channel is heard between samples: another node's stop ends the build at once (`stop_build`)."""
         import psutil
 
         config = self.write_config(0, self.cfg.checkpoint.resume)
@@ -200,7 +209,9 @@ class Launcher:
                     largest = max(largest, psutil.Process(proc.pid).memory_info().rss)
                 except psutil.Error:
                     pass  # exited between poll and sample
-                time.sleep(0.5)
+                heard, _, _ = select.select([control.fd] if control is not None else [], [], [], BUILD_SAMPLE)
+                if heard and control is not None and (stopped := self.stop_build(control, proc, started)) is not None:
+                    return stopped
         except KeyboardInterrupt:  # the build got the same SIGINT and stops by itself
             proc.wait()
             raise
@@ -220,6 +231,28 @@ class Launcher:
         elif code > 128:
             self.console.say(f"the dataset build (prepare_dataset.py) was killed by "
                              f"{signal.Signals(code - 128).name}; no rank was started", style="bold red")
+        return code
+
+    def stop_build(self, control: ControlChannel, proc: subprocess.Popen, started: float) -> int | None:
+        """Another node's stop, heard while this node builds its dataset: the build is killed (what it half-built is
+        removed by the next build) and the run ends with that stop's code, no rank started. A stall elsewhere gets
+        this node's verdict first: the other nodes' ranks wait for this node's, which have not started."""
+        events, _ = control.read_events()
+        if not events:
+            return None  # other nodes' stall verdicts: no rank of this node runs to be explained
+        event = events[0]
+        code, why = event.code, event.why
+        elapsed = time.monotonic() - started
+        if code == HANG_CODE:
+            control.verdict(self.plan.node_rank, True, f"no rank of this node has started: it is still preparing its "
+                                                       f"dataset (prepare_dataset.py, for {elapsed:.0f} s so far)")
+        proc.kill()
+        proc.wait()
+        code = code or LOST_CODE  # a stop from elsewhere never ends the run with 0
+        if event.lost:
+            self.record(exclusion.LostNode.here(event.node, why), "the lost node", "end with its exit code")
+        self.console.say(f"{why}; stopped this node's dataset preparation (prepare_dataset.py, pid {proc.pid}, after "
+                         f"{elapsed:.1f} s): no rank was started; exit code {code}", style="bold red")
         return code
 
     def restartable(self, result: GroupResult) -> bool:
@@ -267,13 +300,14 @@ class Launcher:
                                         f"{ranks}", style="bold yellow")
         return None
 
-    def record_node_fault(self, verdict: gpu_fault.Verdict) -> None:
-        """gpu_fault.json, for the job script; a folder that cannot take it any more is said, not a new failure."""
+    def record(self, record: exclusion.NodeFault | exclusion.LostNode, what: str, then: str) -> None:
+        """gpu_fault.json or node_lost.json, for the job script; a folder that cannot take it any more is said, not
+        a new failure."""
         try:
-            exclusion.NodeFault.here(verdict.faulty).write(self.plan.run_dir)
+            record.write(self.plan.run_dir)
         except OSError as e:
-            self.console.say(f"cannot record the GPU fault in {self.plan.run_dir} ({e.strerror or e}): a job script "
-                             f"will not leave this node out")
+            self.console.say(f"cannot record {what} in {self.plan.run_dir} ({e.strerror or e}): a job script will not "
+                             f"{then}")
 
     def checkpoints(self) -> dict[Path, int]:
         """The published checkpoints in checkpoint.dir, each with its meta.json's modification time: what changed

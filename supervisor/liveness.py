@@ -23,7 +23,9 @@ from pathlib import Path
 
 import psutil
 
-from trainer.progress import Progress
+from supervisor.diagnosis import stacks
+from supervisor.diagnosis.culprit import Frame
+from trainer.progress import RENDEZVOUS_PHASE, Progress
 
 CPU_FLOOR_S = 0.05  # CPU seconds between two samples that count as activity: idle threads use far less
 SAMPLE_INTERVAL_MAX = 5.0  # seconds between samples of a program that reports nothing
@@ -100,3 +102,23 @@ def output_size(log: Path) -> int:
         return os.stat(log).st_size
     except OSError:
         return 0
+
+
+def in_rendezvous(ranks: dict[int, RankState]) -> dict[int, Frame | None]:
+    """Of the live ranks given (pid → state), those still joining their process group, each with the frame it waits
+    in where it was read from outside. A rank that reports progress says so by its phase (`RENDEZVOUS_PHASE`, before
+    any step); one that has reported nothing has its stack read (its main thread in the rendezvous store, in
+    ``init_process_group``)."""
+    silent = [pid for pid, state in ranks.items() if state.event is None]
+    found: dict[int, Frame | None] = dict(stacks.in_rendezvous(silent)) if silent else {}
+    found.update({pid: None for pid, state in ranks.items() if says_joining(state)})
+    return found
+
+
+def may_be_joining(state: RankState) -> bool:
+    """Whether a rank may still be joining its process group: it said so, or it has said nothing (its stack tells)."""
+    return state.event is None or says_joining(state)
+
+
+def says_joining(state: RankState) -> bool:
+    return state.event == "phase" and state.phase == RENDEZVOUS_PHASE

@@ -48,6 +48,25 @@ class Reaper:
     def forget(self, pgid: int) -> None:
         self._send(f"-{pgid}")
 
+    def sweep(self, wait: float) -> None:
+        """Kill every process still below the supervisor but this sentinel: children that left their rank's process
+        group, and orphans re-parented to the supervisor (a child subreaper). Then reap them (`wait` seconds at most),
+        so none is left even as a zombie."""
+        if direct_children() == {self.pid}:
+            return  # the common case, known without walking the process table
+        import psutil
+
+        try:
+            leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid != self.pid]
+        except psutil.Error:
+            return
+        for p in leftovers:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(leftovers, timeout=wait)
+
     def close(self) -> None:
         """Dismiss the sentinel without killing anything (every group it knew is already gone)."""
         if self.fd < 0:
@@ -110,3 +129,17 @@ def kill_marked(marker: bytes) -> None:
                 os.kill(int(entry), signal.SIGKILL)
             except OSError:
                 continue
+
+
+def direct_children() -> set[int] | None:
+    """Our child pids from /proc (every thread's list), or None where the kernel does not publish them.
+
+    Anything below us hangs from a child of ours: ranks are reaped by now, and orphans come to us (subreaper)."""
+    children: set[int] = set()
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                children.update(int(pid) for pid in f.read().split())
+    except OSError:
+        return None
+    return children

@@ -73,6 +73,9 @@ def failure_report(result: GroupResult, run_dir: Path, restarts: int, max_restar
     assert stop is not None
     verb = {"interrupt": "interrupted", "remote": "stopped"}.get(stop.reason, "failed")
     lines = [f"run {verb} after {duration(total)}: {stop.detail}"]
+    if stop.node_verdicts:
+        lines.append("what each node's evidence says of its own ranks:")
+        lines += [f"  {line}" for line in stop.node_verdicts]
     if errors is not None and (cause := error_file.read(errors)) is not None:
         lines += cause.lines()
     if verdict is not None:

@@ -152,7 +152,8 @@ def parse(argv: list[str], add_own_flags: Callable[[argparse._ArgumentGroup], No
     t = build_parser(add_own_flags).parse_args(argv)
     args = argparse.Namespace(**vars(defaults))
     for name in ("gpus", "allow_busy_gpus", "isolate_gpus", "grace_period", "hang_timeout", "startup_timeout",
-                 "gpu_exclusion", "min_gpus", "no_footer", "max_restarts", "local_addr"):
+                 "gpu_exclusion", "min_gpus", "no_footer", "max_restarts", "local_addr", "node_timeout",
+                 "join_timeout"):
         setattr(args, name, getattr(t, name))
     if t.log_dir is not None:
         args.log_dir = t.log_dir

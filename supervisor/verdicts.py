@@ -9,6 +9,9 @@ for another node's. So a stall on any node makes every node read its own ranks' 
 * else a node that sent no verdict within `VERDICT_WAIT` seconds of the stall is the culprit by silence (its
   supervisor frozen, cut off, or its host gone): ``node 2 sent no stall verdict within 5 s: ...``;
 * else (every node answered and none names a rank) each node's own headline stands.
+
+Every node's report then lists what each node said of its own ranks (`NodeVerdicts.lines`), so the evidence of the
+other nodes is read where the run's end is read, not only in their own logs.
 """
 
 from __future__ import annotations
@@ -50,3 +53,11 @@ class NodeVerdicts:
         return (f"{names} sent no stall verdict within {VERDICT_WAIT:g} s while the other nodes' ranks name no "
                 f"culprit of their own: {names} {'are' if len(silent) > 1 else 'is'} the culprit by silence "
                 f"(a supervisor frozen or cut off, or its host gone)")
+
+    def lines(self, own: int) -> list[str]:
+        """What each node said of its own ranks, for the report (`own`: this node); none before a stall."""
+        if self.deadline == math.inf:
+            return []
+        return [f"node {node}{' (this node)' if node == own else ''}: "
+                + (self.verdicts[node][1] if node in self.verdicts else f"no verdict within {VERDICT_WAIT:g} s")
+                for node in range(self.nnodes)]

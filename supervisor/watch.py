@@ -5,11 +5,14 @@ rank to die is the first we see), a signal (SIGCHLD, or a stop request), a progr
 multi-node control channel, or the next deadline (a hang allowance running out, the end of the stack-dump pause,
 the end of the grace period). There is no polling interval.
 
-Which rank's failure is the run's, when several fail one after another, is `supervisor.failure`'s rule. Stopping the others: SIGTERM to each rank process,
-then SIGKILL to its whole process group once the grace period ends. SIGTERM goes to the rank alone, not its group,
-so its DataLoader workers keep serving it while it finishes its step and checkpoints; the moment a rank exits, its
-group is SIGKILLed, so nothing it started outlives it. After the last exit, a sweep kills any descendant that left
-the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to init).
+Which rank's failure is the run's, when several fail one after another, is `supervisor.failure`'s rule. Stopping
+the others: SIGTERM to each rank process, then SIGKILL to its whole process group once the grace period ends. SIGTERM
+goes to the rank alone, not its group, so its DataLoader workers keep serving it while it finishes its step and
+checkpoints; the moment a rank exits, its group is SIGKILLed, so nothing it started outlives it. A rank still joining
+its process group `RENDEZVOUS_WAIT` seconds after SIGTERM (waiting for a node that may never come) gets SIGKILL then,
+not after the grace period: it has nothing to save. After the last exit, a sweep (`Reaper.sweep`) kills any
+descendant that left the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to
+init).
 
 Hang watchdog: `supervisor.hangs` says when a group is stalled and which rank holds it up (the headline).
 """
@@ -28,7 +31,7 @@ from supervisor.control.wire import HANG_CODE, LOST_CODE
 from supervisor.diagnosis import stragglers
 from supervisor.failure import FailureRule, FalloutGate
 from supervisor.hangs import HangWatchdog, Stall
-from supervisor.liveness import RankState
+from supervisor.liveness import RankState, in_rendezvous, may_be_joining
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
@@ -39,9 +42,13 @@ from trainer.errors import USER_ERROR_EXIT_CODE
 from trainer.progress import Progress
 
 if TYPE_CHECKING:
-    from supervisor.control.channel import ControlChannel
+    from supervisor.control.channel import ControlChannel, Event
 
 KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
+# after SIGTERM: a rank still joining its process group by then gets SIGKILL instead of the grace period. It has
+# nothing to save, and a program that answers SIGTERM by setting a flag (the trainer: checkpoint at the next step)
+# never reads it while it waits there, for a node that may never come
+RENDEZVOUS_WAIT = 2.0
 PUMP_WAIT = 2.0  # after the last exit: time for the pump to reach end-of-file on every pipe
 EXIT_HANG = HANG_CODE
 
@@ -66,12 +73,15 @@ class Stop:
     at: float = field(default_factory=time.monotonic)
     term_at: float = 0.0  # when SIGTERM goes out (later than `at` only for a hang: the stack-dump pause)
     kill_at: float = float("inf")
+    rendezvous_at: float = float("inf")  # when the ranks still in the rendezvous get SIGKILL (`RENDEZVOUS_WAIT`)
     terminated: bool = False
     killed: bool = False
     awaiting: bool = False  # a failure: `worker` said ``failing`` and has not exited yet; its exit sets the code
     silence: float = 0.0  # a hang: how long the rank that tripped the watchdog had been silent
     evidence: list[str] = field(default_factory=list)  # a hang: each rank's evidence, for the report
     stall: Stall | None = None  # a hang: what the watchdog found
+    node_verdicts: list[str] = field(default_factory=list)  # a hang on several nodes: what each node's evidence said
+    lost_node: int | None = None  # another node was lost (stopped answering, died, never joined): which
 
 
 @dataclass
@@ -133,7 +143,7 @@ class Watch:
             self.pump.gate = None
             self.gate.close_records()
             self.selector.close()
-        self.sweep()
+        self.reaper.sweep(KILL_WAIT)
         self.pump.finish(PUMP_WAIT)
         return GroupResult(self.workers, self.states, self.endings, self.tails, self.stop)
 
@@ -162,7 +172,7 @@ class Watch:
         elif not stop.terminated:
             deadlines.append(stop.term_at)
         elif not stop.killed:
-            deadlines.append(stop.kill_at)
+            deadlines.append(min(stop.kill_at, stop.rendezvous_at))
         else:
             deadlines.append(stop.kill_at + KILL_WAIT)
         if self.awaiting_verdicts():
@@ -282,9 +292,17 @@ class Watch:
                     # (an announced culprit is on its way out; a SIGTERM after it has left its stop handler would
                     # make its exit code 143)
                     w.terminate()
+            short = self.plan.grace_period > RENDEZVOUS_WAIT and any(
+                w.alive and may_be_joining(self.states[w.spec.rank]) for w in self.workers)
+            if short:
+                stop.rendezvous_at = now + RENDEZVOUS_WAIT
             if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
                 self.console.say(f"SIGTERM sent; a rank still running in {self.plan.grace_period:g} s "
-                                 f"(--grace-period) gets SIGKILL", style="yellow")
+                                 f"(--grace-period) gets SIGKILL" + (f", one still in the rendezvous in "
+                                 f"{RENDEZVOUS_WAIT:g} s (it has nothing to save)" if short else ""), style="yellow")
+        if stop.terminated and not stop.killed and now >= stop.rendezvous_at:
+            stop.rendezvous_at = float("inf")
+            self.kill_rendezvous()
         if stop.terminated and not stop.killed and now >= stop.kill_at:
             self.say_unheeded()
             self.kill_all()
@@ -302,10 +320,12 @@ class Watch:
         return self.verdicts is not None and self.verdicts.waiting(time.monotonic())
 
     def settle_verdicts(self) -> None:
-        """A stall on several nodes: the headline every node's verdicts agree on replaces this node's own."""
+        """A stall on several nodes: the headline every node's verdicts agree on replaces this node's own, and the
+        report lists what each node said."""
         stop = self.stop
         if stop is None or stop.stall is None or self.verdicts is None:
             return
+        stop.node_verdicts = self.verdicts.lines(self.plan.node_rank)
         headline = self.verdicts.headline()
         if headline is not None and headline != stop.detail:
             stop.detail = headline
@@ -322,6 +342,20 @@ class Watch:
         where = f" ({', '.join(waiting)} before the first step: in the rendezvous, or start-up)" if waiting else ""
         self.console.say(f"{', '.join(w.label for w in left)} still running {self.plan.grace_period:g} s after "
                          f"SIGTERM{where}; SIGKILL", style="bold yellow")
+
+    def kill_rendezvous(self) -> None:
+        """SIGKILL for the ranks still joining their process group `RENDEZVOUS_WAIT` seconds after SIGTERM
+        (`supervisor.liveness.in_rendezvous`)."""
+        joining = in_rendezvous({w.pid: self.states[w.spec.rank] for w in self.workers if w.alive})
+        ranks = [w for w in self.workers if w.pid in joining]
+        if not ranks:
+            return
+        where = "; ".join(f"{w.label} in {frame.short()}" for w in ranks if (frame := joining[w.pid]) is not None)
+        self.console.say(f"{', '.join(w.label for w in ranks)} still in the rendezvous {RENDEZVOUS_WAIT:g} s after "
+                         f"SIGTERM{f' ({where})' if where else ''}: no process group yet, so nothing to save; SIGKILL "
+                         f"now rather than after the {self.plan.grace_period:g} s grace period", style="bold yellow")
+        for w in ranks:
+            w.kill_group()
 
     def kill_all(self) -> None:
         stop = self.stop
@@ -353,8 +387,8 @@ class Watch:
                 self.console.say(f"{name} again: killing every rank now", style="bold yellow")
                 self.kill_all()
 
-    def on_remote(self, event: tuple[int, str, int, str]) -> None:
-        _, _, code, why = event
+    def on_remote(self, event: Event) -> None:
+        code, why = event.code, event.why
         if self.stop is None and code == EXIT_HANG:  # another node stalled: this node's evidence is asked for too
             self.console.say(f"{why}; reading this node's ranks' evidence too, then stopping", style="bold red")
             stall = self.hangs.dump_all(why)
@@ -364,7 +398,7 @@ class Watch:
             self.console.say(f"{why}; stopping this node's ranks", style="bold red")
             self.failures.quiet_fallout(None)
             # an abort always says how a rank failed; were it to say 0, the run must still not look finished
-            self.begin_stop(Stop("remote", code or LOST_CODE, why))
+            self.begin_stop(Stop("remote", code or LOST_CODE, why, lost_node=event.node if event.lost else None))
 
     # -- progress and hangs ----------------------------------------------------------------------------------------
 
@@ -398,26 +432,6 @@ class Watch:
                 if failure := stragglers.record(self.plan.run_dir, self.straggler_history):
                     self.console.say(failure, style="yellow")
 
-    # -- the sweep -------------------------------------------------------------------------------------------------
-
-    def sweep(self) -> None:
-        """Kill every process we still have below us except the sentinel: children that left their rank's process
-        group, and orphans re-parented to us. Then reap them, so none is left even as a zombie."""
-        if direct_children() == {self.reaper.pid}:
-            return  # the common case, known without walking the process table
-        import psutil
-
-        try:
-            leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid != self.reaper.pid]
-        except psutil.Error:
-            return
-        for p in leftovers:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(leftovers, timeout=KILL_WAIT)
-
     def footer_rows(self) -> list[tuple[Worker, RankState, str]]:
         rows = []
         for w in self.workers:
@@ -429,18 +443,3 @@ class Watch:
                 status = self.endings.get(w.spec.rank, describe_exit(w.exit_code or 0))
             rows.append((w, self.states[w.spec.rank], status))
         return rows
-
-
-
-def direct_children() -> set[int] | None:
-    """Our child pids from /proc (every thread's list), or None where the kernel does not publish them.
-
-    Anything below us hangs from a child of ours: ranks are reaped by now, and orphans come to us (subreaper)."""
-    children: set[int] = set()
-    try:
-        for task in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{task}/children") as f:
-                children.update(int(pid) for pid in f.read().split())
-    except OSError:
-        return None
-    return children

@@ -21,8 +21,8 @@ import pytest
 
 from rank_scripts.harness import CONTROL_SECRET, ROOT, Run, clean_env, start
 from rank_support import TINY, merged, set_flags
-from supervisor.control.wire import SECRET_ENV
-from supervisor.exclusion import GPU_FAULT_FILE, NodeFault
+from supervisor.control.wire import LOST_CODE, SECRET_ENV
+from supervisor.exclusion import GPU_FAULT_FILE, LOST_NODE_FILE, LostNode, NodeFault
 from supervisor.slurm import layout as slurm_layout
 from trainer.checkpoint import layout
 from trainer.errors import UserError
@@ -170,8 +170,8 @@ def test_the_job_script_passes_the_users_flags_and_a_fresh_secret(tmp_path: Path
     out = run_job_script(tmp_path, 0, "--debug", "--max-steps", "5")
     assert out.returncode == 0, out.stderr
     argv, env = recorded(tmp_path, "srun")
-    assert argv == ["--ntasks-per-node=1", "--cpus-per-task=16", "bash", str(ROOT / "run_training.sh"),
-                    "--resume", "auto", "--debug", "--max-steps", "5"]  # no preset of its own: --debug works
+    assert argv == ["--ntasks-per-node=1", "--cpus-per-task=16", "--kill-on-bad-exit=1", "bash",
+                    str(ROOT / "run_training.sh"), "--resume", "auto", "--debug", "--max-steps", "5"]  # --debug works
     assert re.fullmatch(r"[0-9a-f]{64}", env[SECRET_ENV])
     assert calls(tmp_path, "scontrol") == []
 
@@ -290,6 +290,24 @@ def test_a_program_fault_neither_excludes_nor_requeues(tmp_path: Path, kwargs: d
     out = gpu_fault_job(tmp_path, **kwargs)
     assert (out.returncode, out.stdout) == (1, "")
     assert calls(tmp_path, "scontrol") == []
+
+
+def test_a_lost_node_ends_the_job_with_its_code_and_its_name(tmp_path: Path) -> None:
+    """n2 was frozen: n1's supervisor recorded it lost (node_lost.json, twice: a record of an earlier allocation does
+    not count) and exited 125; Slurm then killed n2's task (--kill-on-bad-exit), so srun exits 137. The job exits
+    125 and names n2."""
+    def lost(allocation: int, run: str) -> dict[str, str]:
+        record = LostNode(1, "node 1 (10.0.0.2) stopped answering 30.0 s ago", "n1", "2026-01-01T00:00:00", "4242",
+                          allocation)
+        return {str(tmp_path / "logs" / run / LOST_NODE_FILE): json.dumps(asdict(record))}
+
+    out = run_job_script(tmp_path, 137, "--log-dir", str(tmp_path / "logs"), SLURM_JOB_NODELIST="n[1-2]",
+                         SLURM_RESTART_COUNT="1",
+                         stand_ins={"srun": StandIn(137, files={**lost(0, "earlier"), **lost(1, "now")})})
+    assert out.returncode == LOST_CODE, out.stderr
+    assert out.stdout.splitlines() == [("node n2 (node 1 of the job) was lost: node 1 (10.0.0.2) stopped answering "
+                                        f"30.0 s ago; the job ends with exit code {LOST_CODE}")]
+    assert calls(tmp_path, "scontrol") == []  # nothing requeued
 
 
 def test_the_node_exclusion_switch_is_checked_before_the_step(tmp_path: Path) -> None:

@@ -263,7 +263,7 @@ channel = ControlServer(3, '127.0.0.1', int(sys.argv[1]) + 1, sys.argv[2].encode
                         lambda line: print(line, flush=True))
 print('listening', flush=True)
 select.select([channel.fd], [], [])
-print('event', channel.read_events()[0], flush=True)
+print('event', [(e.node, e.label, e.code, e.why) for e in channel.read_events()[0]], flush=True)
 resource.setrlimit(resource.RLIMIT_NOFILE, limits)  # room to exit in (ending a thread may load a library)
 """
 
@@ -311,5 +311,5 @@ def test_the_secret_must_be_set_and_not_trivial():
 
 
 def test_an_abort_says_whether_a_rank_failed_or_a_supervisor_stopped():
-    assert remote_failure(1, "GPU3", 7)[3] == "node 1: GPU3 failed with exit 7"
-    assert remote_failure(1, "supervisor", 138)[3] == "node 1: its supervisor stopped with SIGUSR1 (138)"  # Slurm's warning
+    assert remote_failure(1, "GPU3", 7).why == "node 1: GPU3 failed with exit 7"
+    assert remote_failure(1, "supervisor", 138).why == "node 1: its supervisor stopped with SIGUSR1 (138)"  # Slurm's warning

@@ -3,14 +3,21 @@ freezes, dies or never joins is named on every other node, and every node stops 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
+import time
+from pathlib import Path
 
 from test_supervisor_multinode import FakeNode
 
-from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, free_port_pair, start, survivors
+from rank_scripts.harness import CONTROL_SECRET, ROOT, Run, clean_env, free_port_pair, start, survivors
 from supervisor.control.wire import LOST_CODE
+from supervisor.exclusion import LOST_NODE_FILE
+from supervisor.hangs import NOTHING_STALLED
+from supervisor.watch import RENDEZVOUS_WAIT
 
 NODES = 3
 TIMEOUTS = ("--node-timeout", "3", "--join-timeout", "6", "--grace-period", "2")
@@ -20,10 +27,14 @@ def address(node: int) -> str:
     return f"127.0.0.{node + 1}"
 
 
+def layout(port: int, rank: int) -> tuple[str, ...]:
+    return ("--nnodes", str(NODES), "--node-rank", str(rank), "--master-addr", address(0), "--master-port", str(port),
+            "--local-addr", address(rank))
+
+
 def node(tmp_path, port: int, rank: int, *flags: str, secret: str = CONTROL_SECRET,
          entry_args: tuple[str, ...] = ()) -> Run:
-    return start(tmp_path, "--nproc", "1", "--nnodes", str(NODES), "--node-rank", str(rank), "--master-addr",
-                 address(0), "--master-port", str(port), "--local-addr", address(rank), *TIMEOUTS, *flags,
+    return start(tmp_path, "--nproc", "1", *layout(port, rank), *TIMEOUTS, *flags,
                  env=clean_env(SUPERVISOR_CONTROL_SECRET=secret), tag=str(rank), entry_args=entry_args)
 
 
@@ -61,6 +72,8 @@ def test_a_frozen_node_is_named_on_every_other_node(tmp_path):
             assert run.returncode == LOST_CODE, run.stderr[-3000:]
             assert "node 2 (127.0.0.3) stopped answering" in run.stderr, run.stderr[-3000:]
             assert f"exit code {LOST_CODE}" in run.stderr
+            record = json.loads((run.run_dir() / LOST_NODE_FILE).read_text())  # for a job script (Slurm's)
+            assert record["node"] == 2 and headline(run).endswith(f": {record['why']}"), record
         assert survivors(nodes[0].pids() + nodes[1].pids(), timeout=5) == []
     finally:
         thaw(frozen)
@@ -119,10 +132,24 @@ def test_a_stall_is_named_on_every_node_by_the_node_whose_evidence_names_it(tmp_
                    entry_args={1: ("--fail", "hang", "--fail-rank", "1", "--fail-step", "10")})
     for run in nodes:
         run.wait(timeout=60)
-    for run in nodes:
+    for rank, run in enumerate(nodes):
         assert run.returncode == 124, run.stderr[-3000:]
         assert "node 1: CPU0 (rank 1) stalled at step" in headline(run), run.stderr[-3000:]
-    assert "no rank of this node had stalled" in nodes[0].stderr
+        said = verdicts(run)  # every node's report: what each node's evidence said, its own and the others'
+        assert sorted(said) == [f"node {n}{' (this node)' if n == rank else ''}" for n in range(NODES)], said
+        for n, (node_name, text) in enumerate(sorted(said.items())):
+            assert text.startswith("CPU0 (rank 1) stalled at step" if n == 1 else NOTHING_STALLED), (node_name, text)
+
+
+def verdicts(run: Run) -> dict[str, str]:
+    """The report's list of what each node said of its own ranks: ``node 2`` (``node 0 (this node)``) → headline."""
+    lines = run.stderr.splitlines()
+    start = lines.index("supervisor: what each node's evidence says of its own ranks:") + 1
+    found = {}
+    for line in lines[start:start + NODES]:
+        name, _, text = line.removeprefix("supervisor:   ").partition(": ")
+        found[name] = text
+    return found
 
 
 def test_a_node_that_gives_no_stall_verdict_is_the_culprit_by_silence(tmp_path):
@@ -139,3 +166,118 @@ def test_a_node_that_gives_no_stall_verdict_is_the_culprit_by_silence(tmp_path):
         assert run.returncode == 124, run.stderr[-3000:]
         assert "node 2 sent no stall verdict within 5 s" in headline(run) and "the culprit by silence" in \
             headline(run), run.stderr[-3000:]
+        assert verdicts(run)["node 2"] == "no verdict within 5 s"
+
+
+
+def in_rendezvous_store(rank: int, pid: int, port: int) -> bool:
+    """Rank 0 listens on the rendezvous port (the store it hosts), another rank is connected to it."""
+    import psutil
+
+    try:
+        connections = psutil.Process(pid).net_connections("tcp")
+    except psutil.Error:
+        return False
+    if rank == 0:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
+    return any(c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port == port for c in connections)
+
+
+def rank_pid(run: Run, program: Path) -> int:
+    """The pid of the rank running ``python <program>`` under `run`'s supervisor, once it has started."""
+    import psutil
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for child in psutil.Process(run.proc.pid).children():
+            with contextlib.suppress(psutil.Error):
+                if child.cmdline()[1:2] == [str(program)]:
+                    return child.pid
+        time.sleep(0.02)
+    raise AssertionError(f"no rank of {program}: {run.err_path.read_text()[-2000:]}")
+
+
+def test_ranks_waiting_in_the_rendezvous_for_a_node_that_never_came_are_not_given_the_grace_period(tmp_path):
+    """Nodes 0 and 1 have a 60 s grace period and ranks that do not leave on SIGTERM: node 0's a torchrun program
+    that sets a flag for its loop (reporting nothing: its stack is read from outside), node 1's a rank that reports
+    it is joining its process group. Node 2 (the test) joins the control channel, and once both ranks wait in the
+    rendezvous for its rank, which never comes, its supervisor vanishes. The ranks have nothing to save: SIGKILL
+    follows SIGTERM after the short wait, not the grace period, and the console says why."""
+    port = free_port_pair()
+    flags = ("--node-timeout", "600", "--join-timeout", "600", "--grace-period", "60")  # the test's node never beats
+    program = ROOT / "tests" / "torchrun_programs" / "allreduce_loop.py"
+    nodes = [start(tmp_path, "--nproc-per-node", "1", *layout(port, 0), *flags, str(program), "--save-on-term",
+                   entry=None, env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="0"),
+             node(tmp_path, port, 1, *flags, entry_args=("--gloo", "--on-term", "ignore"))]
+    nodes[0].wait_for_stderr("node 1 joined from 127.0.0.2")
+    fake = FakeNode(port + 1, node=2)
+    ranks = [rank_pid(nodes[0], program), nodes[1].wait_for_ranks(1)[0]]
+    deadline = time.monotonic() + 60
+    while not all(in_rendezvous_store(rank, pid, port) for rank, pid in enumerate(ranks)):
+        assert time.monotonic() < deadline, "the ranks never reached the rendezvous"
+        time.sleep(0.05)
+    fake.sock.close()  # node 2's supervisor is gone before its rank ever started
+    for run in nodes:
+        run.wait(timeout=45)  # well within the grace period
+        assert run.returncode == LOST_CODE, run.stderr[-3000:]
+        assert "lost contact with node 2's supervisor" in headline(run), run.stderr[-3000:]
+        assert f"one still in the rendezvous in {RENDEZVOUS_WAIT:g} s (it has nothing to save)" in run.stderr
+        assert f"CPU0 still in the rendezvous {RENDEZVOUS_WAIT:g} s after SIGTERM" in run.stderr, run.stderr[-3000:]
+        assert "SIGKILL now rather than after the 60 s grace period" in run.stderr
+        assert re.search(r"CPU0 +\d+ +\d+ +SIGKILL \(137\) +killed \(SIGKILL\)", run.stderr), run.stderr[-3000:]
+    assert "(CPU0 in _create_c10d_store (distributed/rendezvous.py:" in nodes[0].stderr  # where py-spy found it
+    assert survivors(ranks, timeout=5) == []
+
+
+
+def building(tmp_path, port: int) -> tuple[Run, int]:
+    """Node 1 running the trainer, whose token cache it builds before starting its rank, with that build frozen
+    (SIGSTOP: it would never end). Returns the node and the build's pid."""
+    run = start(tmp_path, "--nproc", "1", *layout(port, 1), *TIMEOUTS, "--debug", "--set",
+                f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.vocab_size=300", "--set", "data.max_samples=400",
+                entry=None, env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="1")
+    build = rank_pid(run, ROOT / "prepare_dataset.py")
+    os.kill(build, signal.SIGSTOP)
+    return run, build
+
+
+def test_a_node_still_building_its_dataset_stops_as_soon_as_another_node_is_lost(tmp_path):
+    """Node 1 is still building its dataset when node 2's supervisor is killed: node 0 names node 2 to node 1, which
+    kills its build, starts no rank and exits with the lost-node code, naming node 2."""
+    import psutil
+
+    port = free_port_pair()
+    nodes = [node(tmp_path, port, 0), *building(tmp_path, port), node(tmp_path, port, 2)]
+    (node0, (node1, build), node2) = nodes[0], nodes[1:3], nodes[3]
+    for rank in (1, 2):
+        node0.wait_for_stderr(f"node {rank} joined from {address(rank)}")
+    node2.wait_for_ranks(1)
+    os.kill(node2.proc.pid, signal.SIGKILL)
+    node1.wait(timeout=30)
+    assert node1.returncode == LOST_CODE, node1.stderr[-3000:]
+    assert (f"lost contact with node 2's supervisor (127.0.0.3): its connection closed; stopped this node's dataset "
+            f"preparation (prepare_dataset.py, pid {build}, after ") in node1.stderr, node1.stderr[-3000:]
+    assert f"no rank was started; exit code {LOST_CODE}" in node1.stderr
+    assert "CPU0:" not in node1.stderr + node1.stdout  # no rank ever ran there
+    assert not psutil.pid_exists(build) or psutil.Process(build).status() == psutil.STATUS_ZOMBIE
+    node0.wait(timeout=30)
+    assert node0.returncode == LOST_CODE, node0.stderr[-3000:]
+
+
+def test_a_stall_elsewhere_names_the_node_still_building_its_dataset(tmp_path):
+    """Node 2 (the test) reports a stall while node 1 still builds its dataset: node 1 stops its build and answers
+    with its verdict, which names it (the other nodes' ranks wait for its, which never started)."""
+    port = free_port_pair()
+    node0 = node(tmp_path, port, 0)
+    node1, _ = building(tmp_path, port)
+    node0.wait_for_stderr("node 1 joined from 127.0.0.2")
+    node0.wait_for_ranks(1)
+    fake = FakeNode(port + 1, node=2)
+    fake.send("abort 2 CPU0 124")
+    fake.send("verdict 2 0 no rank of this node had stalled")  # every verdict in: nobody waits for the rest
+    for run in (node0, node1):
+        run.wait(timeout=30)
+        assert run.returncode == 124, run.stderr[-3000:]
+    assert "node 2: CPU0 stalled; stopped this node's dataset preparation" in node1.stderr, node1.stderr[-3000:]
+    assert "node 1: no rank of this node has started: it is still preparing its dataset (prepare_dataset.py, for " \
+           in headline(node0), node0.stderr[-3000:]

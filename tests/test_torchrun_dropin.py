@@ -163,7 +163,7 @@ def read(*argv: str) -> tuple:
 
 
 def test_torchruns_command_line_is_recognised_and_the_supervisors_is_not():
-    own, theirs = cli.build_parser(), torchrun_args.build_parser(cli.add_own_launch_flags)
+    own, theirs = cli.build_parser(), torchrun_args.build_parser(cli.add_torchrun_side_flags)
     for argv in (["prog.py"], ["--gpus", "1", "prog.py"], ["--standalone"], ["-m", "pkg"], ["--nproc_per_node=2"],
                  ["--no-python", "x"], ["--tee", "3"], ["--node_rank", "1"]):
         assert torchrun_args.recognised(argv, own, theirs), argv
@@ -180,6 +180,9 @@ def test_torchruns_flags_become_the_supervisors_launch():
     assert (args.nproc, args.max_restarts, args.grace_period, args.master_port) == (3, 2, 5.0, 1234)
     assert program_args == ["--nproc_per_node", "9", "--", "x"], "everything after the program is the program's"
     assert (launch.mode, launch.role, launch.run_id, notes) == ("script", "trainer", "job7", [])
+    args, _, _, _ = read("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--node-timeout", "7",
+                         "--join-timeout", "60", script)
+    assert (args.node_timeout, args.join_timeout) == (7.0, 60.0)  # the supervisor's own, beside torchrun's
     args, _, launch, _ = read("--standalone", "--master-port", "1234", script)
     assert (args.master_addr, args.master_port, args.nnodes) == ("localhost", None, 1)
     uuid.UUID(launch.run_id)

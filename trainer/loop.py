@@ -79,7 +79,7 @@ from trainer.model.distributed import (
 from trainer.model.estimate import GiB, model_shape
 from trainer.model.loss import CausalLMLoss, choose_loss
 from trainer.model.optim import build_optimizer, build_scheduler, resolve_precision
-from trainer.progress import ProgressReporter, device_label
+from trainer.progress import RENDEZVOUS_PHASE, ProgressReporter, device_label
 from trainer.run_dir import agree_run_dir
 from trainer.wandb_run import start_wandb
 
@@ -416,7 +416,7 @@ def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter |
     token cache's folder where the caller has prepared it already."""
     progress = progress or ProgressReporter()
     flight_recorder.start_from_environment()
-    progress.phase("distributed")
+    progress.phase(RENDEZVOUS_PHASE)
     with StopRequest().installed() as stop:
         ctx = init_distributed(cfg)
         trainer: Trainer | None = None

@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass
 PROGRESS_FD_ENV = "SUPERVISOR_PROGRESS_FD"
 RESTART_COUNT_ENV = "SUPERVISOR_RESTART_COUNT"  # every rank: 0 for the first group, n for the n-th restart
 MAX_RECORD_BYTES = 512
+# The phase a rank reports while it joins its process group: every rank of the world must come, so a rank in it may
+# wait for a node that never does, and has nothing to save yet (the supervisor stops it without the grace period)
+RENDEZVOUS_PHASE = "distributed"
 
 
 @dataclass

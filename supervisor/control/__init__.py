@@ -13,12 +13,13 @@ challenge-response, then an HMAC on every line). Once authenticated, the message
     bye                            server → clients: the run is over; a closed connection now means nothing
 
 Node 0 relays every client's ``abort`` to the other clients, and hands it to a node that connects only later; an
-aborting supervisor lingers (up to the grace period) until its abort is delivered: to every node, for node 0, or
-to node 0, for the others. An authenticated connection that closes without ``done`` (seen by the server) or without
-``bye`` (seen by a client), while nobody has aborted, means that supervisor died; one that stays open but says nothing
-for `Timing.node_timeout` seconds (``--node-timeout``: its supervisor frozen, its host gone without a reset) means it
-stopped answering. Either way the node is lost: node 0 names it to everyone (``lost``), a client that loses node 0
-names it itself, and every node stops its ranks with `LOST_CODE` (125). A node that has not joined within
+aborting supervisor lingers (up to the grace period) until its abort is delivered: to every node (but one named as
+never joined), for node 0, or to node 0, for the others. An authenticated connection that closes without ``done``
+(seen by the server) or without ``bye`` (seen by a client), while nobody has aborted, means that supervisor died; one
+that stays open but says nothing for `Timing.node_timeout` seconds (``--node-timeout``: its supervisor frozen, its host
+gone without a reset) means it stopped answering. Either way the node is lost: node 0 names it to everyone
+(``lost``), a client that loses node 0 names it itself, and every node stops its ranks with `LOST_CODE` (125), a node
+still building its dataset too (`supervisor.launcher`). A node that has not joined within
 `Timing.join_timeout` seconds of node 0 opening the channel (``--join-timeout``) is lost the same way ("node 2 never
 joined"), with any hello refused in its name (another secret, another run) said at once and again in that headline.
 Otherwise every node exits with the code of the rank that failed first, wherever it ran, and its report says where

@@ -35,21 +35,33 @@ SEND_TIMEOUT = 2.0
 NOTE_INTERVAL = 10.0
 RECV_BYTES = 4096
 
-Event = tuple[int, str, int, str]  # node, label, exit code, why (a sentence that names the node)
+@dataclass(frozen=True)
+class Event:
+    """Another node ended the run: `label` (a rank's device label, or "supervisor") on `node` with exit `code`;
+    `why` is a sentence that names the node. `lost`: the node itself was lost (its supervisor stopped answering,
+    died, or never joined), not a rank of it failing."""
+
+    node: int
+    label: str
+    code: int
+    why: str
+    lost: bool = False
+
+
 NodeVerdict = tuple[int, bool, str]  # node, whether its evidence names a rank of its own, its stall headline
 
 
 def remote_failure(node: int, label: str, code: int) -> Event:
     if code == HANG_CODE:  # the node's watchdog: every node reads its own ranks' evidence (supervisor/verdicts.py)
-        return node, label, code, f"node {node}: {'its ranks' if label == 'supervisor' else label} stalled"
+        return Event(node, label, code, f"node {node}: {'its ranks' if label == 'supervisor' else label} stalled")
     if label == "supervisor":  # no rank failed there: the supervisor itself stopped (a signal such as Slurm's USR1)
-        return node, label, code, f"node {node}: its supervisor stopped with {describe_exit(code)}"
-    return node, label, code, f"node {node}: {label} failed with {describe_exit(code)}"
+        return Event(node, label, code, f"node {node}: its supervisor stopped with {describe_exit(code)}")
+    return Event(node, label, code, f"node {node}: {label} failed with {describe_exit(code)}")
 
 
 def lost(node: int, why: str) -> Event:
     """A node that was lost: its supervisor stopped answering, died, or never joined."""
-    return node, "supervisor", LOST_CODE, why
+    return Event(node, "supervisor", LOST_CODE, why, lost=True)
 
 
 def silence(node: int, address: str, since: float) -> str:

@@ -65,6 +65,7 @@ class ControlServer(ControlChannel):
         self.accept_paused_until: float | None = None
         self.join_deadline = time.monotonic() + timing.join_timeout  # inf once every node joined, or after
         self.refused: dict[int, str] = {}  # a node that has not joined → the address of a refused hello in its name
+        self.given_up: set[int] = set()  # the nodes named as never joined: no abort waits to be handed to them
         self.thread.start()
 
     def _run(self) -> None:
@@ -261,6 +262,7 @@ class ControlServer(ControlChannel):
         missing = [n for n in range(1, self.nnodes) if n not in self.nodes_seen]
         if not missing:
             return
+        self.given_up.update(missing)
         names = f"node{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"
         why = (f"{names} never joined: no supervisor of {'them' if len(missing) > 1 else 'it'} connected to node 0 "
                f"and proved this run's secret within {self.timing.join_timeout:g} s (--join-timeout)")
@@ -288,11 +290,11 @@ class ControlServer(ControlChannel):
         """Node 0 says nothing: its `close` waits for the others."""
 
     def settled(self) -> bool:
-        """After an abort: every other node has connected, so it has the abort. Otherwise: the connected nodes are
-        done."""
+        """After an abort: every other node has connected, so it has the abort (or was given up as never joined).
+        Otherwise: the connected nodes are done."""
         with self._lock:
             if self.stopping:
-                return len(self.nodes_seen) >= self.nnodes - 1
+                return len(self.nodes_seen | self.given_up) >= self.nnodes - 1
             return all(p.done for p in self.peers if p.session is not None)
 
     def close(self, wait: float) -> None:

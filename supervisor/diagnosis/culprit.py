@@ -32,6 +32,9 @@ FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>
 WAITING_FILES = ("torch/distributed/", "trainer/model/distributed.py")
 WAITING_FUNCS = ("_engine_run_backward",)
 INNERMOST_WAITING_FILES = ("torch/nn/parallel/distributed.py",)
+# joining a process group: the rendezvous store (every rank of the world must connect) and the group's creation
+RENDEZVOUS_FILES = ("torch/distributed/rendezvous.py", "torch/distributed/elastic/rendezvous/")
+RENDEZVOUS_FUNCS = ("init_process_group", "new_group")
 PROJECT_PACKAGES = ("trainer", "supervisor")
 
 
@@ -79,6 +82,13 @@ def waiting_in(stack: list[Frame]) -> Frame | None:
         if any(part in frame.file for part in WAITING_FILES) or frame.func in WAITING_FUNCS:
             found = frame
     return found
+
+
+def joining(stack: list[Frame]) -> Frame | None:
+    """The frame where a thread waits to join a process group (torch's rendezvous store, ``init_process_group``,
+    ``new_group``: every rank of the world must come), or None when it is past that."""
+    return next((frame for frame in stack if any(part in frame.file for part in RENDEZVOUS_FILES)
+                 or (frame.func in RENDEZVOUS_FUNCS and "torch/distributed/" in frame.file)), None)
 
 
 def own_frame(stack: list[Frame]) -> Frame:

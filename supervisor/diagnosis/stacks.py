@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor.diagnosis.culprit import Frame, RankEvidence, Verdict, find_culprit, waiting_in
+from supervisor.diagnosis.culprit import Frame, RankEvidence, Verdict, find_culprit, joining, waiting_in
 
 DUMP_TIMEOUT = 10.0  # seconds for all the dumps: py-spy takes well under one per process
 PY_SPY = "py-spy"
@@ -120,6 +120,16 @@ def read_stalled(ranks: dict[int, tuple[str, int]]) -> tuple[Verdict, dict[int, 
         verdict.waits = {e.name: f"{frame.short()}" for e in evidence if e not in stopped and e.stack
                          and (frame := waiting_in(e.stack))}
     return verdict, lines
+
+
+def in_rendezvous(pids: list[int]) -> dict[int, Frame]:
+    """The processes whose main thread waits to join its process group, read from outside (`dump`), each with the
+    frame it waits in."""
+    found = {}
+    for pid, stacks in dump(pids).items():
+        if stacks.main is not None and (frame := joining(stacks.main)) is not None:
+            found[pid] = frame
+    return found
 
 
 def is_stopped(pid: int) -> bool:

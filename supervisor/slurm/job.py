@@ -3,7 +3,8 @@ time-limit warning stopped the run at a checkpoint.
 
 Usage (inside an allocation): ``python -m supervisor.slurm.job [training flags...]``, which runs
 
-    srun --ntasks-per-node=1 --cpus-per-task=<the job's> bash run_training.sh --resume auto [training flags...]
+    srun --ntasks-per-node=1 --cpus-per-task=<the job's> --kill-on-bad-exit=1 bash run_training.sh --resume auto \
+        [training flags...]
 
 - The training flags are the user's, after the script name (``sbatch train_slurm.sbatch --debug``); nothing here
   chooses a preset, so the supervisor's default (production) holds unless they name one. ``--resume auto`` continues
@@ -20,6 +21,12 @@ Usage (inside an allocation): ``python -m supervisor.slurm.job [training flags..
   138, as after SIGUSR1). Not Slurm's own delivery to the step (``--signal=USR1@120`` without ``B:``): Slurm signals
   every process of a step, ranks included, and a rank answers SIGUSR1 with a stack dump into its log (the stall
   diagnosis's request, `supervisor.watch`), noise at every time limit.
+- The step runs with ``--kill-on-bad-exit``: a supervisor exits with an error only once the run is over on every
+  node (it tells the others through the control channel), so a task still running then is one that cannot hear it,
+  a lost node's (its supervisor frozen, cut off): Slurm ends it (SIGCONT, SIGTERM, SIGKILL after its KillWait)
+  instead of the job waiting for it until its time limit. srun then exits with the code of the task it killed; the
+  nodes that stopped for the lost node recorded it (``<run>/node_lost.json``, `supervisor.exclusion.LostNode`), so
+  the job exits with the lost node's code, 125, and a line names the node by its Slurm name.
 - Exit code 138 (every rank checkpointed after SIGUSR1): ``scontrol requeue``, and the job starts again in a new
   allocation.
 - A step that ended on a GPU fault (the supervisor's verdict, recorded in ``<run>/gpu_fault.json`` with the node's
@@ -42,22 +49,25 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import hostlist
 
 from supervisor.cli import build_parser, split_entry_args
-from supervisor.control.wire import SECRET_ENV
-from supervisor.exclusion import GPU_FAULT_FILE, NodeFault
+from supervisor.control.wire import LOST_CODE, SECRET_ENV
+from supervisor.exclusion import GPU_FAULT_FILE, LOST_NODE_FILE, LostNode, NodeFault
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUEUE_EXIT_CODE = 128 + 10  # SIGUSR1: the time-limit warning, answered with a checkpoint
 NODE_EXCLUSION_ENV = "SUPERVISOR_NODE_EXCLUSION"
+Record = TypeVar("Record", NodeFault, LostNode)
 
 
 def step_command(env: dict[str, str], flags: list[str]) -> list[str]:
     cpus = [f"--cpus-per-task={env['SLURM_CPUS_PER_TASK']}"] if env.get("SLURM_CPUS_PER_TASK") else []
-    return ["srun", "--ntasks-per-node=1", *cpus, "bash", str(ROOT / "run_training.sh"), "--resume", "auto", *flags]
+    return ["srun", "--ntasks-per-node=1", *cpus, "--kill-on-bad-exit=1", "bash", str(ROOT / "run_training.sh"),
+            "--resume", "auto", *flags]
 
 
 def step_task(job_id: str, node: str) -> int | None:
@@ -94,19 +104,31 @@ def node_exclusion(env: Mapping[str, str]) -> bool:
     return value == "1"
 
 
-def node_faults(flags: list[str], job_id: str, allocation: int) -> list[NodeFault]:
-    """The GPU faults recorded in this allocation of the job: gpu_fault.json in the run folders under the step's
-    --log-dir (shared by the nodes, as the checkpoints are), told from other runs' by the job id and restart count."""
+def recorded(kind: type[Record], name: str, flags: list[str], job_id: str, allocation: int) -> list[Record]:
+    """What the supervisors recorded in this allocation of the job (`kind`, in files called `name`: the GPU faults,
+    the lost nodes), found in the run folders under the step's --log-dir (shared by the nodes, as the checkpoints
+    are), told from other runs' by the job id and restart count."""
     log_dir = Path(build_parser().parse_known_args(split_entry_args(flags)[0])[0].log_dir)
     found = []
-    for path in sorted(log_dir.glob(f"*/{GPU_FAULT_FILE}")):
+    for path in sorted(log_dir.glob(f"*/{name}")):
         try:
-            fault = NodeFault(**json.loads(path.read_text()))
+            record = kind(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):
             continue  # not a record this job could have written
-        if fault.slurm_job_id == job_id and fault.slurm_restart_count == allocation:
-            found.append(fault)
+        if record.slurm_job_id == job_id and record.slurm_restart_count == allocation:
+            found.append(record)
     return found
+
+
+def lost_node_lines(lost: list[LostNode], node_list: str | None) -> list[str]:
+    """Each lost node once, by its Slurm name (the job's node list, in node-rank order) and the headline that named
+    it."""
+    names = hostlist.expand_hostlist(node_list) if node_list else []
+    first = {}
+    for record in lost:
+        first.setdefault(record.node, record)
+    return [f"node {names[node] if node < len(names) else '?'} (node {node} of the job) was lost: {record.why}"
+            for node, record in sorted(first.items())]
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:
@@ -178,7 +200,14 @@ def run_job(env: dict[str, str], flags: list[str]) -> int:
               f"resumes from the latest checkpoint", flush=True)
         subprocess.run(["scontrol", "requeue", job_id])
     elif code not in (0, USER_ERROR_EXIT_CODE):
-        faults = node_faults(flags, job_id, int(env.get("SLURM_RESTART_COUNT") or 0))
+        allocation = int(env.get("SLURM_RESTART_COUNT") or 0)
+        lost = recorded(LostNode, LOST_NODE_FILE, flags, job_id, allocation)
+        for line in lost_node_lines(lost, env.get("SLURM_JOB_NODELIST")):
+            print(f"{line}; the job ends with exit code {LOST_CODE}", flush=True)
+        if lost:
+            # the supervisors' code: the task Slurm killed on the lost node (--kill-on-bad-exit) gave srun its own
+            code = LOST_CODE
+        faults = recorded(NodeFault, GPU_FAULT_FILE, flags, job_id, allocation)
         for fault in faults:
             print(f"GPU fault on {fault.line()}", flush=True)
         if faults and not exclude:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from trainer.diagnosis import fake_gpu_state
-from trainer.progress import ProgressReporter
+from trainer.progress import RENDEZVOUS_PHASE, ProgressReporter
 
 
 def parse() -> argparse.Namespace:
@@ -107,6 +107,7 @@ def main() -> None:
         import torch
         import torch.distributed as dist
 
+        reporter.phase(RENDEZVOUS_PHASE)  # as the trainer says while it joins the process group
         dist.init_process_group("gloo")
         tensor = torch.ones(1)
         all_reduce = lambda: dist.all_reduce(tensor)  # noqa: E731

@@ -22,6 +22,7 @@ import pytest
 from slurm_cluster import Cluster, Job, missing
 
 from rank_scripts.harness import ROOT, clean_env
+from supervisor.control.wire import LOST_CODE
 
 pytestmark = pytest.mark.slurm
 SCRIPT = ROOT / "train_slurm.sbatch"
@@ -180,3 +181,25 @@ def test_a_gpu_fault_requeues_the_job_without_its_node(cluster: Cluster, tmp_pat
     assert "SLURM_JOB_NODELIST=n[1,3]" in second
     assert f"resumed from {tmp_path / 'ckpt' / 'step_000002'} at step 2" in second
     assert "step 6/6" in second
+
+
+def test_a_frozen_node_is_named_and_the_job_ends_with_nothing_left(cluster: Cluster, tmp_path: Path,
+                                                                    token_cache_dir: Path) -> None:
+    """Every process of the job on n2 (its supervisor and its rank) is frozen (SIGSTOP) while the job trains: n1's
+    supervisor names node 1 once it has been silent for --node-timeout, stops its own rank and exits with the lost
+    node's code; the step ends (srun --kill-on-bad-exit: Slurm kills the frozen task), the job fails with that code,
+    naming the node, and nothing of it is left running."""
+    job = submit(cluster, tmp_path, token_cache_dir, "--max-steps", "100000", "--node-timeout", "5", "--grace-period",
+                 "5")
+    wait_for_output(job, r"Step \[2/")
+    frozen = [p for p in job_processes(job) if p.environ().get("SLURMD_NODENAME") == "n2"]
+    assert len(frozen) >= 2, [p.cmdline() for p in frozen]  # the supervisor (and its sentinel), the rank
+    for proc in frozen:
+        proc.suspend()
+    info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_TIMEOUT)
+    out = job.text()
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", f"{LOST_CODE}:0"), (info, out[-4000:])
+    assert "node 1 (127.0.0.1) stopped answering" in out and f"exit code {LOST_CODE}" in out, out[-4000:]
+    assert "node n2 (node 1 of the job) was lost" in out, out[-4000:]
+    alive = psutil.wait_procs(frozen, timeout=60)[1]
+    assert alive == [] and job_processes(job) == [], [p.cmdline() for p in alive]
