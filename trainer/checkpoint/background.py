@@ -14,8 +14,12 @@ How a write ends decides when the training thread hears of it:
 * anything else (an injected fault, a bug) is this rank's own failure and is raised at the next step boundary, as an
   exception in the step would be.
 
-The thread is a daemon: a rank that fails with a write in flight exits without waiting for it, and the unpublished
-`.tmp-` folder it leaves is never taken for a checkpoint.
+A rank that fails (an exception leaves the loop) with a write in flight lets it end before it leaves, for as long as
+a collective may take (`Checkpointer.settle`): the other ranks' writers go on meanwhile (their training threads wait
+in the step for this rank, which is still there), so a failure a step after an interval save does not lose it. A rank
+killed outright takes its part of the write with it: the other ranks' writers fail in their next collective, and the
+unpublished `.tmp-` folder is never taken for a checkpoint (the next save removes it). The thread is a daemon, so
+nothing else keeps a leaving process waiting for it.
 """
 
 from __future__ import annotations
@@ -44,18 +48,20 @@ def make_stager(device: torch.device) -> DefaultStager:
 
 
 class BackgroundWrite:
-    """`job` running on a daemon thread; `wait` joins it and raises what it raised."""
+    """`job(awaited)` running on a daemon thread; `wait` joins it and raises what it raised. `awaited` is set once
+    the training thread waits for the write (debug.inject_write_stall_step holds a write until then)."""
 
-    def __init__(self, name: str, job: Callable[[], Any]) -> None:
+    def __init__(self, name: str, job: Callable[[threading.Event], Any]) -> None:
         self.name = name
         self.error: BaseException | None = None
         self.started = time.perf_counter()
+        self.awaited = threading.Event()
         self.thread = threading.Thread(target=self.run, args=(job,), name=f"checkpoint-writer {name}", daemon=True)
         self.thread.start()
 
-    def run(self, job: Callable[[], Any]) -> None:
+    def run(self, job: Callable[[threading.Event], Any]) -> None:
         try:
-            job()
+            job(self.awaited)
         except BaseException as e:  # handed to the training thread, which raises it
             self.error = e
 
@@ -71,7 +77,14 @@ class BackgroundWrite:
     def wait(self) -> float:
         """Join the write; seconds waited. Raises what the write raised (every rank alike for a collective failure)."""
         started = time.perf_counter()
+        self.awaited.set()
         self.thread.join()
         if self.error is not None:
             raise self.error
         return time.perf_counter() - started
+
+    def wait_at_most(self, seconds: float) -> bool:
+        """Join the write for up to `seconds`, raising nothing (a failing rank's last look at it); True once it ended."""
+        self.awaited.set()
+        self.thread.join(seconds)
+        return self.done()
