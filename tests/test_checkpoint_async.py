@@ -254,10 +254,11 @@ def test_a_rank_failing_with_a_write_in_flight_ends_it_or_abandons_it_and_says_w
     run = run_supervisor(flags, tmp_path, "run.txt", clean_env())
     out = run.output
     assert run.code == code, out[-4000:]
-    assert stalled(3, 1) in out and f"fault injection: {fault} at step 4 on rank 1" in out
+    assert f"fault injection: {fault} at step 4 on rank 1" in out
     root = tmp_path / "ckpt"
     held, before = layout.step_path(root, 4), layout.step_path(root, 2)
-    if fault == "raise":
+    if fault == "raise":  # (killed, rank 1 may die before its writer thread has even said that it stalls)
+        assert stalled(3, 1) in out
         assert re.search(r"^CPU1:WARNING \| \[GPU 1\] checkpoint: the rank is failing with step_000004 still being "
                          r"written; waiting for it \(at most 120 s, system.dist_timeout_s\)$", out, re.M), out[-4000:]
         assert f"CPU1:WARNING | [GPU 1] checkpoint: {held} was published: it is the latest checkpoint" in out
