@@ -18,8 +18,8 @@ A rank that fails (an exception leaves the loop) with a write in flight lets it 
 a collective may take (`Checkpointer.settle`): the other ranks' writers go on meanwhile (their training threads wait
 in the step for this rank, which is still there), so a failure a step after an interval save does not lose it. A rank
 killed outright takes its part of the write with it: the other ranks' writers fail in their next collective, and the
-unpublished `.tmp-` folder is never taken for a checkpoint (the next save removes it). The thread is a daemon, so
-nothing else keeps a leaving process waiting for it.
+unpublished `.tmp-` folder (removed by rank 0, or by the next save if rank 0 was the one killed) is never taken for
+a checkpoint. The thread is a daemon, so nothing else keeps a leaving process waiting for it.
 """
 
 from __future__ import annotations

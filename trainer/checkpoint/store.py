@@ -358,9 +358,12 @@ def write(staged: Staged, ctx: DistContext, group: Any = None, fault: Fault = no
     group in the background): DCP's shards on every rank, state.pt on rank 0, then `meta.json`, the fsync and the
     rename, only once every rank's files are written (DCP's save returns on rank 0 after every rank's shards are).
     `fault` fires once the state is written (`checkpoint`) and once meta.json is too (`publishing`), before the
-    rename: a rank killed there leaves an unpublished `.tmp-` folder and the previous checkpoint the latest."""
+    rename: a rank killed there leaves an unpublished `.tmp-` folder and the previous checkpoint the latest. A
+    failure of DCP's write is every rank's alike (DCP tells them all), so each says it as rank 0 does its own (a full
+    disk named as one, `failure_of`)."""
     tmp, path = staged.tmp, staged.path
-    if staged.shards is not None:
+
+    def write_shards() -> None:
         dcp.save(staged.shards, checkpoint_id=tmp / DCP_DIR, process_group=group)
 
     def write_state() -> None:
@@ -370,14 +373,16 @@ def write(staged: Staged, ctx: DistContext, group: Any = None, fault: Fault = no
         if not staged.single_file:
             (tmp / META_FILE).write_text(json.dumps(asdict(staged.meta), indent=1) + "\n")
 
-    failure = failure_of(write_state, path.parent) if ctx.is_main else None
+    failure = failure_of(write_shards, path.parent) if staged.shards is not None else None
+    if ctx.is_main and failure is None:
+        failure = failure_of(write_state, path.parent)
     fault("checkpoint")
     if ctx.is_main and failure is None:
         failure = failure_of(write_meta, path.parent)
     fault("publishing")
     if ctx.is_main and failure is None:
         failure = failure_of(lambda: publish(tmp, path), path.parent)
-    if failure is not None:
+    if failure is not None and ctx.is_main:
         remove(tmp)  # a partial save is no use to anyone, and on a full disk it holds the space the run needs
     raise_if_main_failed(failure, ctx, f"checkpoint {path}", DISK_FIX, group)
 
