@@ -8,9 +8,9 @@ written, the rename) then runs on a thread whose collectives use the writer grou
 
 How a write ends decides when the training thread hears of it:
 
-* a failure every rank is told of (a full disk on rank 0, DCP's own collective errors) is raised by every rank at the
-  next point where all of them wait for the write (the next save, the end of the run, a stop): together, so that no
-  rank is left waiting in a collective for one that has given up;
+* a failure every rank is told of (a full disk, any failure of DCP's write, which DCP reports to every rank) is
+  raised by every rank at the next point where all of them wait for the write (the next save, the end of the run, a
+  stop): together, so that no rank is left waiting in a collective for one that has given up;
 * anything else (an injected fault, a bug) is this rank's own failure and is raised at the next step boundary, as an
   exception in the step would be.
 
@@ -30,13 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainer.checkpoint.store import WriteFailed
 from trainer.errors import UserError
 
-COLLECTIVE_FAILURES = (UserError, WriteFailed, CheckpointException)  # raised alike on every rank
+COLLECTIVE_FAILURES = (UserError, WriteFailed)  # raised alike on every rank (`store.raise_if_main_failed`)
 
 
 def make_stager(device: torch.device) -> DefaultStager:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -364,7 +365,10 @@ def write(staged: Staged, ctx: DistContext, group: Any = None, fault: Fault = no
     tmp, path = staged.tmp, staged.path
 
     def write_shards() -> None:
-        dcp.save(staged.shards, checkpoint_id=tmp / DCP_DIR, process_group=group)
+        try:
+            dcp.save(staged.shards, checkpoint_id=tmp / DCP_DIR, process_group=group)
+        except CheckpointException as e:  # (a BaseException) DCP's report of each rank's failure: the lowest rank's
+            raise e.failures[min(e.failures)][0] if e.failures else RuntimeError(str(e)) from e
 
     def write_state() -> None:
         torch.save(staged.payload, tmp if staged.single_file else tmp / STATE_FILE)
