@@ -228,10 +228,11 @@ def test_sigterm_to_the_supervisor_waits_for_the_write_in_flight_and_publishes_i
     out = run.output
     assert run.code == 128 + signal.SIGTERM, out[-4000:]
     root, held = tmp_path / "ckpt", layout.step_path(tmp_path / "ckpt", 20)
-    stop = re.search(r"^CPU0:INFO \| \[GPU 0\] stopping after step (\d+): a stop was requested", out, re.M)
+    stop = re.search(r"^CPU0:INFO \| \[GPU 0\] stopping after step (\d+): a stop was requested", out, re.MULTILINE)
     assert stop, out[-4000:]
-    waited = re.search(r"^CPU0:INFO \| checkpoint: waited \d+\.\d\d s for step_000020 to finish writing$", out, re.M)
-    saved = re.search(rf"^CPU0:INFO \| checkpoint saved: {re.escape(str(held))} ", out, re.M)
+    waited = re.search(r"^CPU0:INFO \| checkpoint: waited \d+\.\d\d s for step_000020 to finish writing$", out,
+                       re.MULTILINE)
+    saved = re.search(rf"^CPU0:INFO \| checkpoint saved: {re.escape(str(held))} ", out, re.MULTILINE)
     assert waited and saved and stop.start() < min(waited.start(), saved.start()), out[-4000:]
     last = layout.step_path(root, int(stop[1]) + 1)
     assert layout.list_checkpoints(root) == [held, last]
@@ -260,12 +261,13 @@ def test_a_rank_failing_with_a_write_in_flight_ends_it_or_abandons_it_and_says_w
     if fault == "raise":  # (killed, rank 1 may die before its writer thread has even said that it stalls)
         assert stalled(3, 1) in out
         assert re.search(r"^CPU1:WARNING \| \[GPU 1\] checkpoint: the rank is failing with step_000004 still being "
-                         r"written; waiting for it \(at most 120 s, system.dist_timeout_s\)$", out, re.M), out[-4000:]
+                         r"written; waiting for it \(at most 120 s, system.dist_timeout_s\)$", out,
+                         re.MULTILINE), out[-4000:]
         assert f"CPU1:WARNING | [GPU 1] checkpoint: {held} was published: it is the latest checkpoint" in out
         latest = held
     else:
         assert re.search(rf"^CPU0:WARNING \| \[GPU 0\] checkpoint: step_000004 was not published \(.+\); the latest "
-                         rf"checkpoint is {re.escape(str(before))}$", out, re.M), out[-4000:]
+                         rf"checkpoint is {re.escape(str(before))}$", out, re.MULTILINE), out[-4000:]
         assert not held.exists() and not held.with_name(layout.TMP_PREFIX + held.name).exists()  # abandoned whole
         latest = before
     assert layout.list_checkpoints(root)[-1] == latest == resumes_from(tmp_path, token_cache_dir)

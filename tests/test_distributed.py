@@ -146,8 +146,9 @@ def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
         # DDP's replicated state, saved synchronously (rank 0's state.pt) and in the background (split: each rank
         # stages and writes its share into dcp/) while the live state moves on; both load the same here.
         ddp_state = store.TrainState(unwrap(ddp), optimizers[0], build_scheduler(optimizers[0], cfg))
-        checkpoints = Checkpointer(split_cfg(cfg, root), ctx, ddp_state, SimpleNamespace(key="k"),  # type: ignore[arg-type]
-                                   get_logger(), ProgressReporter(fd=None))
+        cache = SimpleNamespace(key="k")
+        checkpoints = Checkpointer(split_cfg(cfg, root), ctx, ddp_state, cache, get_logger(),  # type: ignore[arg-type]
+                                   ProgressReporter(fd=None))
         store.save(root / "sync" / "step_000001", ddp_state, checkpoints.meta(1), ctx)
         checkpoints.save(1)
         with gradient_sync(ddp, enabled=True):

@@ -83,7 +83,8 @@ class BackgroundWrite:
         return time.perf_counter() - started
 
     def wait_at_most(self, seconds: float) -> bool:
-        """Join the write for up to `seconds`, raising nothing (a failing rank's last look at it); True once it ended."""
+        """Join the write for up to `seconds`, raising nothing (a failing rank's last look at it); True once it
+        ended."""
         self.awaited.set()
         self.thread.join(seconds)
         return self.done()

@@ -29,8 +29,8 @@ in the background on ``inject_fault_rank``, before it writes anything, until tra
 stop, the end of the run, or the rank's failure). The write is then certainly in flight at whatever comes meanwhile
 (a signal, a fault at a later step: it composes with ``inject_fault``), and what waits for it says so.
 
-``inject_fault_restart`` limits a process fault (and the stall) to one group of a supervised run (0: the first, n: after the n-th
-restart, `trainer.progress.restart_count`); by default it fires in every group that reaches its step.
+``inject_fault_restart`` limits a process fault (and the stall) to one group of a supervised run (0: the first, n:
+after the n-th restart, `trainer.progress.restart_count`); by default it fires in every group that reaches its step.
 
 Steps are the loop's own step numbers (whatever ``before_step`` and ``during_checkpoint`` are called with).
 """
