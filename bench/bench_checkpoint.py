@@ -2,9 +2,10 @@
 
 Each side is a real supervised run (`python -m supervisor`, as `run_training.sh` starts it) of the `small` preset
 (~125M parameters; with AdamW the full state is ~1.5 GB) on 2 CPU ranks with a tiny batch (1 sequence of 128
-tokens), a checkpoint every 4 steps, for DDP (rank 0 writes the full state.pt) and FSDP2 (every rank writes its DCP
-shards). The figures are each run's own records in training_history.json: `blocked_s` (training stopped: staging, and
-for a synchronous save the whole write) and `write_s`. Every strategy's two sides run back to back in each round, so a
+tokens), a checkpoint every 4 steps, for DDP (synchronous: rank 0 writes the full state.pt; in the background: each
+rank stages and writes its share of the replicated state) and FSDP2 (every rank writes its DCP shards). The figures
+are each run's own records in training_history.json: `blocked_s` (training stopped: staging, and for a synchronous
+save the whole write) and `write_s`. Every strategy's two sides run back to back in each round, so a
 busy machine penalises both alike; the ratio is the median of the per-round ratios of the median blocked time.
 
     .venv/bin/python bench/bench_checkpoint.py [--rounds 1] [--steps 12] [--interval 4]

@@ -208,3 +208,19 @@ def history(run_dir: Path) -> dict[str, Any]:
 def history_losses(run_dir: Path) -> dict[int, float]:
     """Step → loss averaged over ranks, from rank 0's training_history.json."""
     return {r["step"]: r["loss"] for r in history(run_dir)["steps"]}
+
+
+def checkpoint_content(path: Path) -> dict[str, Any]:
+    """A step checkpoint's state.pt, with the model and optimizer read from its dcp/ where it keeps them there (a
+    sharded or split one, trainer.checkpoint.store) without a process group: every tensor it holds, as one dict."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    content = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    if (path / "dcp").is_dir():
+        with tempfile.TemporaryDirectory() as scratch:
+            dcp_to_torch_save(path / "dcp", Path(scratch) / "whole.pt")
+            content.update(torch.load(Path(scratch) / "whole.pt", map_location="cpu", weights_only=True))
+    return content

@@ -90,6 +90,34 @@ def test_round_trip_is_exact(tmp_path: Path, ctx: DistContext, name: str) -> Non
     assert all(torch.equal(a, b) for a, b in zip(state.model.parameters(), restored.model.parameters()))
 
 
+@pytest.mark.parametrize("name", ["step_000003", "nan_grad_step_3.pt"])
+def test_a_checkpoint_from_before_split_saves_still_loads(tmp_path: Path, ctx: DistContext, name: str) -> None:
+    """A checkpoint written before a full-format save could be split (see trainer.checkpoint.store) has no `split`
+    in its meta and everything in state.pt: it looks whole and loads exactly. One whose meta says split but that has
+    no finished dcp/ does not look whole."""
+    cfg = make_cfg(tmp_path)
+    state = make_state(cfg)
+    train_once(state, 0)
+    path = store.save(tmp_path / "ckpt" / name, state, make_meta(state, 3), ctx)
+    payload_file = path if path.is_file() else path / store.STATE_FILE
+    content = store.load_payload(payload_file)
+    del content["meta"]["split"]
+    torch.save(content, payload_file)
+    if path.is_dir():
+        meta = json.loads((path / layout.META_FILE).read_text())
+        del meta["split"]
+        (path / layout.META_FILE).write_text(json.dumps(meta))
+    assert layout.damage(path) is None
+    restored = make_state(cfg)
+    assert not store.load(path, restored, ctx, KEY).split
+    saved = snapshot(state)
+    assert all(torch.equal(value, saved[k]) for k, value in snapshot(restored).items())
+    if path.is_dir():
+        (path / layout.META_FILE).write_text(json.dumps({**meta, "split": True}))
+        assert layout.damage(path) == f"{path / layout.DCP_DIR} has no .metadata (the save of its shards did not " \
+                                      f"finish)"
+
+
 def test_retention_and_resume_lookup(tmp_path: Path, ctx: DistContext) -> None:
     cfg = make_cfg(tmp_path)
     root = Path(cfg.checkpoint.dir)

@@ -1,6 +1,9 @@
 """Checkpoints written in the background (checkpoint.async_save): the same bytes as a synchronous save, the state of
 their own step while training goes on, never visible half-written, pruning that spares the latest complete one, a
-stop that waits for the write, a kill in any phase of the write, and what the log and the history say."""
+stop that waits for the write, a kill in any phase of the write, and what the log and the history say. Through the
+supervisor, with a write held in flight (debug.inject_write_stall_step) rather than caught by timing: a SIGTERM to the
+supervisor waits for it and publishes it; a rank that fails a step later lets it end (an exception) or takes its
+share with it (SIGKILL), and the log says which checkpoint is the latest."""
 
 from __future__ import annotations
 
@@ -14,8 +17,19 @@ from typing import Any
 import pytest
 import torch
 from test_checkpoint import KEY, make_cfg, make_state, snapshot, train_once
+from test_fault_matrix import run_supervisor, wait_for
 
-from rank_support import TINY, history, history_losses, merged, run_main, set_flags, tiny_config
+from rank_scripts.harness import clean_env
+from rank_support import (
+    TINY,
+    checkpoint_content,
+    history,
+    history_losses,
+    merged,
+    run_main,
+    set_flags,
+    tiny_config,
+)
 from trainer import durable, loop
 from trainer.checkpoint import layout, store
 from trainer.checkpoint.manager import Checkpointer
@@ -168,3 +182,93 @@ def test_a_kill_in_any_phase_of_a_background_write_leaves_the_previous_checkpoin
     assert f"resumed from {layout.step_path(root, 2)} at step 2" in resumed.stdout
     assert layout.latest_checkpoint(root) == layout.step_path(root, 6)
     assert not list(root.glob(f"{layout.TMP_PREFIX}*"))  # the next save cleared what the killed one left
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A write held in flight, through the supervisor
+
+
+def supervised(tmp_path: Path, cache_dir: Path, **sections: dict[str, Any]) -> list[str]:
+    """`python -m supervisor` flags: the tiny run on 2 CPU ranks (DDP: each writes its share in the background)."""
+    layer = merged(merged(TINY, {"data": {"cache_dir": str(cache_dir)},
+                                 "checkpoint": {"dir": str(tmp_path / "ckpt"), "async_save": True, "keep": 5}}),
+                   sections)
+    return ["--debug", "--no-footer", "--nproc", "2", "--log-dir", str(tmp_path / "logs"), *set_flags(layer)]
+
+
+def stalled(step: int, rank: int) -> str:
+    return f"fault injection: the checkpoint write after step {step} stalls on rank {rank} until training waits for it"
+
+
+def resumes_from(tmp_path: Path, cache_dir: Path) -> Path | None:
+    """What `--resume auto` takes in the run's checkpoint folder."""
+    return layout.find_resume(tiny_config(tmp_path, cache_dir, checkpoint={"resume": "auto"}))
+
+
+def assert_complete(path: Path) -> None:
+    """A published checkpoint that looks whole and whose every tensor reads back, every rank's share included."""
+    assert layout.damage(path) is None
+    content = checkpoint_content(path)
+    assert content["meta"]["step"] == layout.step_of(path) and content["model"] and content["optimizer"]["state"]
+
+
+def test_sigterm_to_the_supervisor_waits_for_the_write_in_flight_and_publishes_it(
+        tmp_path: Path, token_cache_dir: Path) -> None:
+    """SIGTERM to the supervisor (a user, Slurm's scancel) while step_000020's write is held in flight on rank 0: the
+    ranks stop at a step boundary, and the stop's save first waits for that write (said in the log), which is
+    published complete; then the stop's own checkpoint, which --resume auto takes. Nothing is lost."""
+    flags = supervised(tmp_path, token_cache_dir, training={"max_steps": 200}, checkpoint={"interval": 20},
+                       debug={"inject_write_stall_step": 19})
+
+    def sigterm_once_stalled(proc: Any, log: Path) -> None:
+        wait_for(re.compile(re.escape(stalled(19, 0))), log, proc, 120)
+        proc.send_signal(signal.SIGTERM)
+
+    run = run_supervisor(flags, tmp_path, "run.txt", clean_env(), sigterm_once_stalled)
+    out = run.output
+    assert run.code == 128 + signal.SIGTERM, out[-4000:]
+    root, held = tmp_path / "ckpt", layout.step_path(tmp_path / "ckpt", 20)
+    stop = re.search(r"^CPU0:INFO \| \[GPU 0\] stopping after step (\d+): a stop was requested", out, re.MULTILINE)
+    assert stop, out[-4000:]
+    waited = re.search(r"^CPU0:INFO \| checkpoint: waited \d+\.\d\d s for step_000020 to finish writing$", out,
+                       re.MULTILINE)
+    saved = re.search(rf"^CPU0:INFO \| checkpoint saved: {re.escape(str(held))} ", out, re.MULTILINE)
+    assert waited and saved and stop.start() < min(waited.start(), saved.start()), out[-4000:]
+    last = layout.step_path(root, int(stop[1]) + 1)
+    assert layout.list_checkpoints(root) == [held, last]
+    for path in (held, last):
+        assert_complete(path)
+    assert resumes_from(tmp_path, token_cache_dir) == last
+
+
+@pytest.mark.parametrize("fault, code", [("raise", 1), ("sigkill", 128 + signal.SIGKILL)])
+def test_a_rank_failing_with_a_write_in_flight_ends_it_or_abandons_it_and_says_which_is_latest(
+        tmp_path: Path, token_cache_dir: Path, fault: str, code: int) -> None:
+    """Rank 1 fails at step 4 while step_000004's write is in flight (held on rank 1 until the rank waits for it).
+    An exception: the failing rank lets the write end before it leaves, rank 0's writer finishing its share
+    meanwhile, so step_000004 is published and the log says it is the latest. SIGKILL: rank 1's share dies with it,
+    rank 0's writer fails in its next collective and removes what was written, and rank 0 says step_000002 is the
+    latest. Either way --resume auto takes what the log names, complete."""
+    flags = supervised(tmp_path, token_cache_dir, checkpoint={"interval": 2},
+                       debug={"inject_fault": fault, "inject_fault_step": 4, "inject_fault_rank": 1,
+                              "inject_write_stall_step": 3})
+    run = run_supervisor(flags, tmp_path, "run.txt", clean_env())
+    out = run.output
+    assert run.code == code, out[-4000:]
+    assert f"fault injection: {fault} at step 4 on rank 1" in out
+    root = tmp_path / "ckpt"
+    held, before = layout.step_path(root, 4), layout.step_path(root, 2)
+    if fault == "raise":  # (killed, rank 1 may die before its writer thread has even said that it stalls)
+        assert stalled(3, 1) in out
+        assert re.search(r"^CPU1:WARNING \| \[GPU 1\] checkpoint: the rank is failing with step_000004 still being "
+                         r"written; waiting for it \(at most 120 s, system.dist_timeout_s\)$", out,
+                         re.MULTILINE), out[-4000:]
+        assert f"CPU1:WARNING | [GPU 1] checkpoint: {held} was published: it is the latest checkpoint" in out
+        latest = held
+    else:
+        assert re.search(rf"^CPU0:WARNING \| \[GPU 0\] checkpoint: step_000004 was not published \(.+\); the latest "
+                         rf"checkpoint is {re.escape(str(before))}$", out, re.MULTILINE), out[-4000:]
+        assert not held.exists() and not held.with_name(layout.TMP_PREFIX + held.name).exists()  # abandoned whole
+        latest = before
+    assert layout.list_checkpoints(root)[-1] == latest == resumes_from(tmp_path, token_cache_dir)
+    assert_complete(latest)

@@ -1,20 +1,28 @@
-"""Data parallelism on 2 CPU ranks (gloo): DDP gradients, no_sync, FSDP2 against DDP, sharded checkpoints, and the
-final model gathered from shards; plus the rank environment and device rules."""
+"""Data parallelism on 2 CPU ranks (gloo): DDP gradients, no_sync, FSDP2 against DDP, sharded checkpoints, DDP's
+checkpoint written in the background as each rank's share, and the final model gathered from shards; plus the rank
+environment and device rules."""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_checkpoint import snapshot
+from test_checkpoint_async import same
 
 from rank_support import SPAWNED_WORLD, assert_final_model_holds, save_full_params, spawn_ranks, tiny_config
 from trainer.checkpoint import layout, store
+from trainer.checkpoint.manager import Checkpointer
 from trainer.config import Config
+from trainer.metrics import get_logger
 from trainer.model.build import build_model, shape_signature
 from trainer.model.distributed import (
+    DistContext,
     RankEnvironment,
     agree_any,
     gradient_sync,
@@ -27,6 +35,7 @@ from trainer.model.distributed import (
 )
 from trainer.model.loss import full_loss
 from trainer.model.optim import build_optimizer, build_scheduler
+from trainer.progress import ProgressReporter
 
 WORLD = SPAWNED_WORLD
 
@@ -134,6 +143,20 @@ def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
             optimizer.step()
         assert torch.allclose(flat_params(fsdp), flat_params(unwrap(ddp)), atol=1e-6)
 
+        # DDP's replicated state, saved synchronously (rank 0's state.pt) and in the background (split: each rank
+        # stages and writes its share into dcp/) while the live state moves on; both load the same here.
+        ddp_state = store.TrainState(unwrap(ddp), optimizers[0], build_scheduler(optimizers[0], cfg))
+        cache = SimpleNamespace(key="k")
+        checkpoints = Checkpointer(split_cfg(cfg, root), ctx, ddp_state, cache, get_logger(),  # type: ignore[arg-type]
+                                   ProgressReporter(fd=None))
+        store.save(root / "sync" / "step_000001", ddp_state, checkpoints.meta(1), ctx)
+        checkpoints.save(1)
+        with gradient_sync(ddp, enabled=True):
+            full_loss(ddp, batch_for(rank, seed=2)).backward()
+        optimizers[0].step()
+        checkpoints.finish()
+        assert same(*load_split_and_whole(cfg, ctx, root))
+
         # Sharded checkpoint (torch.distributed.checkpoint) round trip into a fresh sharded model and optimizer.
         state = store.TrainState(fsdp, optimizers[1], build_scheduler(optimizers[1], sharded_cfg))
         meta = store.CheckpointMeta(step=1, format=state.format, cache_key="k", world_size=WORLD, data={},
@@ -156,8 +179,35 @@ def worker(rank: int, root: Path, cache_dir: Path, tokenizer: Path) -> None:
         teardown()
 
 
+def split_cfg(cfg: Config, root: Path) -> Config:
+    """`cfg` saving in the background into root/split."""
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, dir=str(root / "split"), async_save=True))
+
+
+def load_split_and_whole(cfg: Config, ctx: DistContext, root: Path) -> tuple[dict[str, torch.Tensor], ...]:
+    """The worker's split checkpoint and its synchronous one, each loaded into a fresh DDP model and optimizer."""
+    got = []
+    for path in (root / "split" / "step_000001", root / "sync" / "step_000001"):
+        model = fresh(cfg)
+        optimizer = build_optimizer(model, cfg)
+        state = store.TrainState(model, optimizer, build_scheduler(optimizer, cfg))
+        assert store.load(path, state, ctx, "k").split == (path.parent.name == "split")
+        got.append(snapshot(state))
+    return tuple(got)
+
+
 def test_ddp_and_fsdp_on_two_cpu_ranks(tmp_path: Path, token_cache_dir: Path) -> None:
     spawn_ranks(worker, tmp_path, token_cache_dir)
+    split = tmp_path / "split" / "step_000001"
+    assert "model" not in store.load_payload(split / store.STATE_FILE)  # in dcp/, a share from each rank:
+    shares = [f.stat().st_size for f in (split / layout.DCP_DIR).glob("*.distcp")]
+    assert len(shares) == WORLD and all(0.35 < share / sum(shares) < 0.65 for share in shares), shares
+    cfg = tiny_config(tmp_path, token_cache_dir, model={"num_layers": 2})
+    ctx = init_distributed(cfg)  # one rank loads what two wrote
+    try:
+        assert same(*load_split_and_whole(cfg, ctx, tmp_path))
+    finally:
+        teardown()
     assert_final_model_holds(tmp_path / "final", tmp_path / "fsdp_params.pt")
     from transformers import AutoTokenizer
 

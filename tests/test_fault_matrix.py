@@ -42,11 +42,10 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from process_tree import watching
 from rank_scripts.harness import clean_env
-from rank_support import TINY, merged, set_flags
+from rank_support import TINY, checkpoint_content, merged, set_flags
 from small_disk import fill, small_disk
 from trainer.checkpoint import layout, store
 
@@ -178,7 +177,12 @@ def flags(case: Case, tmp_path: Path, cache_dir: Path, resume: bool) -> list[str
                  "inject_fault_during": "checkpoint" if case.phase == "checkpoint" else "step"}
     layer = merged(TINY, {"system": {"device": "auto"},  # auto: the fake GPUs are used (their ranks run on CPUs)
                           "data": {"cache_dir": str(cache_dir)}, "training": {"max_steps": case.max_steps},
-                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": INTERVAL}, "debug": debug})
+                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": INTERVAL,
+                                         # a mid-run fault comes after a complete checkpoint: saved synchronously, as
+                                         # one written in the background may still be in flight when a rank dies
+                                         # (that case: tests/test_checkpoint_async.py)
+                                         "async_save": "auto" if case.phase != "mid" else False},
+                          "debug": debug})
     hang = case.fault == "hang" and not resume
     hang_timeout = HANG_TIMEOUT if hang else SAFETY_TIMEOUT
     startup_timeout = HANG_FIRST_STARTUP_TIMEOUT if hang and case.phase in ("first", "checkpoint") else SAFETY_TIMEOUT
@@ -237,7 +241,7 @@ def latest_loadable(root: Path) -> int | None:
     latest = layout.latest_checkpoint(root)
     if latest is None:
         return None
-    state = torch.load(latest / store.STATE_FILE, map_location="cpu", weights_only=True)
+    state = checkpoint_content(latest)
     step = layout.step_of(latest)
     assert state["meta"]["step"] == step and state["model"] and state["optimizer"]["state"]
     return step

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from rank_scripts.harness import project_pythonpath
-from trainer.config import DebugConfig
+from trainer.config import DebugConfig, check_injection
 from trainer.diagnosis.faults import FaultInjector
 from trainer.errors import UserError
 
@@ -67,6 +68,30 @@ def test_off_by_default_and_banner_when_on() -> None:
     assert on.enabled
     assert on.describe() == ("fault injection ON: NaN in model.layers.1.mlp output at step 3 on rank 1; "
                              "exit (code 9) at step 5 on rank 0")
+
+
+def test_a_write_stall_holds_its_step_on_its_rank_until_training_waits(capsys: pytest.CaptureFixture[str]) -> None:
+    """debug.inject_write_stall_step: the writer thread of the checkpoint after that step, on inject_fault_rank, waits
+    for the event training sets when it waits for the write; any other step or rank goes on at once."""
+    debug = DebugConfig(inject_write_stall_step=3, inject_fault_rank=1)
+    here, elsewhere = FaultInjector(debug, rank=1), FaultInjector(debug, rank=0)
+    assert here.enabled and here.describe() == ("fault injection ON: the checkpoint write after step 3 stalls on rank 1 "
+                                                "until training waits for it")
+    awaited = threading.Event()
+    elsewhere.stall_write(3, awaited)
+    here.stall_write(2, awaited)
+    assert capsys.readouterr().err == ""
+    writer = threading.Thread(target=here.stall_write, args=(3, awaited))
+    writer.start()
+    writer.join(0.2)
+    assert writer.is_alive()  # held: nothing has waited for the write yet
+    awaited.set()
+    writer.join(30)
+    assert not writer.is_alive()
+    assert capsys.readouterr().err == ("fault injection: the checkpoint write after step 3 stalls on rank 1 until "
+                                       "training waits for it\n")
+    with pytest.raises(UserError, match=r"debug.inject_write_stall_step 6 is never reached \(the run's steps are 0-5"):
+        check_injection(DebugConfig(inject_write_stall_step=6), max_steps=6)
 
 
 @pytest.mark.parametrize("settings, needs", [

@@ -14,8 +14,11 @@ Per optimizer step (the order the NaN guard relies on; `step` counts from 0, lik
 
 A checkpoint named step_<n> holds the state after n completed steps; resuming from it runs step index n next.
 Its save calls faults.during_checkpoint(n - 1, phase) at each phase (debug.inject_fault_during). Training blocks only
-while it is staged; it is written in the background (checkpoint.async_save), and a stop or the end of the run waits
-for the write in flight before the rank exits.
+while it is staged; it is written in the background (checkpoint.async_save), and a stop, the end of the run or a
+failure waits for the write in flight before the rank exits.
+
+Length: one rank's run over the Trainer's state (set-up, the step, evaluation, the report, checkpoints, the stop),
+which each part reads and the NaN guard and the checkpointer share; split up, every part would take most of it.
 """
 
 from __future__ import annotations
@@ -143,7 +146,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if self.precision.name == "fp16" else None
         self.checkpoints = Checkpointer(cfg, ctx, store.TrainState(self.module, self.optimizer, self.scheduler,
                                                                    self.scaler), self.data, self.log, progress,
-                                        fault=self.faults.during_checkpoint)
+                                        fault=self.faults.during_checkpoint, stall=self.faults.stall_write)
         self.guard = NanGuard(self.module, cfg, rank=ctx.rank, world_size=ctx.world_size, gpu_id=ctx.gpu_id,
                               device=self.device, run_dir=run_dir, checkpoint_dir=self.checkpoints.root)
 
@@ -302,6 +305,11 @@ class Trainer:
             return 0
         except KeyboardInterrupt:
             status = "interrupted"
+            raise
+        except Exception as e:
+            if not isinstance(e, UserError):  # (a bad input fails every rank alike: no rank is first)
+                self.progress.failing()  # first: the supervisor learns which rank failed before this one waits
+            self.checkpoints.settle()  # a write in flight may still be published (its record then in the history)
             raise
         finally:
             try:

@@ -54,6 +54,7 @@ class ProgressReporter:
         # a supervisor reads this channel: what it checked and said before starting the ranks (a damaged checkpoint
         # passed over, `supervisor.cli.make_plan`) is not said again by every group it starts
         self.supervised = fd is not None
+        self.said_failing = False
 
     def send(self, progress: Progress) -> None:
         if self.fd is None:
@@ -77,8 +78,11 @@ class ProgressReporter:
 
     def failing(self) -> None:
         """Sent before the rank leaves its process group on an error: the supervisor learns which rank failed first
-        while the other ranks are still inside their collectives, before their own errors (the fallout) begin."""
-        self.send(Progress(event="failing"))
+        while the other ranks are still inside their collectives, before their own errors (the fallout) begin. Said
+        once: the loop says it before it waits for a checkpoint write, the rank's handler again for any failure."""
+        if not self.said_failing:
+            self.said_failing = True
+            self.send(Progress(event="failing"))
 
 
 def gpu_id() -> str | None:

@@ -8,14 +8,18 @@ written, the rename) then runs on a thread whose collectives use the writer grou
 
 How a write ends decides when the training thread hears of it:
 
-* a failure every rank is told of (a full disk on rank 0, DCP's own collective errors) is raised by every rank at the
-  next point where all of them wait for the write (the next save, the end of the run, a stop): together, so that no
-  rank is left waiting in a collective for one that has given up;
+* a failure every rank is told of (a full disk, any failure of DCP's write, which DCP reports to every rank) is
+  raised by every rank at the next point where all of them wait for the write (the next save, the end of the run, a
+  stop): together, so that no rank is left waiting in a collective for one that has given up;
 * anything else (an injected fault, a bug) is this rank's own failure and is raised at the next step boundary, as an
   exception in the step would be.
 
-The thread is a daemon: a rank that fails with a write in flight exits without waiting for it, and the unpublished
-`.tmp-` folder it leaves is never taken for a checkpoint.
+A rank that fails (an exception leaves the loop) with a write in flight lets it end before it leaves, for as long as
+a collective may take (`Checkpointer.settle`): the other ranks' writers go on meanwhile (their training threads wait
+in the step for this rank, which is still there), so a failure a step after an interval save does not lose it. A rank
+killed outright takes its part of the write with it: the other ranks' writers fail in their next collective, and the
+unpublished `.tmp-` folder (removed by rank 0, or by the next save if rank 0 was the one killed) is never taken for
+a checkpoint. The thread is a daemon, so nothing else keeps a leaving process waiting for it.
 """
 
 from __future__ import annotations
@@ -26,13 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from trainer.checkpoint.store import WriteFailed
 from trainer.errors import UserError
 
-COLLECTIVE_FAILURES = (UserError, WriteFailed, CheckpointException)  # raised alike on every rank
+COLLECTIVE_FAILURES = (UserError, WriteFailed)  # raised alike on every rank (`store.raise_if_main_failed`)
 
 
 def make_stager(device: torch.device) -> DefaultStager:
@@ -44,18 +47,20 @@ def make_stager(device: torch.device) -> DefaultStager:
 
 
 class BackgroundWrite:
-    """`job` running on a daemon thread; `wait` joins it and raises what it raised."""
+    """`job(awaited)` running on a daemon thread; `wait` joins it and raises what it raised. `awaited` is set once
+    the training thread waits for the write (debug.inject_write_stall_step holds a write until then)."""
 
-    def __init__(self, name: str, job: Callable[[], Any]) -> None:
+    def __init__(self, name: str, job: Callable[[threading.Event], Any]) -> None:
         self.name = name
         self.error: BaseException | None = None
         self.started = time.perf_counter()
+        self.awaited = threading.Event()
         self.thread = threading.Thread(target=self.run, args=(job,), name=f"checkpoint-writer {name}", daemon=True)
         self.thread.start()
 
-    def run(self, job: Callable[[], Any]) -> None:
+    def run(self, job: Callable[[threading.Event], Any]) -> None:
         try:
-            job()
+            job(self.awaited)
         except BaseException as e:  # handed to the training thread, which raises it
             self.error = e
 
@@ -71,7 +76,15 @@ class BackgroundWrite:
     def wait(self) -> float:
         """Join the write; seconds waited. Raises what the write raised (every rank alike for a collective failure)."""
         started = time.perf_counter()
+        self.awaited.set()
         self.thread.join()
         if self.error is not None:
             raise self.error
         return time.perf_counter() - started
+
+    def wait_at_most(self, seconds: float) -> bool:
+        """Join the write for up to `seconds`, raising nothing (a failing rank's last look at it); True once it
+        ended."""
+        self.awaited.set()
+        self.thread.join(seconds)
+        return self.done()

@@ -91,7 +91,8 @@ def archive_damage(path: Path) -> str | None:
 
 def damage(path: Path) -> str | None:
     """What makes a checkpoint (a folder or a `.pt` file) unusable, or None when it looks whole: a folder's meta.json
-    must parse and say what `check_meta` reads, its state.pt be a whole archive, a sharded one's dcp/ be finished."""
+    must parse and say what `check_meta` reads, its state.pt be a whole archive, the dcp/ of a sharded or split one
+    (`trainer.checkpoint.store`) be finished."""
     if path.is_file():
         return archive_damage(path)
     try:
@@ -105,8 +106,8 @@ def damage(path: Path) -> str | None:
         return f"{path / META_FILE} lacks the step, format, cache_key or config a checkpoint records"
     if problem := archive_damage(path / STATE_FILE):
         return problem
-    if meta["format"] == SHARDED and not (path / DCP_DIR / DCP_METADATA).is_file():
-        return f"{path / DCP_DIR} has no {DCP_METADATA} (the sharded save did not finish)"
+    if (meta["format"] == SHARDED or meta.get("split") is True) and not (path / DCP_DIR / DCP_METADATA).is_file():
+        return f"{path / DCP_DIR} has no {DCP_METADATA} (the save of its shards did not finish)"
     return None
 
 

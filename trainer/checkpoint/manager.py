@@ -4,15 +4,16 @@ a step (an interval, a stop, the end), a checkpoint where the NaN guard asks for
 What a save writes and a load reads is `store`; names on disk and which checkpoint `--resume` means is `layout`;
 the write in the background is `background`. This class holds what lies between them over a run: the step last
 saved (a stop right after an interval save writes nothing again), the save still being written (at most one: the
-next save, a stop and the end of the run wait for it), a finished earlier run's checkpoints in the same folder
-(replaced by this run's first save), pruning to `checkpoint.keep` (after a save is published, so the latest complete
-checkpoint is never removed for one still being written), and the time each save cost (`SaveRecord`).
+next save, a stop, the end of the run and a failure wait for it), a finished earlier run's checkpoints in the same
+folder (replaced by this run's first save), pruning to `checkpoint.keep` (after a save is published, so the latest
+complete checkpoint is never removed for one still being written), and the time each save cost (`SaveRecord`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import psutil
 
 from trainer.checkpoint import layout, store
 from trainer.checkpoint.background import BackgroundWrite, make_stager
-from trainer.checkpoint.layout import SHARDED
+from trainer.checkpoint.layout import FULL, SHARDED
 from trainer.config import Config
 from trainer.model.distributed import DistContext, agree_any, broadcast_object
 from trainer.progress import ProgressReporter
@@ -60,6 +61,12 @@ class SaveRecord:
                 f"{waited}, written in {self.write_s:.2f} s{' in the background' if self.background else ''})")
 
 
+def one_line(error: BaseException) -> str:
+    """An error as one short line for the log (a collective's errors run to many)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
+
+
 def folder_bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -69,11 +76,14 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, ctx: DistContext, state: store.TrainState, cache: TrainingData,
                  log: logging.Logger, progress: ProgressReporter,
-                 fault: Callable[[int, str], None] = lambda step, phase: None) -> None:
+                 fault: Callable[[int, str], None] = lambda step, phase: None,
+                 stall: Callable[[int, threading.Event], None] = lambda step, awaited: None) -> None:
         """`fault(step, phase)`: called as a save reaches each phase (`staging`, `checkpoint`: written, `publishing`),
-        with the step it follows (the fault injector's `debug.inject_fault_during`)."""
+        with the step it follows (the fault injector's `debug.inject_fault_during`). `stall(step, awaited)`: called
+        on the writer thread before a background write begins, with the event set once training waits for it (the
+        fault injector's `debug.inject_write_stall_step`)."""
         self.cfg, self.ctx, self.state, self.cache, self.log, self.progress = cfg, ctx, state, cache, log, progress
-        self.fault = fault
+        self.fault, self.stall = fault, stall
         self.root = Path(cfg.checkpoint.dir)
         self.last_saved: int | None = None
         self.superseded: list[Path] = []  # a finished earlier run's checkpoints, removed at this run's first save
@@ -85,11 +95,16 @@ class Checkpointer:
         # the final model's tokenizer, held from the start: the token cache may be removed while the run trains
         self.tokenizer_json = cache.tokenizer_path.read_text() if cfg.checkpoint.save_final and ctx.is_main else ""
 
-    def meta(self, step: int) -> store.CheckpointMeta:
+    def meta(self, step: int, split: bool = False) -> store.CheckpointMeta:
         return store.CheckpointMeta(
             step=step, format=self.state.format, cache_key=self.cache.key, world_size=self.ctx.world_size,
             data=store.data_position(self.cfg, self.ctx.world_size),
-            model_shapes=store.shape_signature(self.state.model), config=self.cfg.to_dict())
+            model_shapes=store.shape_signature(self.state.model), config=self.cfg.to_dict(), split=split)
+
+    def splits(self, background: bool) -> bool:
+        """Whether a save is split (`store.replicated_share`): a full-format one written in the background by several
+        ranks, so that no rank stages and writes more than its share while the others train."""
+        return background and self.state.format == FULL and self.ctx.world_size > 1
 
     def resume(self) -> int:
         """Load the checkpoint `checkpoint.resume` means, if any; returns the step to run next (0 for a fresh start)."""
@@ -142,11 +157,15 @@ class Checkpointer:
         def fault(phase: str) -> None:
             self.fault(step - 1, phase)
 
-        staged = store.stage(path, self.state, self.meta(step), self.ctx,
+        staged = store.stage(path, self.state, self.meta(step, self.splits(background)), self.ctx,
                              copy=self.stager.stage if background else None, fault=fault)
         record = SaveRecord(step, str(path), 0, time.perf_counter() - started, 0.0, waited, background)
         if background:
-            self.in_flight = BackgroundWrite(path.name, lambda: self.write(staged, record, fault))
+            def job(awaited: threading.Event) -> None:
+                self.stall(step - 1, awaited)
+                self.write(staged, record, fault)
+
+            self.in_flight = BackgroundWrite(path.name, job)
         else:
             self.write(staged, record, fault)
         self.last_saved = step
@@ -172,17 +191,14 @@ class Checkpointer:
 
     def writes_in_background(self) -> bool:
         """checkpoint.async_save, decided at the first save, alike on every rank (each rank's writer joins the same
-        collectives): `auto` stages only where this host's copies (rank 0's full state, or every local rank's
-        shards) fit in half of the memory free now."""
+        collectives): `auto` stages only where this host's copies (every local rank's shards, or its share of the
+        replicated state) fit in half of the memory free now."""
         if self.background is not None:
             return self.background
         setting = self.cfg.checkpoint.async_save
-        sharded = self.state.format == SHARDED
-        need = 0
-        if sharded or self.ctx.is_main:
-            need = store.tensor_bytes(self.state.model.state_dict()) + \
-                store.tensor_bytes(self.state.optimizer.state_dict())
-            need *= int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if sharded else 1
+        held = store.tensor_bytes(self.state.model.state_dict()) + store.tensor_bytes(self.state.optimizer.state_dict())
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        need = held * local if self.state.format == SHARDED else held * local // self.ctx.world_size
         free = psutil.virtual_memory().available
         too_large = agree_any(setting == "auto" and need > free * STAGING_SHARE, self.ctx)
         self.background = setting is True or (setting == "auto" and not too_large)
@@ -208,6 +224,34 @@ class Checkpointer:
         if still_writing and self.ctx.is_main:
             self.log.info(f"checkpoint: waited {waited:.2f} s for {in_flight.name} to finish writing")
         return waited
+
+    def settle(self) -> None:
+        """The rank is failing (an exception left the loop): a write still in flight may end first, for up to
+        `system.dist_timeout_s` (the writer group's own timeout); the other ranks' writers go on meanwhile, so a
+        failure right after an interval save does not lose it, unless a rank was killed outright (its part of the
+        write goes with it, and the others' writers fail). Says which checkpoint that leaves the latest, unless the
+        write had already been published (and said so) before the failure."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is None:
+            return
+        writing = not in_flight.done()
+        if not writing and in_flight.error is None:
+            return
+        limit = self.cfg.system.dist_timeout_s
+        who = f"[GPU {self.ctx.gpu_id}] checkpoint"
+        if writing:
+            self.log.warning(f"{who}: the rank is failing with {in_flight.name} still being written; waiting for it "
+                             f"(at most {limit:g} s, system.dist_timeout_s)")
+        ended = in_flight.wait_at_most(limit)
+        latest = layout.latest_checkpoint(self.root)
+        # a write returns only once rank 0 has renamed it into place; rank 0 may also have published it before a
+        # collective after the rename failed here
+        if (ended and in_flight.error is None) or (latest is not None and latest.name == in_flight.name):
+            self.log.warning(f"{who}: {self.root / in_flight.name} was published: it is the latest checkpoint")
+            return
+        why = one_line(in_flight.error) if in_flight.error is not None else f"still being written after {limit:g} s"
+        self.log.warning(f"{who}: {in_flight.name} was not published ({why}); the latest checkpoint is "
+                         f"{latest if latest is not None else 'none (a resume starts from step 0)'}")
 
     def poll(self) -> None:
         """At a step boundary: raise this rank's own failure in the write in flight (see `background`)."""

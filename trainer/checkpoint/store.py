@@ -7,16 +7,23 @@ Layout under `checkpoint.dir` (default `.checkpoints/`, relative to the working 
                             without torch)
         state.pt            scheduler, grad scaler and every rank's RNG state; plus model and optimizer in the
                             "full" format (DDP / single process, written by rank 0)
-        dcp/                model and optimizer in the "sharded" format (FSDP2), via torch.distributed.checkpoint
+        dcp/                model and optimizer via torch.distributed.checkpoint: in the "sharded" format (FSDP2),
+                            and in the full format when meta.json says `"split": true`
     final/                  the trained model (safetensors) + tokenizer, loadable with AutoModelForCausalLM
 
 A save is staged (`stage`: the state dicts taken, copied into host memory when written in the background) and then
-written (`write`). A checkpoint is written into `.tmp-step_<n>/`, fsynced, then renamed into place once every rank's
-files are written, so a process killed mid-save leaves the previous checkpoints intact and only a stray `.tmp-*`
-folder (removed by the next save). `state.pt` is loaded
-with `weights_only=True`. In the full format a checkpoint can also be one file holding the same content (what the
-NaN guard asks for as `nan_grad_step_<n>.pt`); `--resume` accepts either. Names on disk and the choice of
-the checkpoint to resume from are in `trainer/checkpoint/layout.py` (no torch: the supervisor checks `--resume` too).
+written (`write`). A full-format save written in the background by several ranks is split: DDP replicates the state
+on every rank, so each rank stages and writes only its share (`replicated_share`: whole parameters with their
+optimizer state, balanced by bytes) into dcp/, instead of rank 0 copying and writing all of it alone; a load reads
+every share back on any number of ranks, as it reads FSDP2's shards. A checkpoint is written into `.tmp-step_<n>/`,
+fsynced, then renamed into place once every rank's files are written, so a process killed mid-save leaves the previous
+checkpoints intact and only a stray `.tmp-*` folder (removed by the next save). `state.pt` is loaded with
+`weights_only=True`. In the full format a checkpoint can also be one file holding the same content (what the NaN
+guard asks for as `nan_grad_step_<n>.pt`); `--resume` accepts either. Names on disk and the choice of the checkpoint
+to resume from are in `trainer/checkpoint/layout.py` (no torch: the supervisor checks `--resume` too).
+
+Length: the save and the load of every format are one contract (what one writes the other reads, across formats,
+world sizes and releases), kept in one place with the checks that refuse a checkpoint that does not fit the run.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -90,6 +98,14 @@ class CheckpointMeta:
     model_shapes: dict[str, list[int]]
     config: dict[str, Any]
     saved_at: float = field(default_factory=time.time)
+    # the full format: model and optimizer in dcp/, each rank's share (`replicated_share`), not in state.pt. Absent
+    # from the meta.json of checkpoints written before it existed: those keep everything in state.pt
+    split: bool = False
+
+    @property
+    def in_dcp(self) -> bool:
+        """Whether the model and optimizer are in dcp/ (the sharded format, or a split full one)."""
+        return self.format == SHARDED or self.split
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "CheckpointMeta":
@@ -283,12 +299,33 @@ def tensor_bytes(tree: Any) -> int:
     return 0
 
 
+def replicated_share(model_sd: dict[str, Any], optim_sd: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's share of a state every rank holds whole (DDP's), for DCP: each parameter, with its optimizer
+    state, goes to one rank, the largest first onto the rank with the fewest bytes so far (the same on every rank: a
+    pure function of the names and sizes); the optimizer's param_groups go to rank 0. The shares of all ranks are
+    the whole state, each key in exactly one of them."""
+    states = optim_sd.get("state", {})
+    names = list(dict.fromkeys([*model_sd, *states]))
+    cost = {n: tensor_bytes(model_sd.get(n)) + tensor_bytes(states.get(n)) for n in names}
+    load = [0] * world_size
+    mine = set()
+    for name in sorted(names, key=lambda n: (-cost[n], n)):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += cost[name]
+        if owner == rank:
+            mine.add(name)
+    optimizer: dict[str, Any] = {"state": {n: s for n, s in states.items() if n in mine}}
+    if rank == 0:
+        optimizer.update({k: v for k, v in optim_sd.items() if k != "state"})
+    return {"model": {n: t for n, t in model_sd.items() if n in mine}, "optimizer": optimizer}
+
+
 def stage(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
           copy: Callable[[Any], Any] | None = None, fault: Fault = no_fault) -> Staged:
     """The first part of a save, on the training thread (collective): gather every rank's RNG state, make the
-    temporary folder, take the state dicts, and, given `copy` (a DCP stager's `stage`), copy their tensors off the
-    live ones into host memory. Without `copy` the staged dicts are views of the live tensors: write them before the
-    next optimizer step."""
+    temporary folder, take the state dicts (this rank's share of them when `meta.split`), and, given `copy` (a DCP
+    stager's `stage`), copy their tensors off the live ones into host memory. Without `copy` the staged dicts are
+    views of the live tensors: write them before the next optimizer step."""
     rngs = gather_objects(rng_state(ctx.device), ctx)
     staged = Staged(path, meta, None, None, 0)
     error = None
@@ -304,11 +341,12 @@ def stage(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
     if error:
         raise UserError(error)
     fault("staging")
-    if meta.format == SHARDED:
+    if meta.in_dcp:
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-        staged.shards = {"model": model_sd, "optimizer": optim_sd}
+        staged.shards = replicated_share(model_sd, optim_sd, ctx.rank, ctx.world_size) if meta.split else \
+            {"model": model_sd, "optimizer": optim_sd}
     if ctx.is_main:
-        staged.payload = payload(state, meta, rngs, with_weights=meta.format == FULL)
+        staged.payload = payload(state, meta, rngs, with_weights=not meta.in_dcp)
     if copy is not None:
         staged.shards = copy(staged.shards) if staged.shards is not None else None
         staged.payload = copy(staged.payload) if staged.payload is not None else None
@@ -321,10 +359,16 @@ def write(staged: Staged, ctx: DistContext, group: Any = None, fault: Fault = no
     group in the background): DCP's shards on every rank, state.pt on rank 0, then `meta.json`, the fsync and the
     rename, only once every rank's files are written (DCP's save returns on rank 0 after every rank's shards are).
     `fault` fires once the state is written (`checkpoint`) and once meta.json is too (`publishing`), before the
-    rename: a rank killed there leaves an unpublished `.tmp-` folder and the previous checkpoint the latest."""
+    rename: a rank killed there leaves an unpublished `.tmp-` folder and the previous checkpoint the latest. A
+    failure of DCP's write is every rank's alike (DCP tells them all), so each says it as rank 0 does its own (a full
+    disk named as one, `failure_of`)."""
     tmp, path = staged.tmp, staged.path
-    if staged.shards is not None:
-        dcp.save(staged.shards, checkpoint_id=tmp / DCP_DIR, process_group=group)
+
+    def write_shards() -> None:
+        try:
+            dcp.save(staged.shards, checkpoint_id=tmp / DCP_DIR, process_group=group)
+        except CheckpointException as e:  # (a BaseException) DCP's report of each rank's failure: the lowest rank's
+            raise e.failures[min(e.failures)][0] if e.failures else RuntimeError(str(e)) from e
 
     def write_state() -> None:
         torch.save(staged.payload, tmp if staged.single_file else tmp / STATE_FILE)
@@ -333,14 +377,16 @@ def write(staged: Staged, ctx: DistContext, group: Any = None, fault: Fault = no
         if not staged.single_file:
             (tmp / META_FILE).write_text(json.dumps(asdict(staged.meta), indent=1) + "\n")
 
-    failure = failure_of(write_state, path.parent) if ctx.is_main else None
+    failure = failure_of(write_shards, path.parent) if staged.shards is not None else None
+    if ctx.is_main and failure is None:
+        failure = failure_of(write_state, path.parent)
     fault("checkpoint")
     if ctx.is_main and failure is None:
         failure = failure_of(write_meta, path.parent)
     fault("publishing")
     if ctx.is_main and failure is None:
         failure = failure_of(lambda: publish(tmp, path), path.parent)
-    if failure is not None:
+    if failure is not None and ctx.is_main:
         remove(tmp)  # a partial save is no use to anyone, and on a full disk it holds the space the run needs
     raise_if_main_failed(failure, ctx, f"checkpoint {path}", DISK_FIX, group)
 
@@ -362,10 +408,10 @@ def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> Che
     except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:  # damage the layout's look did not see
         raise UserError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0]}); resume an intact "
                         f"checkpoint, or start fresh without --resume") from None
-    if meta.format == FULL:
+    if not meta.in_dcp:
         state.model.load_state_dict(content["model"])
         state.optimizer.load_state_dict(content["optimizer"])
-    else:
+    else:  # every rank reads what it holds: its FSDP2 shards, or the whole of a split state from every rank's share
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
         dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / DCP_DIR)
         set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -142,6 +142,9 @@ class DebugConfig:
     # step (at its start) | staging | checkpoint | publishing (a phase of the save that follows it)
     inject_fault_during: str = "step"
     inject_fault_delay_s: float = 0.2  # slow: the sleep before every step from inject_fault_step on
+    # the checkpoint after this step, written in the background on inject_fault_rank, begins only once training waits
+    # for it (the next save, a stop, the end of the run, a failure): a write still in flight then, whatever the timing
+    inject_write_stall_step: int | None = None
 
 
 @dataclass
@@ -371,14 +374,15 @@ def check_injection(d: DebugConfig, max_steps: int | None = None) -> None:
     if (d.inject_fault is None) != (d.inject_fault_step is None):
         raise UserError("fault injection needs both debug.inject_fault and debug.inject_fault_step, "
                         "for example --set debug.inject_fault=sigkill --set debug.inject_fault_step=3")
-    for kind in ("nan", "fault"):
-        step, rank = getattr(d, f"inject_{kind}_step"), getattr(d, f"inject_{kind}_rank")
+    for step_key, rank_key in (("inject_nan_step", "inject_nan_rank"), ("inject_fault_step", "inject_fault_rank"),
+                               ("inject_write_stall_step", "inject_fault_rank")):
+        step, rank = getattr(d, step_key), getattr(d, rank_key)
         if rank < 0:
-            raise UserError(f"debug.inject_{kind}_rank must be 0 or more, got {rank}")
+            raise UserError(f"debug.{rank_key} must be 0 or more, got {rank}")
         if step is not None and not (0 <= step and (max_steps is None or step < max_steps)):
             last = "" if max_steps is None else f" (the run's steps are 0-{max_steps - 1}; training.max_steps = " \
                                                  f"{max_steps})"
-            raise UserError(f"debug.inject_{kind}_step {step} is never reached{last}")
+            raise UserError(f"debug.{step_key} {step} is never reached{last}")
     if not 0 <= d.inject_fault_code <= 255:
         raise UserError(f"debug.inject_fault_code must be an exit status within 0-255, got {d.inject_fault_code}")
 
@@ -388,7 +392,8 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     fault meant for another group of the run (`debug.inject_fault_restart`) is not this group's to check: after a GPU
     is excluded, the group that lost it is gone."""
     d = cfg.debug
-    fault_here = d.inject_fault_step is not None and d.inject_fault_restart in (None, restart_count())
+    fault_here = (d.inject_fault_step is not None or d.inject_write_stall_step is not None) and \
+        d.inject_fault_restart in (None, restart_count())
     for kind, on in (("nan", d.inject_nan_step is not None), ("fault", fault_here)):
         rank = getattr(d, f"inject_{kind}_rank")
         if on and rank >= world_size:

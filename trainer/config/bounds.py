@@ -102,6 +102,7 @@ BOUNDS: dict[str, Bound] = {
     "debug.inject_fault_restart": NON_NEGATIVE,  # 0: the first group
     "debug.inject_fault_code": Bound(0, 255),  # an exit status
     "debug.inject_fault_delay_s": Bound(0, 86400, low_open=True),
+    "debug.inject_write_stall_step": NON_NEGATIVE,
 }
 # Folders, files and names where an empty string would quietly mean the working folder or nothing at all.
 NON_EMPTY = ("data.source", "data.cache_dir", "data.tokenizer", "data.text_field", "data.split", "checkpoint.dir",

@@ -24,8 +24,13 @@ Two kinds, both off by default and set with ``--set debug.<key>=<value>``:
   lost in the fake NVML state from then on (``SUPERVISOR_FAKE_GPU_STATE``, `fake_gpu_state`), so the supervisor's
   diagnosis and exclusion run on CPU ranks that pretend to be GPUs.
 
-``inject_fault_restart`` limits a process fault to one group of a supervised run (0: the first, n: after the n-th
-restart, `trainer.progress.restart_count`); by default it fires in every group that reaches its step.
+A third rehearses a slow disk at its worst: ``inject_write_stall_step`` holds the checkpoint after that step, written
+in the background on ``inject_fault_rank``, before it writes anything, until training waits for it (the next save, a
+stop, the end of the run, or the rank's failure). The write is then certainly in flight at whatever comes meanwhile
+(a signal, a fault at a later step: it composes with ``inject_fault``), and what waits for it says so.
+
+``inject_fault_restart`` limits a process fault (and the stall) to one group of a supervised run (0: the first, n:
+after the n-th restart, `trainer.progress.restart_count`); by default it fires in every group that reaches its step.
 
 Steps are the loop's own step numbers (whatever ``before_step`` and ``during_checkpoint`` are called with).
 """
@@ -38,6 +43,7 @@ import faulthandler
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -76,10 +82,11 @@ class FaultInjector:
         self.rank = rank
         self.step: int | None = None
         self.nan_on = debug.inject_nan_module is not None or debug.inject_nan_step is not None
-        self.fault_on = (debug.inject_fault is not None or debug.inject_fault_step is not None) and \
-            debug.inject_fault_restart in (None, restart_count())
+        this_group = debug.inject_fault_restart in (None, restart_count())
+        self.fault_on = (debug.inject_fault is not None or debug.inject_fault_step is not None) and this_group
+        self.stall_on = debug.inject_write_stall_step is not None and this_group
         check_injection(debug)  # the config's own validation ran it too; a DebugConfig built by hand may not have
-        self.enabled = self.nan_on or self.fault_on
+        self.enabled = self.nan_on or self.fault_on or self.stall_on
         self.hook: torch.utils.hooks.RemovableHandle | None = None
 
     def describe(self) -> str | None:
@@ -100,6 +107,9 @@ class FaultInjector:
                                                                   f" (after restart {d.inject_fault_restart} only)")
                 parts.append(f"{d.inject_fault}{code} {self.where(d.inject_fault_step)} on rank {d.inject_fault_rank}"
                              f"{group}")
+        if self.stall_on:
+            parts.append(f"the checkpoint write after step {d.inject_write_stall_step} stalls on rank "
+                         f"{d.inject_fault_rank} until training waits for it")
         return "fault injection ON: " + "; ".join(parts)
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -160,6 +170,16 @@ class FaultInjector:
         written, nothing published yet), `publishing` (just before the rename)."""
         if self.debug.inject_fault_during == phase:
             self._fire_if_due(step)
+
+    def stall_write(self, step: int, awaited: threading.Event) -> None:
+        """On the writer thread, before the background write of the checkpoint after `step` begins: with
+        `inject_write_stall_step` at this step and rank, hold until `awaited` (training waits for the write)."""
+        d = self.debug
+        if not self.stall_on or step != d.inject_write_stall_step or self.rank != d.inject_fault_rank:
+            return
+        print(f"fault injection: the checkpoint write after step {step} stalls on rank {self.rank} until training "
+              f"waits for it", file=sys.stderr, flush=True)
+        awaited.wait()
 
     def _fire_if_due(self, step: int) -> None:
         d = self.debug
