@@ -141,7 +141,10 @@ def fault(args: argparse.Namespace) -> None:
     if args.fail == "raise":
         raise RuntimeError("injected fault")
     if args.fail == "exit":
-        sys.exit(args.code)
+        # At once: sys.exit would first tear the interpreter down, and with --gloo close the group's sockets while
+        # still running, so that on a loaded machine the peer whose all-reduce that breaks could exit before it.
+        sys.stdout.flush()
+        os._exit(args.code)
     if args.fail == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     if args.fail == "segv":
