@@ -24,7 +24,8 @@ the cache build against the cores it gets, and the supervisor's log pump where c
    instead of liger's, SDPA's flash or cuDNN backend pinned, selective activation checkpointing, twice the
    micro-batch at half the accumulation), each as tokens/s, MFU and peak memory against the first row, measured in
    the same command, with the banner line of what the rank actually ran (a change that fell back shows there).
-   `--ablations` picks changes by name.
+   `--ablations` picks changes by name. Where the same command measured the training section's shipped row, that run
+   is the first row (its steps are the same; only the final-model export after them differs).
 3. Cache build scaling (`bench_cache.core_scaling`): the cache of a corpus of at least `--corpus-tokens` tokens (the
    standard library repeated, as JSONL) built with 1, 2, 4, 8, 16 cores (CPU affinity and the Rust encoder's thread
    count), as tokens/s and as a fraction of linear scaling from one core.

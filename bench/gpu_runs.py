@@ -111,6 +111,11 @@ class RankRun:
         return [arg for s in self.sets + self.untimed for arg in ("--set", s)]
 
     @property
+    def timed(self) -> tuple[str, ...]:
+        """What the measured steps run: two rows that differ only in `untimed` settings measure the same thing."""
+        return (self.kind, self.shape, self.preset, *self.sets)
+
+    @property
     def name(self) -> str:
         if self.kind == "shipped":
             return f"rank, `{self.preset}` preset as shipped" + (f" with {', '.join(self.sets)}" if self.sets else "")
@@ -200,6 +205,9 @@ class Options:
     corpus_tokens: int
     cores: list[int] = field(default_factory=list)
     ablations: tuple[str, ...] = ()  # the ablation section's changes, by name; empty: every one
+    # rank rows this command has measured, by what their timed steps ran (`RankRun.timed`): the ablation's first row
+    # is the training section's shipped row, and on a GPU a second run of it would cost minutes for the same figure
+    measured: dict[tuple[str, ...], Result] = field(default_factory=dict)
 
 
 def failure(done: subprocess.CompletedProcess[str], what: str = "") -> str:
@@ -251,7 +259,11 @@ def rank_job(run: RankRun, shape: Shape, opts: Options) -> RankJob:
 def rank_throughput(job: RankJob, shape: Shape, opts: Options) -> Result:
     """The rank as the supervisor starts it: tokens/s from rank 0's history records after the warm-up steps."""
     run = job.run
+    if (done_before := opts.measured.get(run.timed)) is not None:
+        print(f"  {run.shape} {run.name}: measured earlier in this command", file=sys.stderr, flush=True)
+        return done_before
     result = Result(run.name, job.compiled, loop=False, flops_per_token=flops_per_token(job.cfg))
+    opts.measured[run.timed] = result  # filled in below; a failed row is not run again either
     if run.kind == "shipped" and not run.sets and (unlike := shape.differences(job.cfg)):
         result.unlike = f"the `{run.preset}` preset is not the {run.shape} shape: {'; '.join(unlike)}"
         print(f"  {run.shape} {run.name}: not compared, {result.unlike}", file=sys.stderr, flush=True)

@@ -73,8 +73,10 @@ def test_smoke_mode_writes_the_tables(tmp_path: Path, token_cache_dir: Path) -> 
     pieces = [out / "bench_gpu_training_smoke_eager-shipped.md", out / "bench_gpu_ablation_smoke.md",
               out / "bench_gpu_cache.md"]
     assert sorted(out.iterdir()) == sorted([out / "bench_gpu.md", out / gpu_runs.CONSOLES, *pieces])
-    consoles = (out / gpu_runs.CONSOLES).read_text()  # the 4 rank runs' consoles: 2 training rows, 2 ablation rows
-    assert len(re.findall(r"^== smoke rank", consoles, re.M)) == 4 and "Step [" in consoles, consoles[-2000:]
+    # the 3 rank runs' consoles: 2 training rows, the ablation's change (its first row is the training's shipped run)
+    consoles = (out / gpu_runs.CONSOLES).read_text()
+    assert len(re.findall(r"^== smoke rank", consoles, re.M)) == 3 and "Step [" in consoles, consoles[-2000:]
+    assert "smoke rank, `debug` preset as shipped: measured earlier in this command" in done.stderr
     text = (out / "bench_gpu.md").read_text()
     assert text.strip() == done.stdout.strip() == "\n\n".join(p.read_text().strip() for p in pieces)
     assert "| run | tokens/s | MFU | peak memory | rank / loop |" in text
@@ -95,7 +97,7 @@ def test_smoke_mode_writes_the_tables(tmp_path: Path, token_cache_dir: Path) -> 
     (base, chunked) = table_rows(pieces[1])
     assert (base[0], chunked[0]) == ("rank, `debug` preset as shipped",
                                      "rank, `debug` preset as shipped with training.loss=chunked")
-    assert base[4] == "1.00×"
+    assert base[4] == "1.00×" and base[1] == shipped_rate
     # the ratio is of the measured rates, the cells show them rounded to whole tokens/s: a slow base (a loaded
     # machine) moves the cells' own ratio by more than the ratio's last digit
     shown, chunked_rate, base_rate = float(chunked[4].rstrip("×")), rate(chunked[1]), rate(base[1])
