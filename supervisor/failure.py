@@ -9,6 +9,14 @@ headline come then), the others are stopped. A rank that exits without saying it
 the trainer's error handler) failed hard, and is the failure itself: the records its peers write once it is gone come
 after its end, however early they are read.
 
+A program that reports nothing (one written for torchrun) says no ``failing``. When its first error exit ended on a
+lost peer (gloo's "Connection closed by peer", NCCL's remote error: `PEER_LOSS`), that peer may be the failure, still
+on its way out: a program that ends with `sys.exit` closes its sockets in the interpreter's teardown, before its
+process ends, and on a loaded machine the rank that lost it can exit first. That exit is a `Suspect`: the stop waits
+for the peer's own error exit, `PEER_EXIT_WAIT` at most, and the peer that left is the failure if it comes; an exit
+that does not end on a lost peer is never delayed. The rank's last lines are read once the pump has taken all it
+wrote (`FalloutGate.settle_output`).
+
 While the failure is being settled, the other ranks' stderr stays off the console (`quiet_fallout`): their collectives
 were cut short by the failure, and their tracebacks would bury its lines. The pump's thread shows rank output while
 the watcher's thread reads records and exits, so `FalloutGate` keeps their order: a rank's stderr lines reach the
@@ -23,6 +31,7 @@ import os
 import select
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.diagnosis import oom
@@ -31,6 +40,21 @@ from supervisor.worker import Worker, describe_exit
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 
 SETTLE_WAIT = 1.0  # the longest a rank's stderr lines wait for the watcher to handle the events before them
+OUTPUT_WAIT = 0.5  # the longest the watcher waits for the pump to take an exited rank's last stderr lines
+# what a rank's last lines say when a peer went away under it: gloo's pair, NCCL's remote error, the c10d store
+PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "ncclRemoteError",
+             "remote process exited or there was a network error", "failed to recv, got 0 bytes")
+PEER_LOSS_LINES = 10  # where the error a rank ended with is: its last lines of stderr
+PEER_EXIT_WAIT = 3.0  # how long a lost-peer exit waits for the peer's own error exit before it is the failure
+
+
+@dataclass
+class Suspect:
+    """A first error exit that ended on a lost peer, waiting `PEER_EXIT_WAIT` for that peer's own exit."""
+
+    worker: Worker
+    code: int
+    until: float  # monotonic
 
 
 class FailureRule:
@@ -55,6 +79,13 @@ class FailureRule:
             return exited  # failed hard: nothing it said, so nothing earlier can be blamed
         first = next(w for w in workers if w.spec.rank == self.first_failing())
         return first if first.alive else exited
+
+    def lost_a_peer(self, w: Worker, gate: FalloutGate) -> str | None:
+        """The line of `w`'s last stderr lines (an exited rank's: all it wrote) that says a peer went away under it."""
+        stream = self.tails[w.spec.rank]
+        gate.settle_output(stream)
+        return next((line for line in reversed(stream.tail_lines(PEER_LOSS_LINES))
+                     if any(marker in line for marker in PEER_LOSS)), None)
 
     def quiet_fallout(self, failing: int | None) -> None:
         """Keep the other ranks' stderr off the console from now on (it goes on into their log files). Called until
@@ -100,6 +131,13 @@ class FalloutGate:
                 self.handling.wait(left)
         finally:
             self.handling.release()
+
+    def settle_output(self, stream: Stream) -> None:
+        """Called by the watcher inside ``with gate``: wait, `OUTPUT_WAIT` at most and with the lock released (the pump
+        may be waiting in `wait` with the lines in hand), until the pump has taken everything in `stream`'s pipe."""
+        deadline = time.monotonic() + OUTPUT_WAIT
+        while not stream.caught_up() and (left := deadline - time.monotonic()) > 0:
+            self.handling.wait(min(left, 0.01))
 
     def unhandled(self) -> bool:
         """A progress pipe holds unread records (or its end), or a rank has exited unreaped. Called under the lock,

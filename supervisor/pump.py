@@ -24,7 +24,8 @@ final state is not repeated when the last state shown was already it. Prefixes s
 is a whole line.
 
 The log file gets the lines without the prefix (it belongs to one rank already). For each stderr stream the pump
-keeps the last 64 KiB, from which the failure report takes the failing rank's last lines.
+keeps the last 64 KiB, from which the failure report takes the failing rank's last lines, and the failure rule the
+error a rank ended with (`Stream.caught_up` tells the watcher when the pump has taken all an exited rank wrote).
 
 Fallout stays off the console: once one rank has failed, the others' collectives are cut short and each of them
 prints a traceback of its own (gloo's "Connection closed by peer", NCCL's abort) that says nothing about the cause
@@ -34,8 +35,11 @@ counts them, so the report can say where they are.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import selectors
+import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -83,6 +87,8 @@ class Stream:
     tail: bytes = b""
     muted: bool = False  # set from the watcher's thread; a plain bool is read whole under the GIL
     muted_lines: int = 0  # lines kept from the console since `mute`
+    received: int = 0  # bytes read from the pipe
+    taken: int = 0  # of those, the bytes the tail (or the carry) reflects
     nl_prefix: bytes = field(init=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +105,18 @@ class Stream:
     def tail_lines(self, count: int) -> list[str]:
         lines = self.tail.decode(errors="replace").splitlines()
         return lines[-count:]
+
+    def caught_up(self) -> bool:
+        """Whether the pump has taken every byte in the pipe into the tail: for a rank that has exited, all it wrote.
+        Read from the watcher's thread; a descriptor the pump closes meanwhile counts as caught up."""
+        fd = self.fd
+        if fd < 0:
+            return True
+        try:
+            unread = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+        except OSError:
+            return True
+        return unread == 0 and self.taken == self.received
 
 
 class Pump(threading.Thread):
@@ -137,6 +155,7 @@ class Pump(threading.Thread):
                 except (BlockingIOError, InterruptedError):
                     continue
                 if data:
+                    stream.received += len(data)
                     self.feed(stream, data)
                     biggest = max(biggest, len(data))
                 else:
@@ -191,15 +210,14 @@ class Pump(threading.Thread):
 
     def feed(self, stream: Stream, data: bytes) -> None:
         end = data.rfind(b"\n")
-        if end < 0:
-            self.extend_carry(stream, data)
-            return
-        if stream.carry_cr or b"\r" in data:
-            self.emit_ended(stream, clean_cr(bytes(stream.carry) + data[: end + 1]))
-        else:
-            self.emit(stream, stream.carry, data, end + 1)
-        stream.carry, stream.carry_cr = bytearray(), False
+        if end >= 0:
+            if stream.carry_cr or b"\r" in data:
+                self.emit_ended(stream, clean_cr(bytes(stream.carry) + data[: end + 1]))
+            else:
+                self.emit(stream, stream.carry, data, end + 1)
+            stream.carry, stream.carry_cr = bytearray(), False
         self.extend_carry(stream, data[end + 1:])
+        stream.taken = stream.received
 
     def extend_carry(self, stream: Stream, piece: bytes) -> None:
         """Append to the unfinished line, in amortised linear time whatever the line's length."""
@@ -269,6 +287,12 @@ class Pump(threading.Thread):
             except OSError as e:
                 stream.log_fd = None
                 self.console.say(f"cannot write the log of {stream.label} any more: {e}")
+        if stream.keep_tail:  # before the gate: the watcher may be reading the tail while it holds the gate
+            if size >= TAIL_BYTES:
+                stream.tail = bytes(lines[size - TAIL_BYTES:])
+            else:
+                stream.tail = (stream.tail + head + bytes(lines))[-TAIL_BYTES:]
+            stream.taken = stream.received
         if stream.keep_tail and not stream.muted and (gate := self.gate) is not None:
             gate()  # stderr: what came before these lines may make them fallout (`supervisor.failure.FalloutGate`)
         if stream.muted:
@@ -279,8 +303,3 @@ class Pump(threading.Thread):
             replaced = data.replace(b"\n", stream.nl_prefix)  # the unfinished rest after `size` has no newline
             cut = len(replaced) - (len(data) - size) - len(stream.prefix)
             self.console.write_lines(stream.console_fd, [stream.prefix, head, memoryview(replaced)[:cut]])
-        if stream.keep_tail:
-            if size >= TAIL_BYTES:
-                stream.tail = bytes(lines[size - TAIL_BYTES:])
-            else:
-                stream.tail = (stream.tail + head + bytes(lines))[-TAIL_BYTES:]

@@ -15,6 +15,10 @@ descendant that left the ranks' groups (the supervisor is a child subreaper, so 
 init).
 
 Hang watchdog: `supervisor.hangs` says when a group is stalled and which rank holds it up (the headline).
+
+Length: one state machine, the group's, and its reaction to each kind of event (an exit, the clock, a signal, the
+control channel, a progress record), which share the stop under way; the rules they apply live in `supervisor.failure`,
+`supervisor.hangs`, `supervisor.liveness` and `supervisor.verdicts`.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from supervisor.console import Console
 from supervisor.control.wire import HANG_CODE, LOST_CODE
 from supervisor.diagnosis import stragglers
-from supervisor.failure import FailureRule, FalloutGate
+from supervisor.failure import PEER_EXIT_WAIT, FailureRule, FalloutGate, Suspect
 from supervisor.hangs import HangWatchdog, Stall
 from supervisor.liveness import RankState, in_rendezvous, may_be_joining
 from supervisor.plan import Plan
@@ -113,6 +117,7 @@ class Watch:
         self.stop: Stop | None = None
         self.selector = selectors.DefaultSelector()
         self.failures, self.gate = FailureRule(plan.run_dir, tails), FalloutGate(workers)
+        self.suspect: Suspect | None = None  # a first error exit on a lost peer, waiting for the peer's own
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
         self.hangs = HangWatchdog(plan, workers, self.states, console, tails)
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
@@ -166,7 +171,9 @@ class Watch:
     def timeout(self) -> float | None:
         deadlines = []
         stop = self.stop
-        if stop is None:
+        if stop is None and self.suspect is not None:
+            deadlines.append(self.suspect.until)
+        elif stop is None:
             if (deadline := self.hangs.deadline()) is not None:
                 deadlines.append(deadline)
         elif not stop.terminated:
@@ -201,6 +208,8 @@ class Watch:
                 self.endings[rank] = FINISHED
             else:
                 self.on_failure(w, code)
+            if self.suspect is not None and not any(o.alive for o in self.workers):
+                self.blame_suspect()  # no peer is left to be the failure
         elif self.stop.awaiting and self.stop.worker is w:
             self.endings[rank] = FAILED_FIRST
             self.settle_failure(w, code)
@@ -220,12 +229,20 @@ class Watch:
                 self.on_progress(other)
         culprit = self.failures.culprit(w, self.workers)
         if culprit is w:
-            self.endings[w.spec.rank] = FAILED_FIRST
-            if code != USER_ERROR_EXIT_CODE:  # a bad input fails every rank alike: their lines are no fallout
-                self.failures.quiet_fallout(w.spec.rank)
-            self.begin_stop(Stop("failure", code, self.failures.detail(w, code), worker=w))
-            self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}; "
-                             f"stopping the other ranks", style="bold red")
+            lost = self.failures.lost_a_peer(w, self.gate) if any(o.alive for o in self.workers) else None
+            if lost is not None and self.suspect is None:
+                self.suspect = Suspect(w, code, time.monotonic() + PEER_EXIT_WAIT)
+                self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) ended with {describe_exit(code)} "
+                                 f"after losing a peer; waiting up to {PEER_EXIT_WAIT:g} s for the rank that left",
+                                 style="bold red")
+                return
+            if lost is not None:  # it lost the same peer as the suspect
+                self.endings[w.spec.rank] = FAILED_AFTER
+                return
+            if self.suspect is not None:  # the peer the suspect lost: the failure is this one's
+                self.endings[self.suspect.worker.spec.rank] = FAILED_AFTER
+                self.suspect = None
+            self.fail(w, code)
             return
         self.endings[w.spec.rank] = FAILED_AFTER
         # until the culprit exits, the code is this one's: never 0, so the run cannot pass for finished
@@ -234,6 +251,21 @@ class Watch:
         self.console.say(f"{culprit.label} (rank {culprit.spec.rank}, pid {culprit.pid}) reported an error, and "
                          f"{w.label} (rank {w.spec.rank}) exited after it with {describe_exit(code)}; stopping the "
                          f"other ranks", style="bold red")
+
+    def fail(self, w: Worker, code: int) -> None:
+        """`w`'s error exit is the run's failure: stop the others."""
+        self.endings[w.spec.rank] = FAILED_FIRST
+        if code != USER_ERROR_EXIT_CODE:  # a bad input fails every rank alike: their lines are no fallout
+            self.failures.quiet_fallout(w.spec.rank)
+        self.begin_stop(Stop("failure", code, self.failures.detail(w, code), worker=w))
+        self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}; "
+                         f"stopping the other ranks", style="bold red")
+
+    def blame_suspect(self) -> None:
+        """No peer's own error exit came (in time, or at all): the lost-peer exit is the failure after all."""
+        suspect, self.suspect = self.suspect, None
+        assert suspect is not None
+        self.fail(suspect.worker, suspect.code)
 
     def settle_failure(self, w: Worker, code: int) -> None:
         """The culprit that announced its error has exited: its code and headline are the run's."""
@@ -249,6 +281,9 @@ class Watch:
     def begin_stop(self, stop: Stop, pause: float = 0.0, tell_others: bool = True) -> None:
         if self.stop is not None:
             return
+        if self.suspect is not None:  # another cause came first (another node's failure, an announced one)
+            self.endings[self.suspect.worker.spec.rank] = FAILED_AFTER
+            self.suspect = None
         self.stop = stop
         stop.term_at = stop.at + pause
         if stop.stall is not None and self.verdicts is not None:
@@ -265,6 +300,10 @@ class Watch:
     def check_clock(self) -> None:
         now = time.monotonic()
         stop = self.stop
+        if stop is None and self.suspect is not None:
+            if now >= self.suspect.until:
+                self.blame_suspect()
+            return
         if stop is None:
             if (stall := self.hangs.check(now)) is not None:
                 for rank in stall.culprits:
@@ -372,6 +411,8 @@ class Watch:
         for signum in signums:
             if signum not in STOP_SIGNALS:
                 continue  # SIGCHLD: check_exits runs after every wake-up
+            if self.suspect is not None:  # a failure came before the signal: it stays the run's
+                self.blame_suspect()
             name = signal.Signals(signum).name
             first, self.signalled = not self.signalled, True
             if self.stop is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rank_scripts.harness import Run, clean_env, start
+from rank_scripts.harness import Run, clean_env, start, survivors
 from supervisor import cli, torchrun_args
 from supervisor.diagnosis import error_file
 
@@ -122,6 +122,26 @@ def test_the_root_cause_of_a_recorded_exception_is_in_the_report(tmp_path):
                      r"ValueError: corrupt batch at step 3 on rank 1", run.stderr)
     assert "  | Traceback (most recent call last):" in run.stderr
     assert re.search(r"  \|   File .*raises\.py\", line \d+, in load_batch", run.stderr)
+
+
+@pytest.mark.parametrize("linger, code, failed, waited_for", [(0.5, 3, 1, 0), (60, 1, 0, 1)],
+                         ids=["the-peer-exits", "the-peer-never-exits"])
+def test_a_rank_that_leaves_is_the_failure_not_the_peer_that_lost_it(tmp_path, linger, code, failed, waited_for):
+    """Rank 1 leaves at step 3 the way `sys.exit(3)` does: its sockets close first, its process ends `linger` s
+    later. Rank 0's all-reduce fails on the lost peer and it exits first, with 1. The run waits for the peer: the
+    failure and the exit code are rank 1's when its exit comes within the wait, else rank 0's."""
+    run = supervise(tmp_path, "--nproc-per-node", "2", str(PROGRAMS / "allreduce_loop.py"), "--step-time", "0.02",
+                    "--ready", str(tmp_path / "pids"), "--leave", "1:3:3", "--linger", str(linger))
+    assert run.returncode == code, run.stderr[-3000:]
+    assert re.search(r"CPU0 \(rank 0, pid \d+\) ended with exit 1 after losing a peer; waiting up to 3 s for the "
+                     r"rank that left", run.stderr), run.stderr[-3000:]
+    assert re.search(rf"run failed after [\d.]+ s: CPU{failed} \(rank {failed}\) failed: exit {code}$", run.stderr,
+                     re.M), run.stderr[-3000:]
+    endings = dict(re.findall(r"^supervisor:   CPU(\d) +\d +\d+ +.*?  (failed first|failed after the first failure|"
+                              r"stopped by the supervisor) ", run.stderr, re.M))
+    assert endings == {str(failed): "failed first", str(waited_for):
+                       "failed after the first failure" if failed else "stopped by the supervisor"}, run.stderr[-3000:]
+    assert len(run.pids()) == 2 and survivors(run.pids()) == []  # (the --ready files are the harness's pid files)
 
 
 def test_any_failure_is_restarted_with_torchruns_restart_count(tmp_path):
