@@ -8,7 +8,10 @@ torchrun: no ``--`` needed), ``-m``, ``--no-python``, or any flag only torchrun 
 into the namespace the supervisor's own command line gives (`supervisor.cli` then plans and launches the same
 way), plus what only a torchrun program needs (its run id, role, how to start it). Both spellings of torchrun's
 flags (``--nproc-per-node`` and ``--nproc_per_node``) and both forms (``--flag=value``, ``--flag value``) work, as in
-torchrun, whose parser (``torch.distributed.run.get_args_parser``) this one mirrors.
+torchrun, whose parser (``torch.distributed.run.get_args_parser``) this one mirrors. As in torchrun, a flag left off
+the command line takes its value from ``PET_<NAME>`` (``PET_NPROC_PER_NODE``, ``PET_NNODES``, ``PET_NODE_RANK``,
+``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, ``PET_STANDALONE=1``, ...): what Kubeflow's PyTorchJob and other operators
+set before they run a plain ``torchrun script.py`` (`environment_defaults`).
 
 What each of torchrun's flags becomes:
 
@@ -96,8 +99,10 @@ class TorchrunLaunch:
     notes: list[str] = field(default_factory=list)  # one line per flag accepted but done otherwise
 
 
-def build_parser(add_own_flags: Callable[[argparse._ArgumentGroup], None]) -> OneLineParser:
-    """torchrun's flags, then the supervisor's own launch flags (`add_own_flags`), then the program."""
+def build_parser(add_own_flags: Callable[[argparse._ArgumentGroup], None],
+                 from_environment: bool = False) -> OneLineParser:
+    """torchrun's flags (their defaults from ``PET_*`` with `from_environment`), then the supervisor's own launch
+    flags (`add_own_flags`), then the program."""
     parser = OneLineParser(prog="python -m supervisor", allow_abbrev=False,
                            description="torchrun's command line; everything after the program is the program's.")
     t = parser.add_argument_group("torchrun's flags")
@@ -120,10 +125,33 @@ def build_parser(add_own_flags: Callable[[argparse._ArgumentGroup], None]) -> On
     t.add_argument("--local-addr", "--local_addr", dest="local_addr", metavar="HOST")
     for dest, (flags, takes_value, _) in NOTED.items():
         t.add_argument(*flags, dest=dest, **({} if takes_value else {"action": "store_true"}))
+    if from_environment:
+        environment_defaults(t._group_actions)
     add_own_flags(parser.add_argument_group("the supervisor's own launch flags"))
     parser.add_argument("training_script")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
     return parser
+
+
+def environment_defaults(actions: list[argparse.Action]) -> None:
+    """Each torchrun flag's default from ``PET_<DEST>`` where it is set (torch.distributed.argparse_util's `env` and
+    `check_env`): a value for a flag that takes one, 0 or 1 for a switch. A value the flag would refuse is refused
+    here, naming the variable."""
+    for action in actions:
+        name = f"PET_{action.dest.upper()}"
+        value = os.environ.get(name)
+        if value is None:
+            continue
+        flag = max(action.option_strings, key=len)
+        try:
+            if action.nargs == 0:
+                action.default = bool(int(value))
+            else:
+                action.default = value if action.type is None else action.type(value)
+        except (TypeError, ValueError):
+            expected = "0 or 1" if action.nargs == 0 else f"a value for {flag}"
+            raise UserError(f"{name}={value!r}: expected {expected} (torchrun reads it as {flag} when the command line "
+                            f"leaves that out); fix or unset it") from None
 
 
 def recognised(argv: list[str], own: argparse.ArgumentParser, torchrun: argparse.ArgumentParser) -> bool:
@@ -149,7 +177,7 @@ def recognised(argv: list[str], own: argparse.ArgumentParser, torchrun: argparse
 def parse(argv: list[str], add_own_flags: Callable[[argparse._ArgumentGroup], None],
           defaults: argparse.Namespace) -> TorchrunLaunch:
     """torchrun's command line → the supervisor's namespace (`defaults` with the launch flags set) and the rest."""
-    t = build_parser(add_own_flags).parse_args(argv)
+    t = build_parser(add_own_flags, from_environment=True).parse_args(argv)
     args = argparse.Namespace(**vars(defaults))
     for name in ("gpus", "allow_busy_gpus", "isolate_gpus", "grace_period", "hang_timeout", "startup_timeout",
                  "gpu_exclusion", "min_gpus", "no_footer", "max_restarts", "local_addr", "node_timeout",

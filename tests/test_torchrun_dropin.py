@@ -176,6 +176,19 @@ def test_each_rank_of_a_torchrun_program_gets_its_own_gpu(tmp_path, isolate):
     assert run.run_dir().name.endswith("-env_dump") and (run.run_dir() / "gpu5.log").exists()
 
 
+def test_an_operators_pet_variables_launch_the_group(tmp_path):
+    """What a PyTorchJob's pod runs: `torchrun PROGRAM` with the launch in PET_* variables."""
+    out = tmp_path / "env"
+    out.mkdir()
+    run = supervise(tmp_path, "--no-python", str(PROGRAMS / "env_dump.sh"), str(out),
+                    env=clean_env(PET_NPROC_PER_NODE="3", PET_STANDALONE="1", PET_ROLE="worker"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    envs = [dict(line.split("=", 1) for line in (out / f"rank{rank}.env").read_text().splitlines() if "=" in line)
+            for rank in range(3)]
+    assert [(e["RANK"], e["WORLD_SIZE"], e["ROLE_NAME"], e["MASTER_ADDR"]) for e in envs] == [
+        (str(rank), "3", "worker", "localhost") for rank in range(3)]
+
+
 # -- the command line, in process ---------------------------------------------------------------------------------
 
 def read(*argv: str) -> tuple:
@@ -216,6 +229,31 @@ def test_torchruns_flags_become_the_supervisors_launch():
     assert (args.gpus, args.nproc, launch.mode, str(launch.program)) == ("2,5", None, "module", "pkg.train")
     args, entry_args, launch, _ = read("--nproc-per-node", "2", "pretrain_main.py", "--debug", "--set", "a.b=1")
     assert launch is None and entry_args == [] and (args.nproc, args.debug, args.set) == (2, True, ["a.b=1"])
+
+
+def test_flags_left_off_the_command_line_come_from_pet_variables(monkeypatch, tmp_path, capsys):
+    """As torchrun reads them (what Kubeflow's PyTorchJob sets before a plain `torchrun script.py`); the command line
+    wins; a value the flag would refuse is one line naming the variable."""
+    script = str(PROGRAMS / "flaky.py")
+    for name, value in {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "3", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "node0",
+                        "PET_MASTER_PORT": "23456", "PET_MAX_RESTARTS": "2", "PET_RDZV_ID": "job7"}.items():
+        monkeypatch.setenv(name, value)
+    args, _, launch, _ = read(script)
+    assert (args.nnodes, args.nproc, args.node_rank, args.master_addr, args.master_port, args.max_restarts,
+            launch.run_id) == (2, 3, 1, "node0", 23456, 2, "job7")
+    args, _, _, _ = read("--node-rank", "0", "--nproc_per_node=1", script)
+    assert (args.node_rank, args.nproc, args.nnodes) == (0, 1, 2)
+    monkeypatch.delenv("PET_NNODES")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    args, _, launch, _ = read(script)
+    assert (args.master_addr, args.master_port, args.nnodes) == ("localhost", None, 1)
+    uuid.UUID(launch.run_id)
+    assert read("--debug")[2] is None  # the supervisor's own command line does not read them
+    monkeypatch.setenv("PET_NODE_RANK", "one")
+    assert cli.main(["--log-dir", str(tmp_path / "logs"), script]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: PET_NODE_RANK='one': expected a value for --node-rank (torchrun reads it as --node-rank "
+                   "when the command line leaves that out); fix or unset it\n"), err
 
 
 def test_flags_without_a_use_here_are_accepted_with_one_line_each():
