@@ -292,29 +292,40 @@ def test_a_program_fault_neither_excludes_nor_requeues(tmp_path: Path, kwargs: d
     assert calls(tmp_path, "scontrol") == []
 
 
-def test_a_lost_node_ends_the_job_with_its_code_and_its_name(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exclusion", ["1", "0"])
+def test_a_lost_node_ends_the_job_with_its_code_and_is_left_out_of_the_requeue(tmp_path: Path, exclusion: str) -> None:
     """n2 was frozen: n1's supervisor recorded it lost (node_lost.json, twice: a record of an earlier allocation does
     not count) and exited 125; Slurm then killed n2's task (--kill-on-bad-exit), so srun exits 137. The job exits
-    125 and names n2."""
+    125, names n2 and is requeued without it, unless node exclusion is off."""
     def lost(allocation: int, run: str) -> dict[str, str]:
         record = LostNode(1, "node 1 (10.0.0.2) stopped answering 30.0 s ago", "n1", "2026-01-01T00:00:00", "4242",
                           allocation)
         return {str(tmp_path / "logs" / run / LOST_NODE_FILE): json.dumps(asdict(record))}
 
+    stand_ins = {"srun": StandIn(137, files={**lost(0, "earlier"), **lost(1, "now")}),
+                 "scontrol": StandIn(stdout=SHOW_JOB.format(excluded="(null)")), "sinfo": StandIn(stdout="n1\nn2\nn3")}
     out = run_job_script(tmp_path, 137, "--log-dir", str(tmp_path / "logs"), SLURM_JOB_NODELIST="n[1-2]",
-                         SLURM_RESTART_COUNT="1",
-                         stand_ins={"srun": StandIn(137, files={**lost(0, "earlier"), **lost(1, "now")})})
+                         SLURM_JOB_NUM_NODES="2", SLURM_RESTART_COUNT="1", SUPERVISOR_NODE_EXCLUSION=exclusion,
+                         stand_ins=stand_ins)
     assert out.returncode == LOST_CODE, out.stderr
-    assert out.stdout.splitlines() == [("node n2 (node 1 of the job) was lost: node 1 (10.0.0.2) stopped answering "
-                                        f"30.0 s ago; the job ends with exit code {LOST_CODE}")]
-    assert calls(tmp_path, "scontrol") == []  # nothing requeued
+    named = (f"node n2 (node 1 of the job) was lost: node 1 (10.0.0.2) stopped answering 30.0 s ago; the job ends "
+             f"with exit code {LOST_CODE}")
+    if exclusion == "0":
+        assert out.stdout.splitlines() == [named, "not requeueing job 4242: node exclusion is off "
+                                                  "(SUPERVISOR_NODE_EXCLUSION=0)"]
+        assert calls(tmp_path, "scontrol") == []
+        return
+    assert out.stdout.splitlines() == [named, "requeued job 4242 without node n2 (ExcNodeList=n2); its next "
+                                              "allocation resumes from the latest checkpoint"]
+    assert [argv for argv, _ in calls(tmp_path, "scontrol")] == [
+        ["show", "job", "-o", "4242"], ["requeue", "4242"], ["update", "JobId=4242", "ExcNodeList=n2"]]
 
 
 def test_the_node_exclusion_switch_is_checked_before_the_step(tmp_path: Path) -> None:
     out = run_job_script(tmp_path, 0, SUPERVISOR_NODE_EXCLUSION="no")
     assert out.returncode == 2 and out.stderr == (
-        "error: SUPERVISOR_NODE_EXCLUSION='no' must be 1 (the default: a node whose GPU failed is left out of the "
-        "job's next allocation) or 0 (the job fails instead)\n")
+        "error: SUPERVISOR_NODE_EXCLUSION='no' must be 1 (the default: a node whose GPU failed, or that was lost, is "
+        "left out of the job's next allocation) or 0 (the job fails instead)\n")
     assert calls(tmp_path, "srun") == []
 
 

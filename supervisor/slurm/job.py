@@ -26,7 +26,9 @@ Usage (inside an allocation): ``python -m supervisor.slurm.job [training flags..
   a lost node's (its supervisor frozen, cut off): Slurm ends it (SIGCONT, SIGTERM, SIGKILL after its KillWait)
   instead of the job waiting for it until its time limit. srun then exits with the code of the task it killed; the
   nodes that stopped for the lost node recorded it (``<run>/node_lost.json``, `supervisor.exclusion.LostNode`), so
-  the job exits with the lost node's code, 125, and a line names the node by its Slurm name.
+  the job exits with the lost node's code, 125, and a line names the node by its Slurm name. The job is then
+  requeued without that node, as after a GPU fault (below): a node that froze or dropped off the network once is
+  not trusted with the next allocation.
 - Exit code 138 (every rank checkpointed after SIGUSR1): ``scontrol requeue``, and the job starts again in a new
   allocation.
 - A step that ended on a GPU fault (the supervisor's verdict, recorded in ``<run>/gpu_fault.json`` with the node's
@@ -34,8 +36,8 @@ Usage (inside an allocation): ``python -m supervisor.slurm.job [training flags..
   job's excluded nodes and this one (Slurm changes a job's excluded nodes only once it is pending again), so the next
   allocation lands on other nodes and resumes from the latest checkpoint. It does not requeue when the partition
   would have too few nodes left for the job, or when Slurm refuses (``--no-requeue``, its requeue limit); each
-  allocation excludes one more node, so the requeues end. ``SUPERVISOR_NODE_EXCLUSION=0`` turns it off. A program
-  fault leaves no record: the job fails with the step's exit code, as any other code does.
+  allocation excludes one more node, so the requeues end. ``SUPERVISOR_NODE_EXCLUSION=0`` turns it off (for lost
+  nodes too). A program fault leaves no record: the job fails with the step's exit code, as any other code does.
 """
 
 from __future__ import annotations
@@ -99,8 +101,8 @@ def pass_on_warning(job_id: str, node: str) -> None:
 def node_exclusion(env: Mapping[str, str]) -> bool:
     value = env.get(NODE_EXCLUSION_ENV, "1")
     if value not in ("0", "1"):
-        raise UserError(f"{NODE_EXCLUSION_ENV}={value!r} must be 1 (the default: a node whose GPU failed is left out "
-                        f"of the job's next allocation) or 0 (the job fails instead)")
+        raise UserError(f"{NODE_EXCLUSION_ENV}={value!r} must be 1 (the default: a node whose GPU failed, or that was "
+                        f"lost, is left out of the job's next allocation) or 0 (the job fails instead)")
     return value == "1"
 
 
@@ -120,15 +122,18 @@ def recorded(kind: type[Record], name: str, flags: list[str], job_id: str, alloc
     return found
 
 
-def lost_node_lines(lost: list[LostNode], node_list: str | None) -> list[str]:
-    """Each lost node once, by its Slurm name (the job's node list, in node-rank order) and the headline that named
-    it."""
+def lost_nodes(lost: list[LostNode], node_list: str | None) -> dict[str, str]:
+    """Each lost node once: its Slurm name (from the job's node list, in node-rank order; "?" where the list does
+    not say) → a line naming it and the headline that named it."""
     names = hostlist.expand_hostlist(node_list) if node_list else []
-    first = {}
+    first: dict[int, LostNode] = {}
     for record in lost:
         first.setdefault(record.node, record)
-    return [f"node {names[node] if node < len(names) else '?'} (node {node} of the job) was lost: {record.why}"
-            for node, record in sorted(first.items())]
+    found = {}
+    for node, record in sorted(first.items()):
+        name = names[node] if node < len(names) else "?"
+        found[name] = f"node {name} (node {node} of the job) was lost: {record.why}"
+    return found
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:
@@ -149,9 +154,8 @@ def partition_nodes(partition: str) -> set[str] | None:
     return nodes or None
 
 
-def leave_out(job_id: str, faults: list[NodeFault], nodes_needed: int) -> None:
-    """Requeue the job without the nodes whose GPUs failed, or say in one line why not."""
-    faulty = {fault.node for fault in faults}
+def leave_out(job_id: str, faulty: set[str], nodes_needed: int) -> None:
+    """Requeue the job without `faulty` (nodes whose GPU failed, or that were lost), or say in one line why not."""
     named = hostlist.collect_hostlist(sorted(faulty))
     info = scontrol_job(job_id)
     before = hosts(info.get("ExcNodeList"))
@@ -201,8 +205,8 @@ def run_job(env: dict[str, str], flags: list[str]) -> int:
         subprocess.run(["scontrol", "requeue", job_id])
     elif code not in (0, USER_ERROR_EXIT_CODE):
         allocation = int(env.get("SLURM_RESTART_COUNT") or 0)
-        lost = recorded(LostNode, LOST_NODE_FILE, flags, job_id, allocation)
-        for line in lost_node_lines(lost, env.get("SLURM_JOB_NODELIST")):
+        lost = lost_nodes(recorded(LostNode, LOST_NODE_FILE, flags, job_id, allocation), env.get("SLURM_JOB_NODELIST"))
+        for line in lost.values():
             print(f"{line}; the job ends with exit code {LOST_CODE}", flush=True)
         if lost:
             # the supervisors' code: the task Slurm killed on the lost node (--kill-on-bad-exit) gave srun its own
@@ -210,10 +214,11 @@ def run_job(env: dict[str, str], flags: list[str]) -> int:
         faults = recorded(NodeFault, GPU_FAULT_FILE, flags, job_id, allocation)
         for fault in faults:
             print(f"GPU fault on {fault.line()}", flush=True)
-        if faults and not exclude:
+        faulty = {fault.node for fault in faults} | (set(lost) - {"?"})
+        if faulty and not exclude:
             print(f"not requeueing job {job_id}: node exclusion is off ({NODE_EXCLUSION_ENV}=0)", flush=True)
-        elif faults:
-            leave_out(job_id, faults, int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1))
+        elif faulty:
+            leave_out(job_id, faulty, int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1))
     return code
 
 

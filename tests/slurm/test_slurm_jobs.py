@@ -183,23 +183,39 @@ def test_a_gpu_fault_requeues_the_job_without_its_node(cluster: Cluster, tmp_pat
     assert "step 6/6" in second
 
 
-def test_a_frozen_node_is_named_and_the_job_ends_with_nothing_left(cluster: Cluster, tmp_path: Path,
-                                                                    token_cache_dir: Path) -> None:
-    """Every process of the job on n2 (its supervisor and its rank) is frozen (SIGSTOP) while the job trains: n1's
-    supervisor names node 1 once it has been silent for --node-timeout, stops its own rank and exits with the lost
-    node's code; the step ends (srun --kill-on-bad-exit: Slurm kills the frozen task), the job fails with that code,
-    naming the node, and nothing of it is left running."""
-    job = submit(cluster, tmp_path, token_cache_dir, "--max-steps", "100000", "--node-timeout", "5", "--grace-period",
-                 "5")
-    wait_for_output(job, r"Step \[2/")
+def test_a_frozen_node_is_named_left_out_and_the_job_resumes_without_it(cluster: Cluster, tmp_path: Path,
+                                                                         token_cache_dir: Path) -> None:
+    """Every process of the job on n2 (its supervisor and its rank) is frozen (SIGSTOP) while the job trains, after
+    the checkpoint of step 2: n1's supervisor names node 1 once it has been silent for --node-timeout, stops its own
+    rank and exits with the lost node's code; the step ends (srun --kill-on-bad-exit: Slurm kills the frozen task),
+    nothing of it is left running, and the job script names n2 and requeues the job without it. The next allocation
+    (n1 and n3) resumes from the checkpoint and trains to the end. Rank 0 sleeps 0.3 s a step in the first allocation
+    (the --config file, emptied before the freeze), so the freeze comes while it trains."""
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"debug": {"inject_fault": "slow", "inject_fault_step": 0, "inject_fault_rank": 0,
+                                          "inject_fault_delay_s": 0.3}}))
+    job = submit(cluster, tmp_path, token_cache_dir, "--max-steps", "10", "--set", "checkpoint.interval=2",
+                 "--node-timeout", "5", "--grace-period", "5", "--config", str(slow))
+    wait_for_output(job, r"Step \[3/")
+    slow.write_text("{}")
     frozen = [p for p in job_processes(job) if p.environ().get("SLURMD_NODENAME") == "n2"]
     assert len(frozen) >= 2, [p.cmdline() for p in frozen]  # the supervisor (and its sentinel), the rank
     for proc in frozen:
         proc.suspend()
-    info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_TIMEOUT)
-    out = job.text()
-    assert (info["JobState"], info["ExitCode"]) == ("FAILED", f"{LOST_CODE}:0"), (info, out[-4000:])
-    assert "node 1 (127.0.0.1) stopped answering" in out and f"exit code {LOST_CODE}" in out, out[-4000:]
-    assert "node n2 (node 1 of the job) was lost" in out, out[-4000:]
+    cluster.wait(job, ("PENDING",), JOB_TIMEOUT, restarts=1)
+    assert cluster.job(job)["ExcNodeList"] == "n2"
     alive = psutil.wait_procs(frozen, timeout=60)[1]
-    assert alive == [] and job_processes(job) == [], [p.cmdline() for p in alive]
+    assert alive == [], [p.cmdline() for p in alive]  # the first allocation is over, nothing of it left
+    first = job.text()
+    assert "node 1 (127.0.0.1) stopped answering" in first, first[-4000:]
+    assert "node n2 (node 1 of the job) was lost: " in first and f"exit code {LOST_CODE}" in first, first[-4000:]
+    assert f"requeued job {job.id} without node n2 (ExcNodeList=n2); its next allocation resumes from the latest " \
+           f"checkpoint" in first, first[-4000:]
+    info = cluster.wait(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), JOB_TIMEOUT)
+    second = job.text()[len(first):]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), (info, second[-4000:])
+    assert "SLURM_JOB_NODELIST=n[1,3]" in second
+    resumed = rf"resumed from {re.escape(str(tmp_path / 'ckpt'))}/step_\d+ at step [2-9]"
+    assert re.search(resumed, second), second[-4000:]
+    assert "step 10/10" in second
+    assert job_processes(job) == []
