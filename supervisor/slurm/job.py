@@ -124,16 +124,25 @@ def recorded(kind: type[Record], name: str, flags: list[str], job_id: str, alloc
 
 def lost_nodes(lost: list[LostNode], node_list: str | None) -> dict[str, str]:
     """Each lost node once: its Slurm name (from the job's node list, in node-rank order; "?" where the list does
-    not say) → a line naming it and the headline that named it."""
+    not say) → a line naming it and the headline that named it.
+
+    A record written by a node that an earlier record had already named lost is left out: a frozen node's supervisor
+    wakes when Slurm ends its task (SIGCONT before SIGTERM), finds the others silent for as long as it was frozen,
+    and records them lost in turn."""
     names = hostlist.expand_hostlist(node_list) if node_list else []
+
+    def name(node: int) -> str:
+        return names[node] if node < len(names) else "?"
+
+    kept: list[LostNode] = []
+    for record in sorted(lost, key=lambda r: r.time):
+        if record.seen_by not in {name(earlier.node) for earlier in kept if earlier.time < record.time}:
+            kept.append(record)
     first: dict[int, LostNode] = {}
-    for record in lost:
+    for record in kept:
         first.setdefault(record.node, record)
-    found = {}
-    for node, record in sorted(first.items()):
-        name = names[node] if node < len(names) else "?"
-        found[name] = f"node {name} (node {node} of the job) was lost: {record.why}"
-    return found
+    return {name(node): f"node {name(node)} (node {node} of the job) was lost: {record.why}"
+            for node, record in sorted(first.items())}
 
 
 def scontrol_job(job_id: str) -> dict[str, str]:
