@@ -10,7 +10,9 @@ the others: SIGTERM to each rank process, then SIGKILL to its whole process grou
 goes to the rank alone, not its group, so its DataLoader workers keep serving it while it finishes its step and
 checkpoints; the moment a rank exits, its group is SIGKILLed, so nothing it started outlives it. A rank still joining
 its process group `RENDEZVOUS_WAIT` seconds after SIGTERM (waiting for a node that may never come) gets SIGKILL then,
-not after the grace period: it has nothing to save. After the last exit, a sweep (`Reaper.sweep`) kills any
+not after the grace period: it has nothing to save. So does a trainer rank still training then while another node is
+lost: its step's collectives wait for that node's ranks, so it can never reach its checkpoint (a rank in its
+checkpoint phase keeps the grace period). After the last exit, a sweep (`Reaper.sweep`) kills any
 descendant that left the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to
 init).
 
@@ -331,14 +333,17 @@ class Watch:
                     # (an announced culprit is on its way out; a SIGTERM after it has left its stop handler would
                     # make its exit code 143)
                     w.terminate()
-            short = self.plan.grace_period > RENDEZVOUS_WAIT and any(
-                w.alive and may_be_joining(self.states[w.spec.rank]) for w in self.workers)
-            if short:
+            alive = [w for w in self.workers if w.alive] if self.plan.grace_period > RENDEZVOUS_WAIT else []
+            joining = any(may_be_joining(self.states[w.spec.rank]) for w in alive)
+            held = any(self.held_by_lost_node(w) for w in alive)
+            if joining or held:
                 stop.rendezvous_at = now + RENDEZVOUS_WAIT
             if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
+                sooner = [f"one still in the rendezvous in {RENDEZVOUS_WAIT:g} s (it has nothing to save)"] * joining
+                sooner += [f"one still training in {RENDEZVOUS_WAIT:g} s (it cannot reach a checkpoint while node "
+                           f"{stop.lost_node} is lost)"] * held
                 self.console.say(f"SIGTERM sent; a rank still running in {self.plan.grace_period:g} s "
-                                 f"(--grace-period) gets SIGKILL" + (f", one still in the rendezvous in "
-                                 f"{RENDEZVOUS_WAIT:g} s (it has nothing to save)" if short else ""), style="yellow")
+                                 f"(--grace-period) gets SIGKILL" + "".join(f", {s}" for s in sooner), style="yellow")
         if stop.terminated and not stop.killed and now >= stop.rendezvous_at:
             stop.rendezvous_at = float("inf")
             self.kill_rendezvous()
@@ -384,17 +389,30 @@ class Watch:
 
     def kill_rendezvous(self) -> None:
         """SIGKILL for the ranks still joining their process group `RENDEZVOUS_WAIT` seconds after SIGTERM
-        (`supervisor.liveness.in_rendezvous`)."""
+        (`supervisor.liveness.in_rendezvous`), and for those still training while another node is lost."""
         joining = in_rendezvous({w.pid: self.states[w.spec.rank] for w in self.workers if w.alive})
         ranks = [w for w in self.workers if w.pid in joining]
-        if not ranks:
-            return
-        where = "; ".join(f"{w.label} in {frame.short()}" for w in ranks if (frame := joining[w.pid]) is not None)
-        self.console.say(f"{', '.join(w.label for w in ranks)} still in the rendezvous {RENDEZVOUS_WAIT:g} s after "
-                         f"SIGTERM{f' ({where})' if where else ''}: no process group yet, so nothing to save; SIGKILL "
-                         f"now rather than after the {self.plan.grace_period:g} s grace period", style="bold yellow")
-        for w in ranks:
+        grace = f"SIGKILL now rather than after the {self.plan.grace_period:g} s grace period"
+        if ranks:
+            where = "; ".join(f"{w.label} in {frame.short()}" for w in ranks if (frame := joining[w.pid]) is not None)
+            self.console.say(f"{', '.join(w.label for w in ranks)} still in the rendezvous {RENDEZVOUS_WAIT:g} s after "
+                             f"SIGTERM{f' ({where})' if where else ''}: no process group yet, so nothing to save; "
+                             f"{grace}", style="bold yellow")
+        held = [w for w in self.workers if w.alive and w not in ranks and self.held_by_lost_node(w)]
+        if held:
+            assert self.stop is not None
+            self.console.say(f"{', '.join(w.label for w in held)} still training {RENDEZVOUS_WAIT:g} s after SIGTERM "
+                             f"while node {self.stop.lost_node} is lost: its step's collectives wait for that node's "
+                             f"ranks, so it cannot reach a checkpoint; {grace}", style="bold yellow")
+        for w in ranks + held:
             w.kill_group()
+
+    def held_by_lost_node(self, w: Worker) -> bool:
+        """A trainer rank that says it is training (a step, the training or evaluation phase) while another node is
+        lost: blocked in a collective with that node's ranks. One in its checkpoint phase may still finish writing."""
+        state = self.states[w.spec.rank]
+        training = state.event == "step" or (state.event == "phase" and state.phase in ("training", "evaluation"))
+        return self.stop is not None and self.stop.lost_node is not None and training
 
     def kill_all(self) -> None:
         stop = self.stop

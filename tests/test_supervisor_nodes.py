@@ -64,16 +64,28 @@ def thaw(pids: list[int]) -> None:
 
 
 def test_a_frozen_node_is_named_on_every_other_node(tmp_path):
-    nodes = joined(tmp_path)
+    """The ranks train in one gloo group across the nodes and take their time to leave on SIGTERM (a 60 s grace
+    period): once node 2 is frozen, the others' ranks wait in an all-reduce for its rank, so they cannot reach a
+    checkpoint and get SIGKILL shortly after SIGTERM, not after the grace period."""
+    training = ("--gloo", "--on-term", "ignore", "--chatter", "1", "--fail-rank", "-1")  # a line a step, every rank
+    nodes = joined(tmp_path, "--grace-period", "60", entry_args=dict.fromkeys(range(NODES), training))
+    deadline = time.monotonic() + 60
+    while "rank 2 step 3 " not in nodes[2].out_path.read_text():  # every rank has reported a step by then
+        assert time.monotonic() < deadline and nodes[2].proc.poll() is None, nodes[2].err_path.read_text()[-3000:]
+        time.sleep(0.05)
     frozen = freeze(nodes[2])
     try:
         for run in nodes[:2]:
-            run.wait(timeout=60)
+            run.wait(timeout=45)  # well within the grace period
             assert run.returncode == LOST_CODE, run.stderr[-3000:]
             assert "node 2 (127.0.0.3) stopped answering" in run.stderr, run.stderr[-3000:]
             assert f"exit code {LOST_CODE}" in run.stderr
             record = json.loads((run.run_dir() / LOST_NODE_FILE).read_text())  # for a job script (Slurm's)
             assert record["node"] == 2 and headline(run).endswith(f": {record['why']}"), record
+            assert (f"CPU0 still training {RENDEZVOUS_WAIT:g} s after SIGTERM while node 2 is lost: its step's "
+                    f"collectives wait for that node's ranks, so it cannot reach a checkpoint; SIGKILL now rather than "
+                    f"after the 60 s grace period") in run.stderr, run.stderr[-3000:]
+            assert re.search(r"CPU0 +\d+ +\d+ +SIGKILL \(137\) +killed \(SIGKILL\)", run.stderr), run.stderr[-3000:]
         assert survivors(nodes[0].pids() + nodes[1].pids(), timeout=5) == []
     finally:
         thaw(frozen)
