@@ -37,7 +37,7 @@ from supervisor.control.wire import HANG_CODE, LOST_CODE
 from supervisor.diagnosis import stragglers
 from supervisor.failure import PEER_EXIT_WAIT, FailureRule, FalloutGate, Suspect
 from supervisor.hangs import HangWatchdog, Stall
-from supervisor.liveness import RankState, in_rendezvous, may_be_joining
+from supervisor.liveness import RankState, in_rendezvous, may_be_joining, says_joining
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
@@ -88,6 +88,15 @@ class Stop:
     stall: Stall | None = None  # a hang: what the watchdog found
     node_verdicts: list[str] = field(default_factory=list)  # a hang on several nodes: what each node's evidence said
     lost_node: int | None = None  # another node was lost (stopped answering, died, never joined): which
+
+
+def phase_of(state: RankState) -> str | None:
+    """Where a rank's last record left it, when that was not a step."""
+    if state.event == "phase" and state.phase and not says_joining(state):
+        return f"in its {state.phase} phase"
+    if state.event is None or says_joining(state):
+        return "before the first step: in the rendezvous, or start-up"
+    return None  # a step, the end of its steps, its failure
 
 
 @dataclass
@@ -378,12 +387,13 @@ class Watch:
     def say_unheeded(self) -> None:
         """The ranks that outlived SIGTERM by the whole grace period, and where they were: a rank still in the
         rendezvous (no step reported yet: waiting for a node, a collective's first connection) has nothing to save,
-        and a signal handler that only sets a flag is never reached while it waits there."""
+        and a signal handler that only sets a flag is never reached while it waits there; one in a phase (its
+        checkpoint) says which."""
         left = [w for w in self.workers if w.alive]
         if not left:
             return
-        waiting = [w.label for w in left if self.states[w.spec.rank].event != "step"]
-        where = f" ({', '.join(waiting)} before the first step: in the rendezvous, or start-up)" if waiting else ""
+        places = [f"{w.label} {place}" for w in left if (place := phase_of(self.states[w.spec.rank])) is not None]
+        where = f" ({'; '.join(places)})" if places else ""
         self.console.say(f"{', '.join(w.label for w in left)} still running {self.plan.grace_period:g} s after "
                          f"SIGTERM{where}; SIGKILL", style="bold yellow")
 
