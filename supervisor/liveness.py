@@ -104,20 +104,44 @@ def output_size(log: Path) -> int:
         return 0
 
 
-def in_rendezvous(ranks: dict[int, RankState]) -> dict[int, Frame | None]:
-    """Of the live ranks given (pid → state), those still joining their process group, each with the frame it waits
-    in where it was read from outside. A rank that reports progress says so by its phase (`RENDEZVOUS_PHASE`, before
-    any step); one that has reported nothing has its stack read (its main thread in the rendezvous store, in
-    ``init_process_group``)."""
+@dataclass
+class Blocked:
+    """Live ranks that have nothing to save, or cannot reach a save, by pid, each with the frame it waits in where its
+    stack was read from outside (`blocked`)."""
+
+    joining: dict[int, Frame | None]  # still joining their process group
+    held: dict[int, Frame | None]  # training while another node is lost: its ranks never join their collectives
+
+
+def blocked(ranks: dict[int, RankState], node_lost: bool) -> Blocked:
+    """Of the live ranks given (pid → state), those still joining their process group and, while another node is
+    lost, those that cannot reach a checkpoint. A rank that reports progress says where it is: its phase
+    (`RENDEZVOUS_PHASE`, before any step), or training (a step, the training or evaluation phase; its checkpoint phase
+    is neither). One that has reported nothing has its stack read, once: its main thread in the rendezvous store or
+    ``init_process_group``, or in a collective."""
     silent = [pid for pid, state in ranks.items() if state.event is None]
-    found: dict[int, Frame | None] = dict(stacks.in_rendezvous(silent)) if silent else {}
-    found.update({pid: None for pid, state in ranks.items() if says_joining(state)})
-    return found
+    read = stacks.waits(silent) if silent else {}
+    joining: dict[int, Frame | None] = {pid: joins for pid, (joins, _) in read.items() if joins is not None}
+    joining.update({pid: None for pid, state in ranks.items() if says_joining(state)})
+    held: dict[int, Frame | None] = {}
+    if node_lost:
+        held = {pid: waits for pid, (_, waits) in read.items() if waits is not None}
+        held.update({pid: None for pid, state in ranks.items() if says_training(state)})
+    return Blocked(joining, held)
 
 
 def may_be_joining(state: RankState) -> bool:
     """Whether a rank may still be joining its process group: it said so, or it has said nothing (its stack tells)."""
     return state.event is None or says_joining(state)
+
+
+def may_be_held(state: RankState) -> bool:
+    """Whether a rank may be one a lost node holds up: it says it is training, or it has said nothing."""
+    return state.event is None or says_training(state)
+
+
+def says_training(state: RankState) -> bool:
+    return state.event == "step" or (state.event == "phase" and state.phase in ("training", "evaluation"))
 
 
 def says_joining(state: RankState) -> bool:

@@ -10,9 +10,9 @@ the others: SIGTERM to each rank process, then SIGKILL to its whole process grou
 goes to the rank alone, not its group, so its DataLoader workers keep serving it while it finishes its step and
 checkpoints; the moment a rank exits, its group is SIGKILLed, so nothing it started outlives it. A rank still joining
 its process group `RENDEZVOUS_WAIT` seconds after SIGTERM (waiting for a node that may never come) gets SIGKILL then,
-not after the grace period: it has nothing to save. So does a trainer rank still training then while another node is
-lost: its step's collectives wait for that node's ranks, so it can never reach its checkpoint (a rank in its
-checkpoint phase keeps the grace period). After the last exit, a sweep (`Reaper.sweep`) kills any
+not after the grace period: it has nothing to save. So does a rank still training then while another node is lost
+(the trainer's by its records, a program that reports nothing by its stack: in a collective): its collectives wait for
+that node's ranks, so it can never reach its checkpoint (a rank in its checkpoint phase keeps the grace period). After the last exit, a sweep (`Reaper.sweep`) kills any
 descendant that left the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to
 init).
 
@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any
 from supervisor.console import Console
 from supervisor.control.wire import HANG_CODE, LOST_CODE
 from supervisor.diagnosis import stragglers
+from supervisor.diagnosis.culprit import Frame
 from supervisor.failure import PEER_EXIT_WAIT, FailureRule, FalloutGate, Suspect
 from supervisor.hangs import HangWatchdog, Stall
-from supervisor.liveness import RankState, in_rendezvous, may_be_joining, says_joining
+from supervisor.liveness import RankState, blocked, may_be_held, may_be_joining, says_joining
 from supervisor.plan import Plan
 from supervisor.pump import Pump, Stream
 from supervisor.reaper import Reaper
@@ -344,7 +345,7 @@ class Watch:
                     w.terminate()
             alive = [w for w in self.workers if w.alive] if self.plan.grace_period > RENDEZVOUS_WAIT else []
             joining = any(may_be_joining(self.states[w.spec.rank]) for w in alive)
-            held = any(self.held_by_lost_node(w) for w in alive)
+            held = stop.lost_node is not None and any(may_be_held(self.states[w.spec.rank]) for w in alive)
             if joining or held:
                 stop.rendezvous_at = now + RENDEZVOUS_WAIT
             if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
@@ -398,31 +399,27 @@ class Watch:
                          f"SIGTERM{where}; SIGKILL", style="bold yellow")
 
     def kill_rendezvous(self) -> None:
-        """SIGKILL for the ranks still joining their process group `RENDEZVOUS_WAIT` seconds after SIGTERM
-        (`supervisor.liveness.in_rendezvous`), and for those still training while another node is lost."""
-        joining = in_rendezvous({w.pid: self.states[w.spec.rank] for w in self.workers if w.alive})
-        ranks = [w for w in self.workers if w.pid in joining]
-        grace = f"SIGKILL now rather than after the {self.plan.grace_period:g} s grace period"
-        if ranks:
-            where = "; ".join(f"{w.label} in {frame.short()}" for w in ranks if (frame := joining[w.pid]) is not None)
-            self.console.say(f"{', '.join(w.label for w in ranks)} still in the rendezvous {RENDEZVOUS_WAIT:g} s after "
-                             f"SIGTERM{f' ({where})' if where else ''}: no process group yet, so nothing to save; "
-                             f"{grace}", style="bold yellow")
-        held = [w for w in self.workers if w.alive and w not in ranks and self.held_by_lost_node(w)]
-        if held:
-            assert self.stop is not None
-            self.console.say(f"{', '.join(w.label for w in held)} still training {RENDEZVOUS_WAIT:g} s after SIGTERM "
-                             f"while node {self.stop.lost_node} is lost: its step's collectives wait for that node's "
-                             f"ranks, so it cannot reach a checkpoint; {grace}", style="bold yellow")
-        for w in ranks + held:
-            w.kill_group()
+        """SIGKILL for the ranks still joining their process group `RENDEZVOUS_WAIT` seconds after SIGTERM, and for
+        those still training while another node is lost (`supervisor.liveness.blocked`)."""
+        stop = self.stop
+        assert stop is not None
+        found = blocked({w.pid: self.states[w.spec.rank] for w in self.workers if w.alive}, stop.lost_node is not None)
+        self.kill_blocked(found.joining, f"still in the rendezvous {RENDEZVOUS_WAIT:g} s after SIGTERM",
+                          "no process group yet, so nothing to save")
+        self.kill_blocked(found.held, f"still training {RENDEZVOUS_WAIT:g} s after SIGTERM while node {stop.lost_node} "
+                                      f"is lost", "its collectives wait for that node's ranks, so it cannot reach a "
+                                                  "checkpoint")
 
-    def held_by_lost_node(self, w: Worker) -> bool:
-        """A trainer rank that says it is training (a step, the training or evaluation phase) while another node is
-        lost: blocked in a collective with that node's ranks. One in its checkpoint phase may still finish writing."""
-        state = self.states[w.spec.rank]
-        training = state.event == "step" or (state.event == "phase" and state.phase in ("training", "evaluation"))
-        return self.stop is not None and self.stop.lost_node is not None and training
+    def kill_blocked(self, frames: dict[int, Frame | None], state: str, why: str) -> None:
+        """SIGKILL for the ranks among `frames` (pid → where it waits, where its stack was read), saying so."""
+        ranks = [w for w in self.workers if w.alive and w.pid in frames]
+        if not ranks:
+            return
+        where = "; ".join(f"{w.label} in {frame.short()}" for w in ranks if (frame := frames[w.pid]) is not None)
+        self.console.say(f"{', '.join(w.label for w in ranks)} {state}{f' ({where})' if where else ''}: {why}; SIGKILL "
+                         f"now rather than after the {self.plan.grace_period:g} s grace period", style="bold yellow")
+        for w in ranks:
+            w.kill_group()
 
     def kill_all(self) -> None:
         stop = self.stop

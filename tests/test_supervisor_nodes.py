@@ -63,42 +63,66 @@ def thaw(pids: list[int]) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def test_a_frozen_node_is_named_on_every_other_node(tmp_path):
-    """The ranks train in one gloo group across the nodes and take their time to leave on SIGTERM (a 60 s grace
-    period): once node 2 is frozen, the others' ranks wait in an all-reduce for its rank, so they cannot reach a
-    checkpoint and get SIGKILL shortly after SIGTERM, not after the grace period."""
-    training = ("--gloo", "--on-term", "ignore", "--chatter", "1", "--fail-rank", "-1")  # a line a step, every rank
-    nodes = joined(tmp_path, "--grace-period", "60", entry_args=dict.fromkeys(range(NODES), training))
+TRAINING = ("--gloo", "--on-term", "ignore", "--chatter", "1", "--fail-rank", "-1")  # one gloo group, a line a step
+
+
+def training_until_step_3(run: Run, rank: int) -> None:
+    """Wait until `run`'s rank has printed its step 3: every rank of the group has reported a step by then."""
     deadline = time.monotonic() + 60
-    while "rank 2 step 3 " not in nodes[2].out_path.read_text():  # every rank has reported a step by then
-        assert time.monotonic() < deadline and nodes[2].proc.poll() is None, nodes[2].err_path.read_text()[-3000:]
+    while f"rank {rank} step 3 " not in run.out_path.read_text():
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.err_path.read_text()[-3000:]
         time.sleep(0.05)
-    frozen = freeze(nodes[2])
+
+
+def held_line(node: int) -> str:
+    return (f"CPU0 still training {RENDEZVOUS_WAIT:g} s after SIGTERM while node {node} is lost: its "
+            f"collectives wait for that node's ranks, so it cannot reach a checkpoint; SIGKILL now rather than after "
+            f"the 60 s grace period")
+
+
+def test_frozen_nodes_are_named_and_the_rank_they_hold_is_not_given_the_grace_period(tmp_path):
+    """The ranks train in one gloo group across the nodes; node 0's is a torchrun program that answers SIGTERM with a
+    flag for its loop (reporting nothing: its stack is read from outside), with a 60 s grace period. Nodes 1 and 2
+    freeze: node 0 names them, and its rank, waiting in an all-reduce for theirs, cannot reach a checkpoint: SIGKILL
+    follows SIGTERM after the short wait, not the grace period."""
+    port = free_port_pair()
+    program = ROOT / "tests" / "torchrun_programs" / "allreduce_loop.py"
+    nodes = [start(tmp_path, "--nproc-per-node", "1", *layout(port, 0), *TIMEOUTS, "--grace-period", "60",
+                   str(program), "--save-on-term", "--step-time", "0.02", "--ready", str(tmp_path / "pids0"),
+                   entry=None, env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="0"),
+             *(node(tmp_path, port, rank, entry_args=TRAINING) for rank in (1, 2))]
+    training_until_step_3(nodes[2], 2)
+    frozen = freeze(nodes[1]) + freeze(nodes[2])
     try:
-        for run in nodes[:2]:
-            run.wait(timeout=45)  # well within the grace period
-            assert run.returncode == LOST_CODE, run.stderr[-3000:]
-            assert "node 2 (127.0.0.3) stopped answering" in run.stderr, run.stderr[-3000:]
-            assert f"exit code {LOST_CODE}" in run.stderr
-            record = json.loads((run.run_dir() / LOST_NODE_FILE).read_text())  # for a job script (Slurm's)
-            assert record["node"] == 2 and headline(run).endswith(f": {record['why']}"), record
-            assert (f"CPU0 still training {RENDEZVOUS_WAIT:g} s after SIGTERM while node 2 is lost: its step's "
-                    f"collectives wait for that node's ranks, so it cannot reach a checkpoint; SIGKILL now rather than "
-                    f"after the 60 s grace period") in run.stderr, run.stderr[-3000:]
-            assert re.search(r"CPU0 +\d+ +\d+ +SIGKILL \(137\) +killed \(SIGKILL\)", run.stderr), run.stderr[-3000:]
-        assert survivors(nodes[0].pids() + nodes[1].pids(), timeout=5) == []
+        run = nodes[0].wait(timeout=45)  # well within the grace period
+        assert run.returncode == LOST_CODE, run.stderr[-3000:]
+        lost = int(re.search(r"node (\d) \(127\.0\.0\.\d\) stopped answering", headline(run))[1])
+        record = json.loads((run.run_dir() / LOST_NODE_FILE).read_text())  # for a job script (Slurm's)
+        assert record["node"] == lost and headline(run).endswith(f": {record['why']}"), record
+        before, after = held_line(lost).split(":", 1)  # py-spy's frame between: torch.distributed's, in the all-reduce
+        assert re.search(rf"{re.escape(before)} \(CPU0 in .+ \(distributed/\S+\)\):{re.escape(after)}", run.stderr), \
+            run.stderr[-3000:]
+        assert re.search(r"CPU0 +\d+ +\d+ +SIGKILL \(137\) +killed \(SIGKILL\)", run.stderr), run.stderr[-3000:]
+        assert len(run.pids()) == 1 and survivors(run.pids(), timeout=5) == []
     finally:
         thaw(frozen)
 
 
 def test_node_0_frozen_is_named_by_the_others(tmp_path):
-    nodes = joined(tmp_path)
+    """The others' ranks, training in one gloo group with node 0's and slow to leave on SIGTERM (a 60 s grace period),
+    are held by it: the first node to kill its rank breaks the other's collective, so each rank ends within the short
+    wait, by SIGKILL or by the error of its broken all-reduce."""
+    nodes = joined(tmp_path, "--grace-period", "60", entry_args=dict.fromkeys(range(NODES), TRAINING))
+    training_until_step_3(nodes[2], 2)
     frozen = freeze(nodes[0])
     try:
         for run in nodes[1:]:
-            run.wait(timeout=60)
+            run.wait(timeout=45)  # well within the grace period
             assert run.returncode == LOST_CODE, run.stderr[-3000:]
             assert "node 0 (127.0.0.1) stopped answering" in run.stderr, run.stderr[-3000:]
+            assert "one still training in 2 s (it cannot reach a checkpoint while node 0 is lost)" in run.stderr
+        assert any(held_line(0) in run.stderr for run in nodes[1:]), nodes[1].stderr[-3000:]
+        assert survivors(nodes[1].pids() + nodes[2].pids(), timeout=5) == []
     finally:
         thaw(frozen)
 

@@ -122,13 +122,14 @@ def read_stalled(ranks: dict[int, tuple[str, int]]) -> tuple[Verdict, dict[int, 
     return verdict, lines
 
 
-def in_rendezvous(pids: list[int]) -> dict[int, Frame]:
-    """The processes whose main thread waits to join its process group, read from outside (`dump`), each with the
-    frame it waits in."""
+def waits(pids: list[int]) -> dict[int, tuple[Frame | None, Frame | None]]:
+    """Each process's main thread read from outside (`dump`): the frame where it waits to join its process group,
+    and, past that, the one where it waits for other ranks in a collective (None for either it is not in)."""
     found = {}
     for pid, stacks in dump(pids).items():
-        if stacks.main is not None and (frame := joining(stacks.main)) is not None:
-            found[pid] = frame
+        if stacks.main is not None:
+            joins = joining(stacks.main)
+            found[pid] = (joins, None if joins is not None else waiting_in(stacks.main))
     return found
 
 
