@@ -12,9 +12,9 @@ checkpoints; the moment a rank exits, its group is SIGKILLed, so nothing it star
 its process group `RENDEZVOUS_WAIT` seconds after SIGTERM (waiting for a node that may never come) gets SIGKILL then,
 not after the grace period: it has nothing to save. So does a rank still training then while another node is lost
 (the trainer's by its records, a program that reports nothing by its stack: in a collective): its collectives wait for
-that node's ranks, so it can never reach its checkpoint (a rank in its checkpoint phase keeps the grace period). After the last exit, a sweep (`Reaper.sweep`) kills any
-descendant that left the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to
-init).
+that node's ranks, so it can never reach its checkpoint (a rank in its checkpoint phase keeps the grace period).
+After the last exit, a sweep (`Reaper.sweep`) kills any descendant that left the ranks' groups (the supervisor is a
+child subreaper, so orphans come to it rather than to init).
 
 Hang watchdog: `supervisor.hangs` says when a group is stalled and which rank holds it up (the headline).
 
