@@ -21,6 +21,7 @@ that node.
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import math
 import os
@@ -140,13 +141,16 @@ class LostNode:
     node: int  # the lost node's rank (SLURM_NODEID under Slurm)
     why: str  # the headline that named it
     seen_by: str  # `node_name` of the node that recorded it
+    # to the millisecond: which of two nodes that name each other did so first tells the frozen one (`job.lost_nodes`),
+    # and the second record can follow the first within the same second
     time: str
     slurm_job_id: str | None
     slurm_restart_count: int
 
     @classmethod
     def here(cls, node: int, why: str, environ: Mapping[str, str] = os.environ) -> LostNode:
-        return cls(node, why, node_name(environ), now(), *slurm_allocation(environ))
+        at = datetime.datetime.now().isoformat(timespec="milliseconds")
+        return cls(node, why, node_name(environ), at, *slurm_allocation(environ))
 
     def write(self, run_dir: Path) -> None:
         write_json(run_dir / LOST_NODE_FILE, asdict(self))

@@ -298,12 +298,12 @@ def test_a_lost_node_ends_the_job_with_its_code_and_is_left_out_of_the_requeue(t
     not count) and exited 125; Slurm then ended n2's task (--kill-on-bad-exit), whose supervisor, woken by the
     SIGCONT first, found n1 silent and recorded it lost in turn, later: that record does not count either. srun exits
     137. The job exits 125, names n2 and is requeued without it, unless node exclusion is off."""
-    def lost(allocation: int, run: str, node: int = 1, seen_by: str = "n1", at: str = "00:00") -> dict[str, str]:
+    def lost(allocation: int, run: str, node: int = 1, seen_by: str = "n1", at: str = "05.120") -> dict[str, str]:
         record = LostNode(node, f"node {node} (10.0.0.{node + 1}) stopped answering 30.0 s ago", seen_by,
-                          f"2026-01-01T00:{at}", "4242", allocation)
+                          f"2026-01-01T00:00:{at}", "4242", allocation)
         return {str(tmp_path / "logs" / run / LOST_NODE_FILE): json.dumps(asdict(record))}
 
-    woken = lost(1, "now-2", node=0, seen_by="n2", at="06")
+    woken = lost(1, "now-2", node=0, seen_by="n2", at="05.870")  # within the same second
     stand_ins = {"srun": StandIn(137, files={**lost(0, "earlier"), **lost(1, "now"), **woken}),
                  "scontrol": StandIn(stdout=SHOW_JOB.format(excluded="(null)")), "sinfo": StandIn(stdout="n1\nn2\nn3")}
     out = run_job_script(tmp_path, 137, "--log-dir", str(tmp_path / "logs"), SLURM_JOB_NODELIST="n[1-2]",
