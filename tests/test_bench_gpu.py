@@ -1,7 +1,9 @@
-"""bench/bench_gpu.py in its smoke mode (tiny shapes, a few steps, CPU): every code path of the GPU benchmark runs in
-CI, the rank through the real supervisor (configured and a preset as shipped), the textbook loop, the cache-scaling
+"""bench/bench_gpu.py in its smoke mode (tiny shapes, a few steps, CPU): every code path of the GPU benchmark runs on
+CPU, the rank through the real supervisor (configured and a preset as shipped), the textbook loop, the cache-scaling
 builds, the pieces it writes and the page made of them; the anchor script's rows through a stand-in script, since the
-real one needs CUDA; and what the GPU runs and ablations will be, resolved without running them."""
+real one needs CUDA; and what the GPU runs and ablations will be, resolved without running them. The two tests that
+train (the whole command, the plain loop) are in the slow tier, which CI runs: they test the benchmark, not the
+product."""
 
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ def rate(cell: str) -> float:
     return float(cell.replace(",", ""))
 
 
+@pytest.mark.slow
 def test_smoke_mode_writes_the_tables(tmp_path: Path, token_cache_dir: Path) -> None:
     """The whole command on CPU, with the anchor's stand-in and a choice of runs: the rank eager through the real
     supervisor, compared with the anchor; the `debug` preset as shipped, trained but not compared; the ablation of
@@ -108,6 +111,7 @@ def test_smoke_mode_writes_the_tables(tmp_path: Path, token_cache_dir: Path) -> 
     assert re.search(rf"^\| 1 \| {NUMBER} \| \d+\.\d\d M \| 100% \|$", text, re.M), text
 
 
+@pytest.mark.slow
 def test_the_plain_loop_without_an_anchor(tmp_path: Path) -> None:
     """Without --anchor the rows are compared with bench/textbook_loop.py's loop, run in a child process."""
     loop = gpu_runs.loop_throughput(gpu_runs.SMOKE_SHAPE, False, options(tmp_path, smoke=True))

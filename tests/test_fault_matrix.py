@@ -14,15 +14,16 @@ and 1, and checks what must hold however a run ends:
 * every published checkpoint is complete and the latest loads; a save cut short is never published;
 * ``--resume auto`` then continues from the latest checkpoint (or from step 0 where there is none) and completes.
 
-A run costs about ten seconds on two cores, most of it two ranks importing torch, so CI runs CI_CASES (every phase at
-least once per kind of ending: a rank's exception, exit and SIGKILL; the supervisor's Ctrl-C) with the resume leg
-where a checkpoint exists to resume from, once mid-run and once after a save cut short (RESUMED_IN_CI; with none,
-`--resume auto` is a fresh start, tests/test_checkpoint.py). The other 23 cases are marked slow (``-m slow``), and
-there every case resumes. A hang, a segfault, the supervisor's SIGTERM and its SIGKILL stay in CI through other files:
-a hang through tests/test_diagnosis_e2e.py and test_supervisor_failures.py (a hang is caught only after the watchdog's
-allowance, 15 s inside a save here: the slowest case of all), the segfault through test_supervisor_failures.py,
-SIGTERM to the supervisor and its checkpoint-and-resume through test_supervisor_signals.py, test_rank_e2e.py and
-test_slurm.py (SIGUSR1), its SIGKILL through test_supervisor_signals.py.
+A run costs about ten seconds on two cores, most of it two ranks importing torch, so the default suite runs
+DEFAULT_CASES (a rank's exception inside a save, its SIGKILL at the first step, the supervisor's Ctrl-C inside a save)
+with the resume leg after the save cut short (RESUMED_BY_DEFAULT; with no checkpoint, `--resume auto` is a fresh
+start, tests/test_checkpoint.py). The other 24 cases are in the slow tier (``-m slow``, which CI runs too), and there
+every case resumes. A rank's exit mid-run, a hang, a segfault, the supervisor's SIGTERM and its SIGKILL stay in the
+default suite through other files: an exit mid-run and the resume after it through test_faults.py and
+test_supervisor_restarts.py, a hang through tests/test_diagnosis_e2e.py and test_supervisor_failures.py (a hang is
+caught only after the watchdog's allowance, 15 s inside a save here: the slowest case of all), the segfault through
+test_supervisor_failures.py, SIGTERM to the supervisor and its checkpoint-and-resume through
+test_supervisor_signals.py and test_rank_e2e.py, its SIGKILL through test_supervisor_signals.py.
 
 The last section adds the machine's faults, all slow tests: a rank frozen by SIGSTOP (named as the culprit), the
 checkpoint disk and the log disk filling up mid-run (a small tmpfs), and a damaged latest checkpoint under
@@ -67,8 +68,8 @@ HANG_TIMEOUT, HANG_FIRST_STARTUP_TIMEOUT = 3.0, 15.0
 SAFETY_TIMEOUT = 60.0
 RUN_TIMEOUT = 150.0
 
-CI_CASES = {("raise", "checkpoint"), ("exit", "mid"), ("sigkill", "first"), ("SIGINT", "checkpoint")}
-RESUMED_IN_CI = {("exit", "mid"), ("SIGINT", "checkpoint")}
+DEFAULT_CASES = {("raise", "checkpoint"), ("sigkill", "first"), ("SIGINT", "checkpoint")}
+RESUMED_BY_DEFAULT = {("SIGINT", "checkpoint")}
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Case:
     @property
     def resumes(self) -> bool:
         key = (self.fault, self.phase)
-        return key not in CI_CASES or key in RESUMED_IN_CI
+        return key not in DEFAULT_CASES or key in RESUMED_BY_DEFAULT
 
     @property
     def exit_code(self) -> int:
@@ -152,7 +153,7 @@ def cases() -> list[pytest.param]:
     out = []
     for fault in [*RANK_FAULTS, *SUPERVISOR_SIGNALS]:
         for phase in PHASES:
-            marks = () if (fault, phase) in CI_CASES else (pytest.mark.slow,)
+            marks = () if (fault, phase) in DEFAULT_CASES else (pytest.mark.slow,)
             out.append(pytest.param(Case(fault, phase), id=f"{fault}-{phase}", marks=marks))
     return out
 

@@ -1,6 +1,9 @@
 """End to end: the supervisor runs pretrain_main.py on 2 CPU ranks with a NaN injected into model.layers.1.mlp on
 rank 1. Debug mode names that rank and that layer, dumps loadable files and trains on; a production run resumed from
-the NaN checkpoint skips a NaN step and, with debug.max_nonfinite_steps=1, stops on both ranks with exit code 1."""
+the NaN checkpoint skips a NaN step and, with debug.max_nonfinite_steps=1, stops on both ranks with exit code 1.
+
+In the slow tier: the default suite runs the debug half as the README's NaN rehearsal (tests/test_readme.py checks the
+lines it prints) and the two ranks' production stop in tests/test_nan_guard.py."""
 
 from __future__ import annotations
 
@@ -10,8 +13,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from rank_support import TINY, base_env, kill_on_exit, merged, set_flags
+
+pytestmark = pytest.mark.slow
 
 NAN_MODULE = "model.layers.1.mlp"
 

@@ -8,6 +8,8 @@ machines`; `bash run_tests.sh` is what CI itself runs. A line that says `# needs
 reason, where that optional extra is not installed. A pipeline whose left side the pages also show by themselves
 (`bash run_training.sh --debug 2>&1 | grep CPU1:`) runs its right side on that command's output: the same run, not
 trained again. Where a page says what a command prints, SAYS holds those lines and they are checked in its output.
+The README's commands run in the default suite; those only the docs pages show are in the slow tier (CI runs both):
+what each of them shows has its own test in the default suite.
 The pages' relative links must lead to a file of the project (and a `#fragment` to one of that page's headings), and
 each docs page opens with its title, one sentence of what it covers, and a link back to the README.
 """
@@ -31,7 +33,15 @@ NOT_HERE = ("bash run_tests.sh",)
 EXTRA = re.compile(r"# needs the (\w+) extra")  # the extra's name is the module it installs
 WARMUP_NOTE = ("training.warmup_steps 2 (preset 'debug') does not fit a 2-step run: shortened to 0 (10 % of the run); "
                "set training.warmup_steps to choose")
+NAN_REHEARSAL = ("bash run_training.sh --debug --set debug.inject_nan_step=3 --set debug.inject_nan_rank=1 "
+                 "--set debug.inject_nan_module=model.layers.1.mlp")
 SAYS = {
+    # "Debug a run": the log names the first module whose output went non-finite and every NaN gradient, writes the
+    # dumps, and both ranks skip the step and train on
+    NAN_REHEARSAL: ["CPU1:NaN GRADIENT DETECTED [GPU 1]",
+                    "CPU1:First non-finite forward output: model.layers.1.mlp (LlamaMLP)",
+                    "CPU1:Debug tensors saved: .checkpoints/debug/nan_debug_step_3.pkl",
+                    "CPU0:WARNING | non-finite step 3 skipped (GPU 1 local loss non-finite)", "step 10/10, final loss"],
     # "Short trial runs": the supervisor's console and rank 0's banner both give the shortened warm-up
     "bash run_training.sh --debug --max-steps 2": [f"supervisor: {WARMUP_NOTE}", f"CPU0:INFO | {WARMUP_NOTE}",
                                                    "CPU1:INFO | [GPU 1] Step [1/2]", "step 2/2, final loss"],
@@ -43,10 +53,10 @@ def pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def documented_commands() -> list[str]:
-    """Every command of every page's ```bash blocks, in page order, each once."""
+def documented_commands(shown_on: list[Path] | None = None) -> list[str]:
+    """Every command of every page's ```bash blocks (or of the pages `shown_on`), in page order, each once."""
     commands: list[str] = []
-    for page in pages():
+    for page in shown_on or pages():
         for block in re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S):
             for line in block.splitlines():
                 line = line.strip()
@@ -150,7 +160,14 @@ def test_each_docs_page_opens_with_its_title_and_a_link_back_and_the_readme_link
         assert f"](docs/{page.name})" in readme, f"README.md does not link docs/{page.name}"
 
 
-@pytest.mark.parametrize("command", documented_commands())
+def command_params() -> list[object]:
+    """The documented commands as test parameters: the README's as they are, the rest in the slow tier."""
+    readme = set(documented_commands([ROOT / "README.md"]))
+    return [command if command in readme else pytest.param(command, marks=pytest.mark.slow)
+            for command in documented_commands()]
+
+
+@pytest.mark.parametrize("command", command_params())
 def test_readme_command_runs(command: str, project: Path, outputs: dict[str, str]) -> None:
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])  # `python` = this interpreter
     env = {**os.environ, "PYTHON": sys.executable, "PATH": path}

@@ -394,10 +394,11 @@ def wait_for(path: Path, pattern: str, timeout: float = 180) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_time_limit_warning_checkpoints_and_the_requeued_job_resumes(tmp_path: Path, token_cache_dir: Path) -> None:
     """SIGUSR1 to both node supervisors (Slurm's `--signal=USR1@...` without `B:`): every rank finishes its step, the
     group checkpoints, both exit 138; the same command again (`--resume auto`, as the requeued job runs) continues
-    there."""
+    there. In the slow tier: the Slurm tier (tests/slurm) runs the same through a real Slurm's warning and requeue."""
     ckpt = tmp_path / "ckpt"
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "checkpoint": {"dir": str(ckpt)},
                           "training": {"max_steps": 60}, "logging": {"log_interval": 1}})

@@ -42,7 +42,10 @@ def test_user_error_is_not_restarted(tmp_path):
     assert "restarts: 0 of 3 used" in r.stderr
 
 
-@pytest.mark.parametrize("fault_step, resumes", [(0, None), (3, "auto")], ids=["before-a-checkpoint", "after-one"])
+@pytest.mark.parametrize("fault_step, resumes", [
+    pytest.param(0, None, id="before-a-checkpoint", marks=pytest.mark.slow),  # the variant: in the slow tier
+    pytest.param(3, "auto", id="after-one"),
+])
 def test_a_trainer_restart_resumes_only_this_runs_checkpoints(tmp_path: Path, token_cache_dir: Path,
                                                               fault_step: int, resumes: str | None) -> None:
     """The folder holds a finished earlier run (planted). A restart after this run's first checkpoint resumes it; one
