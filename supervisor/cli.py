@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "for the GPUs that would be used, then exit (the model is built on the meta device)")
     nodes = parser.add_argument_group("multi-node (torchrun's meanings)")
     nodes.add_argument("--nnodes", type=int, metavar="N", help="default 1, or SLURM_NNODES in a Slurm job")
-    nodes.add_argument("--node-rank", type=int, metavar="R", help="default 0, or SLURM_NODEID in a Slurm job")
+    nodes.add_argument("--node-rank", type=int, metavar="R",
+                       help="SLURM_NODEID in a Slurm job; else, on several nodes, given as the nodes join: node 0 is "
+                            "the node at --master-addr")
     nodes.add_argument("--master-addr", metavar="HOST", help="node 0's address (multi-node)")
     nodes.add_argument("--master-port", type=int, metavar="PORT",
                        help="node 0's rendezvous port (multi-node; the control channel uses PORT+1); "
@@ -156,7 +158,9 @@ def check_flags(args: argparse.Namespace) -> None:
                             f"got {seconds:g}")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must not be negative, got {args.max_restarts}")
-    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+    if args.nnodes < 1:
+        raise UserError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank must be within [0, --nnodes) (got --nnodes {args.nnodes} --node-rank "
                         f"{args.node_rank})")
     if args.nnodes > 1:
@@ -269,7 +273,8 @@ def node_layout(args: argparse.Namespace, notes: list[str]) -> None:
     if note := slurm_layout.apply(args, os.environ):
         notes.append(note)
     args.nnodes = 1 if args.nnodes is None else args.nnodes
-    args.node_rank = 0 if args.node_rank is None else args.node_rank
+    if args.nnodes == 1 and args.node_rank is None:
+        args.node_rank = 0  # several nodes without --node-rank: node 0 gives the others theirs as they join
 
 
 def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], notes: list[str],
@@ -293,11 +298,13 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
             raise UserError(refusal)
         check_model_source(cfg)
     min_gpus = check_min_gpus(args, devices.gpus)
-    ranks = node_ranks(devices.gpus, args.nproc or args.cpu_ranks, args.node_rank)
+    assigned = args.node_rank is None
+    ranks = node_ranks(devices.gpus, args.nproc or args.cpu_ranks, 0 if assigned else args.node_rank)
     if launch is None:
         check_world_size(cfg, args.nnodes * len(ranks))
     plan = Plan(entry=entry, entry_args=entry_args, run_dir=Path(), ranks=ranks, nnodes=args.nnodes,
-                node_rank=args.node_rank, master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
+                node_rank=0 if assigned else args.node_rank, node_rank_assigned=assigned,
+                master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
                 grace_period=args.grace_period, hang_timeout=args.hang_timeout,
                 startup_timeout=args.startup_timeout, max_restarts=args.max_restarts,
                 node_timing=Timing(args.node_timeout, args.join_timeout), local_addr=args.local_addr,

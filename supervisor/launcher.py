@@ -1,8 +1,9 @@
 """One run, start to finish: prepare the data once, start the group, watch it, restart it when allowed, report.
 
 Order matters in `run`: the sentinel (`Reaper`) is forked first, while the supervisor has no other thread; then
-the supervisor makes itself a child subreaper; then, on several nodes, the control channel opens (the nodes join,
-and are heard from, while each prepares its data; a node whose preparation fails stops the others, and a node lost,
+the supervisor makes itself a child subreaper; then, on several nodes, the control channel opens (a node started
+without --node-rank waits there for the one node 0 gives it; the nodes join, and are heard from, while each prepares
+its data; a node whose preparation fails stops the others, and a node lost,
 failed or stalled elsewhere stops this one's build at once, with that node named and its code); then the dataset
 is prepared (Ctrl-C there is an ordinary KeyboardInterrupt, no rank exists yet, and a second Ctrl-C is ignored while
 it unwinds); only then do signals become loop events.
@@ -102,7 +103,10 @@ class Launcher:
 
                 control = open_channel(self.plan, read_secret(os.environ), self.console.say)
             try:
-                failed = self.prepare(control)
+                if control is not None and self.plan.node_rank_assigned:
+                    failed = self.join(control)
+                if failed is None:
+                    failed = self.prepare(control)
             except KeyboardInterrupt:
                 failed = 130
                 self.console.say("interrupted during dataset preparation; no rank was started")
@@ -110,7 +114,8 @@ class Launcher:
                 failed = USER_ERROR_EXIT_CODE
                 raise
             finally:
-                if failed is not None and control is not None:  # the other nodes stop too, told why
+                # the other nodes stop too, told why (a node still waiting for its node rank has not joined them)
+                if failed is not None and control is not None and control.node_rank is not None:
                     control.abort(self.plan.node_rank, "supervisor", failed)
             if failed is not None:
                 return failed
@@ -166,6 +171,30 @@ class Launcher:
             reaper.close()
 
     # -- steps -----------------------------------------------------------------------------------------------------
+
+    def join(self, control: ControlChannel) -> int | None:
+        """A node started without --node-rank: node 0 (the node that opened the control port at --master-addr) says
+        so; any other waits for node 0's welcome, which gives it its node rank, and the plan's global ranks follow.
+        Returns the exit code when it cannot join (node 0 refused it, or did not answer within --join-timeout): no
+        rank was started."""
+        while control.node_rank is None:
+            select.select([control.fd], [], [])
+            events, _ = control.read_events()
+            if events:
+                event = events[0]
+                if event.lost:
+                    self.record(exclusion.LostNode.here(event.node, event.why), "the lost node",
+                                "end with its exit code")
+                code = event.code or LOST_CODE
+                self.console.say(f"{event.why}; no rank was started; exit code {code}", style="bold red")
+                return code
+        self.plan = self.plan.as_node(control.node_rank)
+        first, last = self.plan.ranks[0].rank, self.plan.ranks[-1].rank
+        given = ("it opened the control port at --master-addr" if control.node_rank == 0 else
+                 f"given by node 0 at {self.plan.master_addr} as the nodes joined")
+        self.console.say(f"node {control.node_rank} of {self.plan.nnodes} ({given}): ranks {first}-{last} of "
+                         f"{self.plan.world_size}")
+        return None
 
     def prepare(self, control: ControlChannel | None) -> int | None:
         """Find (or build) the token cache once, before any rank starts, so ranks never race to build it; then, with

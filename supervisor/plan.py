@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from supervisor.control.wire import SECRET_ENV, Timing
@@ -58,6 +58,9 @@ class Plan:
     ranks: list[RankSpec]
     nnodes: int = 1
     node_rank: int = 0
+    # started without --node-rank on several nodes: node 0 is the node that opens the control port at master_addr,
+    # the others learn theirs from node 0 as they join (supervisor/control); node_rank is 0 until then
+    node_rank_assigned: bool = False
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free loopback port per group (single node)
     grace_period: float = 30.0
@@ -109,6 +112,10 @@ class Plan:
     @property
     def world_size(self) -> int:
         return self.nnodes * len(self.ranks)
+
+    def as_node(self, node_rank: int) -> Plan:
+        """This plan on the node rank node 0 gave: the ranks' global numbers move with it."""
+        return replace(self, node_rank=node_rank, ranks=node_ranks(self.gpus, len(self.ranks), node_rank))
 
     def argv(self, config_path: Path | None) -> list[str]:
         if self.entry_mode == "executable":

@@ -16,9 +16,11 @@ set before they run a plain ``torchrun script.py`` (`environment_defaults`).
 What each of torchrun's flags becomes:
 
 * honoured — ``--nproc-per-node`` (a number; ``gpu``: every usable GPU; ``auto``: every usable GPU, else one CPU
-  rank per core; ``cpu``: one CPU rank per core), ``--nnodes N`` (or ``N:N``), ``--node-rank``, ``--master-addr``,
-  ``--master-port``, ``--standalone`` (one node, a free port), ``--rdzv-backend static|c10d`` with
-  ``--rdzv-endpoint HOST[:PORT]`` (node 0's address and port) and ``--rdzv-id`` (TORCHELASTIC_RUN_ID),
+  rank per core; ``cpu``: one CPU rank per core), ``--nnodes N`` (or ``N:N``), ``--node-rank`` (left out on several
+  nodes, as c10d users do: the node at the endpoint is node 0 and numbers the others as they join,
+  supervisor/control), ``--master-addr``, ``--master-port``, ``--standalone`` (one node, a free port),
+  ``--rdzv-backend static|c10d`` with ``--rdzv-endpoint HOST[:PORT]`` (node 0's address and port) and ``--rdzv-id``
+  (TORCHELASTIC_RUN_ID),
   ``--max-restarts``, ``--role`` (ROLE_NAME), ``-m``, ``--no-python``, ``--shutdown-timeout`` (the grace period),
   ``--virtual-local-rank`` (one visible GPU per rank, LOCAL_RANK=0), ``--log-dir`` (the root of the run folders);
 * accepted, with one console line saying what happens instead — the flags for torchrun's own log layout, its
@@ -38,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor import gpus
-from supervisor.slurm import layout as slurm_layout
 from trainer.errors import UserError
 
 DEFAULT_C10D_PORT = 29400  # torchrun's port for a c10d endpoint given without one
@@ -228,9 +229,6 @@ def nodes(t: argparse.Namespace, args: argparse.Namespace) -> None:
             host, port = t.rdzv_endpoint, str(DEFAULT_C10D_PORT)
         args.master_addr = host.strip("[]") or None
         args.master_port = int(port) or None  # port 0: a free one, as torchrun picks
-    if nnodes > 1 and t.node_rank is None and slurm_layout.layout(os.environ) is None:
-        raise UserError(f"--nnodes {nnodes}: give each node its --node-rank (0 on the node at --master-addr or "
-                        f"--rdzv-endpoint); the nodes' ranks are fixed here, not assigned by the rendezvous")
 
 
 def per_node(value: str | None, args: argparse.Namespace) -> None:

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import psutil
 import pytest
@@ -27,6 +29,7 @@ from supervisor.control.wire import (
     read_secret,
     welcome_proof,
 )
+from supervisor.plan import Plan, node_ranks
 from trainer.errors import UserError
 
 
@@ -106,6 +109,51 @@ def test_both_nodes_finish(tmp_path):
     assert ranks == [0, 1, 2, 3]  # global rank = node rank × ranks per node + local rank
 
 
+def test_nodes_started_without_a_node_rank_are_numbered_as_they_join(tmp_path):
+    """torchrun's c10d command line as its users give it, the same on every node (no --node-rank): the node that
+    opens the control port at the endpoint is node 0, the others get 1 and 2 in the order they join, and each rank
+    its global rank in one world (the all-reduce forms); a fourth node is one too many, told so at once."""
+    port = free_port_pair()
+    program = Path(__file__).resolve().parent / "torchrun_programs" / "allreduce_loop.py"
+    env = clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
+
+    def node(tag: str) -> Run:
+        return start(tmp_path, "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint=127.0.0.1:{port}", "--grace-period", "5", str(program), "--step-time", "0.05",
+                     "--save-on-term", "--ready", str(tmp_path / f"pids{tag}"), entry=None, env=env, tag=tag)
+
+    nodes = []
+    for tag, said in [("a", "node 0 of 3 (it opened the control port at --master-addr): ranks 0-0 of 3"),
+                      ("b", "node 1 of 3 (given by node 0 at 127.0.0.1 as the nodes joined): ranks 1-1 of 3"),
+                      ("c", "node 2 of 3 (given by node 0 at 127.0.0.1 as the nodes joined): ranks 2-2 of 3")]:
+        nodes.append(node(tag))
+        nodes[-1].wait_for_stderr(said)
+    deadline = time.monotonic() + 60  # the world forms: each node's rank all-reduces under its global rank
+    while not all((run.pid_dir / f"rank{rank}.pids").exists() for rank, run in enumerate(nodes)):
+        assert time.monotonic() < deadline and all(run.proc.poll() is None for run in nodes), "no world formed"
+        time.sleep(0.05)
+    nodes[0].wait_for_stderr("control port: node 2 joined")
+    extra = node("d").wait(timeout=30)
+    assert extra.returncode == LOST_CODE, extra.stderr[-2000:]
+    assert ("node 0's control server refused this node: all 3 nodes of the run (--nnodes 3) have joined already; "
+            "no rank was started; exit code 125") in extra.stderr
+    nodes[0].proc.send_signal(signal.SIGTERM)
+    for run in nodes:
+        run.wait(timeout=30)
+    assert [run.returncode for run in nodes] == [143] * 3, [run.stderr[-1500:] for run in nodes]
+    assert "refused a node without --node-rank from 127.0.0.1" in nodes[0].stderr
+    assert survivors([*nodes[0].pids(), *nodes[1].pids(), *nodes[2].pids()]) == []
+
+
+def test_the_node_rank_node_0_gives_moves_the_global_ranks():
+    """Global rank = node rank × ranks per node + local rank, once the node knows its node rank."""
+    plan = Plan(entry=Path("train.py"), entry_args=[], run_dir=Path(), ranks=node_ranks([3, 5], 0, 0), nnodes=4,
+                node_rank_assigned=True)
+    moved = plan.as_node(2)
+    assert moved.node_rank == 2 and [(s.rank, s.local_rank, s.gpu) for s in moved.ranks] == [(4, 0, 3), (5, 1, 5)]
+    assert [s.rank for s in replace(plan, ranks=node_ranks([], 3, 0)).as_node(1).ranks] == [3, 4, 5]
+
+
 # -- the control port against strangers and bad messages ----------------------------------------------------------
 
 
@@ -119,7 +167,7 @@ class FakeNode:
         server_nonce, nonce = challenge.split()[1], new_nonce()
         self.sock.sendall(f"hello {node} {nonce} {hello_proof(secret, node, server_nonce, nonce)}\n".encode())
         (answer,) = self.lines()
-        assert answer == f"welcome {welcome_proof(secret, node, server_nonce, nonce)}", answer
+        assert answer == f"welcome {node} {welcome_proof(secret, node, server_nonce, nonce)}", answer
         self.session = Session.derive(secret, server_nonce, nonce, server=False)
 
     def lines(self) -> list[str]:
@@ -255,11 +303,11 @@ def test_a_remote_abort_never_ends_a_run_with_exit_0(tmp_path):
 
 SERVER_WITH_FEW_FDS = """
 import os, resource, select, sys
-from supervisor.control.server import ControlServer
+from supervisor.control.server import ControlServer, listen
 from supervisor.control.wire import Timing
 limits = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 12, limits[1]))
-channel = ControlServer(3, '127.0.0.1', int(sys.argv[1]) + 1, sys.argv[2].encode(), Timing(),
+channel = ControlServer(3, listen('127.0.0.1', int(sys.argv[1]) + 1), sys.argv[2].encode(), Timing(),
                         lambda line: print(line, flush=True))
 print('listening', flush=True)
 select.select([channel.fd], [], [])

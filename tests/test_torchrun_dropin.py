@@ -224,6 +224,8 @@ def test_torchruns_flags_become_the_supervisors_launch():
                               "--nnodes", "2:2", script)
     assert (args.nnodes, args.node_rank, args.master_addr, args.master_port, launch.run_id) == \
         (2, 1, "node0", 29500, "none")
+    args, _, _, _ = read("--nnodes=4", "--rdzv-backend=c10d", "--rdzv-endpoint=node0", script)  # as c10d users do
+    assert (args.nnodes, args.node_rank, args.master_addr, args.master_port) == (4, None, "node0", 29400)
     args, _, _, _ = read("--nproc-per-node", "cpu", script)
     assert args.nproc is None and args.cpu_ranks >= 1 and "system.device=cpu" in args.set
     args, _, launch, _ = read("--gpus", "2,5", "-m", "pkg.train", "--lr=3")
@@ -282,7 +284,6 @@ def test_flags_without_a_use_here_are_accepted_with_one_line_each():
     (("--nproc-per-node", "2", "missing.py"), "missing.py: no such file"),
     (("--no-python", "no-such-program-here"), "--no-python no-such-program-here: no such executable on PATH"),
     (("--standalone", "--nnodes", "2", "P"), "--standalone is a single-node run"),
-    (("--nnodes", "2", "--master-addr", "h", "--master-port", "1", "P"), "--nnodes 2: give each node its --node-rank"),
     (("--nproc-per-node", "2"), "no program to run; torchrun's command line: python -m supervisor"),
     (("--debug", "P"), "unrecognized arguments: --debug"),
 ])

@@ -2,7 +2,9 @@
 
 Node 0's supervisor runs a small TCP server on ``master-addr:master-port + 1`` (`CONTROL_PORT_OFFSET`); every other
 node's supervisor connects to it and proves it holds the run's secret (supervisor/control/wire.py: a
-challenge-response, then an HMAC on every line). Once authenticated, the messages are:
+challenge-response, then an HMAC on every line). Nodes started without --node-rank (torchrun's c10d way) are
+numbered here: node 0 is the one that opens that port at master-addr, the others get 1, 2, ... from node 0's welcome,
+in the order they join. Once authenticated, the messages are:
 
     abort <node> <label> <code>    anyone → everyone: <label> on <node> ended the run with exit code <code> (0-255)
     lost <node> <why>              server → clients: <node> was lost (stopped answering, died, never joined), and why
@@ -45,14 +47,17 @@ from collections.abc import Callable
 
 from supervisor.control.channel import CONTROL_PORT_OFFSET, ControlChannel
 from supervisor.control.client import ControlClient
-from supervisor.control.server import ControlServer
+from supervisor.control.server import ControlServer, claim, listen
 from supervisor.plan import Plan
 
 
 def open_channel(plan: Plan, secret: bytes, say: Callable[[str], None]) -> ControlChannel:
+    """Node 0's server or another node's client. A node started without --node-rank is node 0 when it opens the
+    control port at --master-addr (`claim`), else a client whose node rank node 0's welcome gives."""
     assert plan.master_port is not None
     port = plan.master_port + CONTROL_PORT_OFFSET
-    if plan.node_rank == 0:
-        return ControlServer(plan.nnodes, plan.master_addr, port, secret, plan.node_timing, say)
-    return ControlClient(plan.node_rank, plan.nnodes, (plan.master_addr, port), plan.local_addr, secret,
-                         plan.node_timing, say)
+    listener = claim(plan.master_addr, port) if plan.node_rank_assigned else None
+    if listener is not None or (plan.node_rank == 0 and not plan.node_rank_assigned):
+        return ControlServer(plan.nnodes, listener or listen(plan.master_addr, port), secret, plan.node_timing, say)
+    return ControlClient(None if plan.node_rank_assigned else plan.node_rank, plan.nnodes, (plan.master_addr, port),
+                         plan.local_addr, secret, plan.node_timing, say)

@@ -154,7 +154,9 @@ class Peer:
 class ControlChannel(ABC):
     """What the server and the client share: the secret, the event pipe, the thread, the notes."""
 
-    def __init__(self, node_rank: int, nnodes: int, secret: bytes, timing: Timing, say: Callable[[str], None]) -> None:
+    def __init__(self, node_rank: int | None, nnodes: int, secret: bytes, timing: Timing,
+                 say: Callable[[str], None]) -> None:
+        # None: a node started without --node-rank, until node 0's welcome gives it one (supervisor/control/client.py)
         self.node_rank, self.nnodes, self.secret, self.timing = node_rank, nnodes, secret, timing
         self.say = say
         self.next_beat = time.monotonic()

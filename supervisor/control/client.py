@@ -1,5 +1,6 @@
 """The end of every node but 0: connects to node 0 (retrying until the join timeout), proves the secret, passes
-aborts both ways, and beats; node 0 silent for the node timeout is lost.
+aborts both ways, and beats; node 0 silent for the node timeout is lost. A node started without --node-rank learns
+its node rank from node 0's welcome (`node_rank` is None until then, and the event pipe wakes whoever waits for it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from supervisor.control.wire import (
     is_nonce,
     matches,
     new_nonce,
+    node_word,
     parse_lost,
     verdict_message,
     welcome_proof,
@@ -39,8 +41,8 @@ from supervisor.control.wire import (
 class ControlClient(ControlChannel):
     """Every node but node 0."""
 
-    def __init__(self, node_rank: int, nnodes: int, server: tuple[str, int], local_addr: str | None, secret: bytes,
-                 timing: Timing, say: Callable[[str], None]) -> None:
+    def __init__(self, node_rank: int | None, nnodes: int, server: tuple[str, int], local_addr: str | None,
+                 secret: bytes, timing: Timing, say: Callable[[str], None]) -> None:
         super().__init__(node_rank, nnodes, secret, timing, say)
         (self.addr, self.port), self.local_addr = server, local_addr
         self.server: Peer | None = None  # once connected and authenticated
@@ -76,6 +78,10 @@ class ControlClient(ControlChannel):
                     self._event(lost(0, f"node 0's control server refused this node's hello: {SECRET_ENV} differs "
                                         f"between the nodes (or node 0 is another run's)"))
                     return None
+                if result == "full":
+                    self._event(lost(0, f"node 0's control server refused this node: all {self.nnodes} nodes of "
+                                        f"the run (--nnodes {self.nnodes}) have joined already"))
+                    return None
                 why = result
             if time.monotonic() >= deadline:
                 if not self.stopping:
@@ -86,24 +92,33 @@ class ControlClient(ControlChannel):
         return None
 
     def _handshake(self, server: Peer) -> Peer | str:
-        """The authenticated connection, "refused", or what went wrong."""
+        """The authenticated connection, "refused" (another secret), "full" (no node rank left for this node), or
+        what went wrong."""
         try:
             words = server.read_line().split()
             if len(words) != 2 or words[0] != "challenge" or not is_nonce(words[1]):
                 return "node 0 sent no challenge"
             server_nonce = words[1]
-            server.send_plain(f"hello {self.node_rank} {server.nonce} "
+            server.send_plain(f"hello {node_word(self.node_rank)} {server.nonce} "
                               f"{hello_proof(self.secret, self.node_rank, server_nonce, server.nonce)}")
             answer = server.read_line()
         except OSError as e:
             return f"handshake: {e}"
-        if answer == "refused":
-            return "refused"
+        if answer in ("refused", "full"):
+            return answer
         words = answer.split()
-        expected = welcome_proof(self.secret, self.node_rank, server_nonce, server.nonce)
-        if len(words) != 2 or words[0] != "welcome" or not matches(words[1], expected):
+        if len(words) != 3 or words[0] != "welcome" or not words[1].isdecimal():
+            return "node 0's answer is not a welcome"
+        node = int(words[1])
+        if not matches(words[2], welcome_proof(self.secret, node, server_nonce, server.nonce)):
             return "node 0's answer does not prove the run's secret"
+        asked_for = node == self.node_rank if self.node_rank is not None else 0 < node < self.nnodes
+        if not asked_for:
+            return f"node 0 welcomed this node as node {node}"
         server.session = Session.derive(self.secret, server_nonce, server.nonce, server=False)
+        if self.node_rank is None:
+            self.node_rank = node
+            os.write(self._events_w, b"j")  # wakes a launcher waiting for its node rank
         return server
 
     def _run(self) -> None:

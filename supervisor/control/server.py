@@ -4,6 +4,7 @@ says `bye` when the run is over.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import selectors
@@ -27,6 +28,7 @@ from supervisor.control.channel import (
     silence,
 )
 from supervisor.control.wire import (
+    ASSIGNED,
     MAX_LINE,
     SECRET_ENV,
     Session,
@@ -43,20 +45,42 @@ from supervisor.control.wire import (
 from trainer.errors import UserError
 
 
+def listen(addr: str, port: int) -> socket.socket:
+    """Node 0's control port, given --node-rank 0: at --master-addr, else on every address (--master-addr may name
+    this node by an address it cannot bind: NAT, a DNS alias)."""
+    try:
+        return socket.create_server((addr, port))
+    except OSError:
+        try:
+            return socket.create_server(("", port))
+        except OSError as e:
+            raise UserError(f"cannot open the control port {port} (--master-port + {CONTROL_PORT_OFFSET}) on node 0: "
+                            f"{e.strerror}; choose another --master-port") from None
+
+
+def claim(addr: str, port: int) -> socket.socket | None:
+    """The control port for a node started without --node-rank: the node that binds it at --master-addr is node 0
+    (as torchrun's c10d rendezvous makes the endpoint's host its store). None when the address is not this machine's
+    (or does not resolve), or when another node of this machine holds the port already: this node is then one of the
+    others. Where --master-addr names node 0 by an address it cannot bind (NAT), the nodes need their --node-rank."""
+    try:
+        return socket.create_server((addr, port))
+    except socket.gaierror:
+        return None
+    except OSError as e:
+        if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            return None
+        raise UserError(f"cannot open the control port {port} (--master-port + {CONTROL_PORT_OFFSET}) at "
+                        f"{addr}: {e.strerror}; choose another --master-port") from None
+
+
 class ControlServer(ControlChannel):
     """Node 0."""
 
-    def __init__(self, nnodes: int, addr: str, port: int, secret: bytes, timing: Timing,
+    def __init__(self, nnodes: int, listener: socket.socket, secret: bytes, timing: Timing,
                  say: Callable[[str], None]) -> None:
         super().__init__(0, nnodes, secret, timing, say)
-        try:
-            self.listener = socket.create_server((addr, port))
-        except OSError:
-            try:  # master-addr may name this node by an address it cannot bind (NAT, a DNS alias)
-                self.listener = socket.create_server(("", port))
-            except OSError as e:
-                raise UserError(f"cannot open the control port {port} (--master-port + {CONTROL_PORT_OFFSET}) "
-                                f"on node 0: {e.strerror}; choose another --master-port") from None
+        self.listener = listener
         self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ, "listener")
         self.peers: list[Peer] = []  # authenticated or not
@@ -169,28 +193,35 @@ class ControlServer(ControlChannel):
 
     def _hello(self, peer: Peer, line: str) -> None:
         words = line.split()
-        if len(words) != 4 or words[0] != "hello" or not words[1].isdecimal() or not is_nonce(words[2]):
+        if (len(words) != 4 or words[0] != "hello" or not (words[1].isdecimal() or words[1] == ASSIGNED)
+                or not is_nonce(words[2])):
             self._drop(peer, "malformed", f"closed the connection from {peer.address}: {shown(line)} is not a hello")
             return
-        node, client_nonce = int(words[1]), words[2]
-        if not matches(words[3], hello_proof(self.secret, node, peer.nonce, client_nonce)):
+        asked, client_nonce = (None if words[1] == ASSIGNED else int(words[1])), words[2]
+        if not matches(words[3], hello_proof(self.secret, asked, peer.nonce, client_nonce)):
             peer.send_plain("refused")
-            if 0 < node < self.nnodes and node not in self.nodes_seen:  # said at once, each such node on its own
-                self.refused[node] = peer.address
+            if asked is not None and 0 < asked < self.nnodes and asked not in self.nodes_seen:  # each named at once
+                self.refused[asked] = peer.address
                 left = max(0.0, self.join_deadline - time.monotonic())
-                self._drop(peer, f"forged-{node}", f"refused a hello as node {node} from {peer.address}: it does not "
-                                                   f"prove this run's secret ({SECRET_ENV} differs there, or it is "
-                                                   f"another run's node); unless node {node} joins, the run stops "
-                                                   f"in {left:.0f} s (--join-timeout)")
+                self._drop(peer, f"forged-{asked}", f"refused a hello as node {asked} from {peer.address}: it does "
+                                                    f"not prove this run's secret ({SECRET_ENV} differs there, or it "
+                                                    f"is another run's node); unless node {asked} joins, the run "
+                                                    f"stops in {left:.0f} s (--join-timeout)")
             else:
                 self._drop(peer, "forged", f"refused a hello from {peer.address} that does not prove this run's "
                                            f"secret (a stranger, or a node started with another {SECRET_ENV})")
+            return
+        node = self._free_node() if asked is None else asked
+        if node is None:
+            peer.send_plain("full")
+            self._drop(peer, "node", f"refused a node without --node-rank from {peer.address}: all {self.nnodes} "
+                                     f"nodes of this run (--nnodes {self.nnodes}) have joined")
             return
         if not 0 < node < self.nnodes or any(p.node == node for p in self.peers):
             self._drop(peer, "node", f"closed the connection from {peer.address}: node {node} is not one of this "
                                      f"run's other nodes, or is connected already")
             return
-        peer.send_plain(f"welcome {welcome_proof(self.secret, node, peer.nonce, client_nonce)}")
+        peer.send_plain(f"welcome {node} {welcome_proof(self.secret, node, peer.nonce, client_nonce)}")
         with self._lock:  # from here on, abort() and close() reach this peer (after its welcome, never before)
             peer.session = Session.derive(self.secret, peer.nonce, client_nonce, server=True)
             peer.node = node
@@ -201,6 +232,12 @@ class ControlServer(ControlChannel):
         self.say(f"control port: node {node} joined from {host(peer.address)}")
         if late_abort is not None:
             peer.send(late_abort)
+
+    def _free_node(self) -> int | None:
+        """The node rank a node started without --node-rank gets: the lowest that has not joined (in the order they
+        join, as torchrun's c10d rendezvous numbers its nodes), None when every node has."""
+        taken = self.nodes_seen | self.given_up | {p.node for p in self.peers if p.node is not None}
+        return next((n for n in range(1, self.nnodes) if n not in taken), None)
 
     def _message(self, peer: Peer, line: str) -> None:
         message = self._opened(peer, line)

@@ -6,9 +6,12 @@ has proven it holds the run's secret, `SUPERVISOR_CONTROL_SECRET` (the same on e
 wire). The handshake is a challenge-response with a fresh nonce from each side:
 
     challenge <server-nonce>                 server → client, as soon as the connection is accepted
-    hello <node> <client-nonce> <proof>      client → server; proof = HMAC(secret, "hello <node> <both nonces>")
-    welcome <proof>                          server → client; proof = HMAC(secret, "welcome <node> <both nonces>")
+    hello <node> <client-nonce> <proof>      client → server; proof = HMAC(secret, "hello <node> <both nonces>");
+                                             <node> is `?` from a node started without --node-rank
+    welcome <node> <proof>                   server → client; proof = HMAC(secret, "welcome <node> <both nonces>");
+                                             <node> is the one asked for, or the one node 0 gives a `?`
     refused                                  server → client: the hello's proof is wrong (another secret)
+    full                                     server → client: a `?` hello, but every node of the run has joined
 
 A node that authenticated is then heard from at least every few seconds (``beat``, `Timing`), so a node that
 stops answering (frozen, cut off) is told apart from one that is merely quiet; see supervisor/control/__init__.py.
@@ -37,6 +40,7 @@ MAX_LINE = 512
 NONCE_HEX = 32  # 16 random bytes
 MAX_EXIT_CODE = 255
 HANG_CODE = 124  # a stalled group, as timeout(1) reports a command that ran out of time
+ASSIGNED = "?"  # a hello's node for a node started without --node-rank: node 0 gives it the next free one
 LOST_CODE = 125  # a node was lost (it stopped answering, died, or never joined): no rank's code to give
 MAX_WHY = 300  # a `lost` message's explanation, in characters
 MAX_VERDICT = 400  # a `verdict` message's headline, in characters
@@ -90,8 +94,13 @@ def proof(secret: bytes, text: str) -> str:
     return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
 
 
-def hello_proof(secret: bytes, node: int, server_nonce: str, client_nonce: str) -> str:
-    return proof(secret, f"hello {node} {server_nonce} {client_nonce}")
+def node_word(node: int | None) -> str:
+    """A node's rank in a hello: `ASSIGNED` for a node whose rank node 0 gives."""
+    return ASSIGNED if node is None else str(node)
+
+
+def hello_proof(secret: bytes, node: int | None, server_nonce: str, client_nonce: str) -> str:
+    return proof(secret, f"hello {node_word(node)} {server_nonce} {client_nonce}")
 
 
 def welcome_proof(secret: bytes, node: int, server_nonce: str, client_nonce: str) -> str:
