@@ -115,6 +115,23 @@ def test_a_nanogpt_style_script_gets_torchruns_results(tmp_path, launch, cwd):
         assert run.run_dir().name.endswith("-nano_train")
 
 
+@pytest.mark.slow
+def test_a_hugging_face_trainer_script_trains_as_under_torchrun(tmp_path):
+    """transformers' Trainer, the loop many of the torchrun scripts people run are built on, finds its world in the
+    supervisor's environment as in torchrun's (through accelerate): the same world, the same losses, its logs and its
+    tqdm bar on the console prefixed by rank. In the slow tier: each launch imports all of Trainer on two ranks."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    program = str(PROGRAMS / "hf_trainer.py")
+    run = supervise(tmp_path, "--nproc-per-node", "2", program, "--out", str(ours), timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    torchrun(tmp_path, "--nproc-per-node", "2", program, "--out", str(theirs))
+    mine, real = records(ours, 2), records(theirs, 2)
+    assert [(r["process_index"], r["world_size"]) for r in mine] == [(0, 2), (1, 2)]
+    assert [r["losses"] for r in mine] == [r["losses"] for r in real] and len(mine[0]["losses"]) == 4
+    assert len(re.findall(r"^CPU0:\{'loss': '[\d.]+', 'grad_norm'", run.stdout, re.M)) == 4, run.stdout[-3000:]
+    assert re.search(r"^CPU0:100%\|.*\| 4/4 ", run.stderr, re.M), run.stderr[-3000:]
+
+
 def test_the_root_cause_of_a_recorded_exception_is_in_the_report(tmp_path):
     run = supervise(tmp_path, "--nproc-per-node", "2", str(PROGRAMS / "raises.py"))
     assert run.returncode == 1, run.stderr[-3000:]
