@@ -190,7 +190,7 @@ class Launcher:
                 return code
         self.plan = self.plan.as_node(control.node_rank)
         first, last = self.plan.ranks[0].rank, self.plan.ranks[-1].rank
-        given = ("it opened the control port at --master-addr" if control.node_rank == 0 else
+        given = (f"this node opened the control port at {self.plan.master_addr}" if control.node_rank == 0 else
                  f"given by node 0 at {self.plan.master_addr} as the nodes joined")
         self.console.say(f"node {control.node_rank} of {self.plan.nnodes} ({given}): ranks {first}-{last} of "
                          f"{self.plan.world_size}")

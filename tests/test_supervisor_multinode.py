@@ -110,20 +110,25 @@ def test_both_nodes_finish(tmp_path):
 
 
 def test_nodes_started_without_a_node_rank_are_numbered_as_they_join(tmp_path):
-    """torchrun's c10d command line as its users give it, the same on every node (no --node-rank): the node that
-    opens the control port at the endpoint is node 0, the others get 1 and 2 in the order they join, and each rank
-    its global rank in one world (the all-reduce forms); a fourth node is one too many, told so at once."""
+    """torchrun's c10d command line as its users give it, the same on every node (no --node-rank; the third node
+    with the supervisor's own flags, also without one): the node that opens the control port at the endpoint is node
+    0, the others get 1 and 2 in the order they join, and each rank its global rank in one world (the all-reduce
+    forms); a fourth node is one too many, told so at once."""
     port = free_port_pair()
     program = Path(__file__).resolve().parent / "torchrun_programs" / "allreduce_loop.py"
     env = clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
 
     def node(tag: str) -> Run:
+        program_args = ("--step-time", "0.05", "--save-on-term", "--ready", str(tmp_path / f"pids{tag}"))
+        if tag == "c":
+            return start(tmp_path, "--nnodes", "3", "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port",
+                         str(port), "--grace-period", "5", entry=program, entry_args=program_args, env=env, tag=tag)
         return start(tmp_path, "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                     f"--rdzv-endpoint=127.0.0.1:{port}", "--grace-period", "5", str(program), "--step-time", "0.05",
-                     "--save-on-term", "--ready", str(tmp_path / f"pids{tag}"), entry=None, env=env, tag=tag)
+                     f"--rdzv-endpoint=127.0.0.1:{port}", "--grace-period", "5", str(program), *program_args,
+                     entry=None, env=env, tag=tag)
 
     nodes = []
-    for tag, said in [("a", "node 0 of 3 (it opened the control port at --master-addr): ranks 0-0 of 3"),
+    for tag, said in [("a", "node 0 of 3 (this node opened the control port at 127.0.0.1): ranks 0-0 of 3"),
                       ("b", "node 1 of 3 (given by node 0 at 127.0.0.1 as the nodes joined): ranks 1-1 of 3"),
                       ("c", "node 2 of 3 (given by node 0 at 127.0.0.1 as the nodes joined): ranks 2-2 of 3")]:
         nodes.append(node(tag))
