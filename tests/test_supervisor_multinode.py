@@ -19,11 +19,13 @@ import pytest
 
 from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, free_port_pair, start, survivors
 from supervisor.control.channel import remote_failure
+from supervisor.control.server import ControlServer, listen, names_this_machine
 from supervisor.control.wire import (
     LOST_CODE,
     SECRET_ENV,
     LineReader,
     Session,
+    Timing,
     hello_proof,
     new_nonce,
     read_secret,
@@ -148,6 +150,22 @@ def test_nodes_started_without_a_node_rank_are_numbered_as_they_join(tmp_path):
     assert [run.returncode for run in nodes] == [143] * 3, [run.stderr[-1500:] for run in nodes]
     assert "refused a node without --node-rank from 127.0.0.1" in nodes[0].stderr
     assert survivors([*nodes[0].pids(), *nodes[1].pids(), *nodes[2].pids()]) == []
+
+
+def test_node_0_listens_on_every_address_of_its_host():
+    """--master-addr may name node 0 by an address the other nodes do not reach it by (a hostname that node 0's
+    /etc/hosts maps to 127.0.1.1): its control port answers on all of them, as torch's TCPStore does. A node
+    without --node-rank is node 0 only where --master-addr names its own machine."""
+    port = free_port_pair() + 1
+    server = ControlServer(2, listen(port), CONTROL_SECRET.encode(), Timing(), lambda line: None)
+    try:
+        for address in ("127.0.0.1", "127.0.1.1", "127.0.0.7"):
+            with socket.create_connection((address, port), timeout=5) as sock:
+                assert sock.recv(4096).startswith(b"challenge "), address
+    finally:
+        server.close(wait=0)
+    assert names_this_machine("127.0.0.1") and names_this_machine("localhost")
+    assert not names_this_machine("192.0.2.1") and not names_this_machine("no-such-host.invalid")
 
 
 def test_the_node_rank_node_0_gives_moves_the_global_ranks():
@@ -312,7 +330,7 @@ from supervisor.control.server import ControlServer, listen
 from supervisor.control.wire import Timing
 limits = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 12, limits[1]))
-channel = ControlServer(3, listen('127.0.0.1', int(sys.argv[1]) + 1), sys.argv[2].encode(), Timing(),
+channel = ControlServer(3, listen(int(sys.argv[1]) + 1), sys.argv[2].encode(), Timing(),
                         lambda line: print(line, flush=True))
 print('listening', flush=True)
 select.select([channel.fd], [], [])

@@ -45,33 +45,50 @@ from supervisor.control.wire import (
 from trainer.errors import UserError
 
 
-def listen(addr: str, port: int) -> socket.socket:
-    """Node 0's control port, given --node-rank 0: at --master-addr, else on every address (--master-addr may name
-    this node by an address it cannot bind: NAT, a DNS alias)."""
+def listen(port: int) -> socket.socket:
+    """Node 0's control port, on every address of the node (IPv4 and IPv6 where the host has both), as torch's own
+    TCPStore listens: --master-addr may name node 0 by an address the other nodes do not reach it by (a hostname that
+    node 0's /etc/hosts maps to 127.0.1.1, NAT, a DNS alias). Raises OSError (the port is taken)."""
+    if socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))
+
+
+def port_refused(port: int, e: OSError) -> UserError:
+    return UserError(f"cannot open the control port {port} (--master-port + {CONTROL_PORT_OFFSET}) on node 0: "
+                     f"{e.strerror or e}; choose another --master-port")
+
+
+def names_this_machine(addr: str) -> bool:
+    """Whether `addr` is an address of this machine (or a name for one): one of its addresses binds, on port 0, so
+    that no port is taken."""
     try:
-        return socket.create_server((addr, port))
-    except OSError:
-        try:
-            return socket.create_server(("", port))
-        except OSError as e:
-            raise UserError(f"cannot open the control port {port} (--master-port + {CONTROL_PORT_OFFSET}) on node 0: "
-                            f"{e.strerror}; choose another --master-port") from None
+        found = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(address)
+                return True
+            except OSError:
+                continue
+    return False
 
 
 def claim(addr: str, port: int) -> socket.socket | None:
-    """The control port for a node started without --node-rank: the node that binds it at --master-addr is node 0
-    (as torchrun's c10d rendezvous makes the endpoint's host its store). None when the address is not this machine's
-    (or does not resolve), or when another node of this machine holds the port already: this node is then one of the
-    others. Where --master-addr names node 0 by an address it cannot bind (NAT), the nodes need their --node-rank."""
-    try:
-        return socket.create_server((addr, port))
-    except socket.gaierror:
+    """The control port for a node started without --node-rank: the node at --master-addr that opens it first is
+    node 0 (torchrun's c10d rendezvous makes the endpoint's host its store alike). None when --master-addr is not
+    this machine (or does not resolve), or when another node on this machine holds the port: this node is then one of
+    the others. Where --master-addr names node 0 by an address it does not have (NAT), the nodes need --node-rank."""
+    if not names_this_machine(addr):
         return None
+    try:
+        return listen(port)
     except OSError as e:
-        if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+        if e.errno == errno.EADDRINUSE:
             return None
-        raise UserError(f"cannot open the control port {port} (--master-port + {CONTROL_PORT_OFFSET}) at "
-                        f"{addr}: {e.strerror}; choose another --master-port") from None
+        raise port_refused(port, e) from None
 
 
 class ControlServer(ControlChannel):
@@ -162,7 +179,8 @@ class ControlServer(ControlChannel):
                                               f"oldest, from {waiting[0].address}")
         sock.settimeout(SEND_TIMEOUT)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = Peer(sock, f"{address[0]}:{address[1]}", new_nonce())
+        # a node reaching the dual-stack port over IPv4 is named by its IPv4 address, not ::ffff:10.0.0.2
+        peer = Peer(sock, f"{address[0].removeprefix('::ffff:')}:{address[1]}", new_nonce())
         with self._lock:
             self.peers.append(peer)
         self.selector.register(sock, selectors.EVENT_READ, peer)
