@@ -13,6 +13,10 @@ from pathlib import Path
 from rank_scripts.harness import ROOT, clean_env, start, survivors
 
 QUIET = ROOT / "tests" / "rank_scripts" / "quiet_ddp.py"
+# The hang timeouts here are short, for fast tests, but not shorter than HANG_FLOOR: a rank still importing torch on a
+# machine whose cores and disk are both busy (the suite under two busy loops) has been seen to wait on the disk for
+# 3 s with no CPU time, which this rule rightly cannot tell from a stall.
+HANG_FLOOR = "5"
 
 
 def wait_for_pids(folder: Path, count: int, run_proc, timeout: float = 60) -> list[int]:
@@ -25,8 +29,8 @@ def wait_for_pids(folder: Path, count: int, run_proc, timeout: float = 60) -> li
 
 def test_a_quiet_program_outlasts_the_startup_timeout(tmp_path: Path) -> None:
     """No progress records and no output for longer than both timeouts, but CPU time all along: it is working."""
-    r = start(tmp_path, "--nproc", "2", "--startup-timeout", "1", "--hang-timeout", "2", entry=QUIET,
-              entry_args=("--seconds", "4.5")).wait(timeout=120)
+    r = start(tmp_path, "--nproc", "2", "--startup-timeout", "1", "--hang-timeout", HANG_FLOOR, entry=QUIET,
+              entry_args=("--seconds", "6")).wait(timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"rank 0: \d+ steps, loss", r.stdout)
     assert "stalled" not in r.stderr and "SIGUSR1" not in r.stderr
@@ -35,7 +39,7 @@ def test_a_quiet_program_outlasts_the_startup_timeout(tmp_path: Path) -> None:
 def test_a_frozen_rank_is_named_with_every_rank_stack(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    run = start(tmp_path, "--nproc", "2", "--hang-timeout", "3", "--grace-period", "5", entry=QUIET,
+    run = start(tmp_path, "--nproc", "2", "--hang-timeout", HANG_FLOOR, "--grace-period", "5", entry=QUIET,
                 entry_args=("--seconds", "600", "--pid-dir", str(pid_dir)))
     pids = wait_for_pids(pid_dir, 2, run.proc)
     os.kill(pids[1], signal.SIGSTOP)  # what a hung host or a deadlocked rank looks like from outside
@@ -61,7 +65,7 @@ def test_no_stack_request_by_signal_reaches_a_quiet_program(tmp_path: Path) -> N
     """A hang of a program that installed no SIGUSR1 handler: the ranks are killed by the stop, not by a request."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    run = start(tmp_path, "--nproc", "2", "--hang-timeout", "2", "--grace-period", "5", entry=QUIET,
+    run = start(tmp_path, "--nproc", "2", "--hang-timeout", HANG_FLOOR, "--grace-period", "5", entry=QUIET,
                 entry_args=("--seconds", "600", "--pid-dir", str(pid_dir)), env=clean_env())
     pids = wait_for_pids(pid_dir, 2, run.proc)
     for pid in pids:
