@@ -15,12 +15,12 @@ and 1, and checks what must hold however a run ends:
 * ``--resume auto`` then continues from the latest checkpoint (or from step 0 where there is none) and completes.
 
 A run costs about ten seconds on two cores, most of it two ranks importing torch, so the default suite runs
-DEFAULT_CASES (a rank's exception inside a save, its SIGKILL at the first step, the supervisor's Ctrl-C inside a save)
-with the resume leg after the save cut short (RESUMED_BY_DEFAULT; with no checkpoint, `--resume auto` is a fresh
-start, tests/test_checkpoint.py). The other 24 cases are in the slow tier (``-m slow``, which CI runs too), and there
-every case resumes. A rank's exit mid-run, a hang, a segfault, the supervisor's SIGTERM and its SIGKILL stay in the
-default suite through other files: an exit mid-run and the resume after it through test_faults.py and
-test_supervisor_restarts.py, a hang through tests/test_diagnosis_e2e.py and test_supervisor_failures.py (a hang is
+DEFAULT_CASES (a rank's exception inside a save, the supervisor's Ctrl-C inside a save) with the resume leg after the
+save cut short (RESUMED_BY_DEFAULT; with no checkpoint, `--resume auto` is a fresh start, tests/test_checkpoint.py).
+The other 25 cases are in the slow tier (``-m slow``, which CI runs too), and there every case resumes. A rank's exit
+mid-run, its SIGKILL, a hang, a segfault, the supervisor's SIGTERM and its SIGKILL stay in the default suite through
+other files: an exit mid-run and the resume after it through test_faults.py and test_supervisor_restarts.py, a rank's
+SIGKILL through test_faults.py and test_checkpoint_async.py, a hang through tests/test_diagnosis_e2e.py and test_supervisor_failures.py (a hang is
 caught only after the watchdog's allowance, 15 s inside a save here: the slowest case of all), the segfault through
 test_supervisor_failures.py, SIGTERM to the supervisor and its checkpoint-and-resume through
 test_supervisor_signals.py and test_rank_e2e.py, its SIGKILL through test_supervisor_signals.py.
@@ -68,7 +68,7 @@ HANG_TIMEOUT, HANG_FIRST_STARTUP_TIMEOUT = 3.0, 15.0
 SAFETY_TIMEOUT = 60.0
 RUN_TIMEOUT = 150.0
 
-DEFAULT_CASES = {("raise", "checkpoint"), ("sigkill", "first"), ("SIGINT", "checkpoint")}
+DEFAULT_CASES = {("raise", "checkpoint"), ("SIGINT", "checkpoint")}
 RESUMED_BY_DEFAULT = {("SIGINT", "checkpoint")}
 
 

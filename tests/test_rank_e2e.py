@@ -175,10 +175,12 @@ def test_sigterm_on_one_rank_stops_both_with_a_checkpoint_and_resume_is_exact(tm
     assert all(got[s] == expected[s] for s in got)  # bit-identical to the uninterrupted run
 
 
+@pytest.mark.slow
 def test_plain_torchrun_with_two_ranks_sharded(tmp_path: Path) -> None:
     """`torchrun --nproc-per-node 2 pretrain_main.py --debug ...` with FSDP2: both ranks log every step, both ask for
     the token cache at once and share the one folder it builds (its lock), and the final model is gathered from the
-    shards."""
+    shards. In the slow tier: the default suite runs the README's plain torchrun command, FSDP2's sharded checkpoint
+    and gathered final model in tests/test_distributed.py, and the cache's lock in tests/test_cache.py."""
     layer = merged(TINY, {"data": {"cache_dir": str(tmp_path / "cache")}, "model": {"num_layers": 2},
                           "training": {"max_steps": 3, "strategy": "fsdp", "grad_accum_nums": 2},
                           "checkpoint": {"save_final": True}})

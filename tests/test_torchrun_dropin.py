@@ -88,10 +88,11 @@ def test_a_tutorial_program_trains_as_under_torchrun(tmp_path):
 
 
 @pytest.mark.parametrize("launch, cwd", [
+    # in the slow tier: the default suite compares the tutorial program with torchrun, and runs the README's nano_train
     pytest.param(("--standalone", "--nproc_per_node=2", str(PROGRAMS / "nano_train.py")), None,
-                 id="standalone-script"),
+                 id="standalone-script", marks=pytest.mark.slow),
     pytest.param(("--rdzv-backend=c10d", "--rdzv-endpoint=localhost:{port}", "--nnodes=1", "--nproc-per-node", "2",
-                  "-m", "nano_train"), PROGRAMS, id="c10d-module", marks=pytest.mark.slow),  # the variant: slow tier
+                  "-m", "nano_train"), PROGRAMS, id="c10d-module", marks=pytest.mark.slow),
 ])
 def test_a_nanogpt_style_script_gets_torchruns_results(tmp_path, launch, cwd):
     from supervisor.rendezvous import PortReservation
