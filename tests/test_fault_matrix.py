@@ -20,10 +20,11 @@ save cut short (RESUMED_BY_DEFAULT; with no checkpoint, `--resume auto` is a fre
 The other 25 cases are in the slow tier (``-m slow``, which CI runs too), and there every case resumes. A rank's exit
 mid-run, its SIGKILL, a hang, a segfault, the supervisor's SIGTERM and its SIGKILL stay in the default suite through
 other files: an exit mid-run and the resume after it through test_faults.py and test_supervisor_restarts.py, a rank's
-SIGKILL through test_faults.py and test_checkpoint_async.py, a hang through tests/test_diagnosis_e2e.py and test_supervisor_failures.py (a hang is
-caught only after the watchdog's allowance, 15 s inside a save here: the slowest case of all), the segfault through
-test_supervisor_failures.py, SIGTERM to the supervisor and its checkpoint-and-resume through
-test_supervisor_signals.py and test_rank_e2e.py, its SIGKILL through test_supervisor_signals.py.
+SIGKILL through test_faults.py and test_checkpoint_async.py, a hang through tests/test_diagnosis_e2e.py and
+test_supervisor_failures.py (a hang is caught only after the watchdog's allowance, 15 s inside a save here: the
+slowest case of all), the segfault through test_supervisor_failures.py, SIGTERM to the supervisor and its
+checkpoint-and-resume through test_supervisor_signals.py and test_rank_e2e.py, its SIGKILL through
+test_supervisor_signals.py.
 
 The last section adds the machine's faults, all slow tests: a rank frozen by SIGSTOP (named as the culprit), the
 checkpoint disk and the log disk filling up mid-run (a small tmpfs), and a damaged latest checkpoint under

@@ -1,5 +1,8 @@
 """Three node supervisors on three loopback addresses (127.0.0.1-3; Linux routes all of 127/8 to lo): a node that
-freezes, dies or never joins is named on every other node, and every node stops with the code for a lost node."""
+freezes, dies or never joins is named on every other node, and every node stops with the code for a lost node.
+
+Two variants are in the slow tier: node 0 frozen (the default suite freezes nodes 1 and 2, and kills node 0), and a
+node named by its silence after a stall (the default suite names a stall by the evidence)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from test_supervisor_multinode import FakeNode
 
 from rank_scripts.harness import CONTROL_SECRET, ROOT, Run, clean_env, free_port_pair, start, survivors
@@ -108,6 +112,7 @@ def test_frozen_nodes_are_named_and_the_rank_they_hold_is_not_given_the_grace_pe
         thaw(frozen)
 
 
+@pytest.mark.slow
 def test_node_0_frozen_is_named_by_the_others(tmp_path):
     """The others' ranks, training in one gloo group with node 0's and slow to leave on SIGTERM (a 60 s grace period),
     are held by it: the first node to kill its rank breaks the other's collective, so each rank ends within the short
@@ -188,6 +193,7 @@ def verdicts(run: Run) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_a_node_that_gives_no_stall_verdict_is_the_culprit_by_silence(tmp_path):
     """Node 2 (the test) reports a stall and then says nothing: nodes 0 and 1, whose ranks name no culprit of their
     own, name node 2."""
