@@ -10,6 +10,12 @@ busy machine penalises both alike; the ratio is the median of the per-round rati
 
     .venv/bin/python bench/bench_checkpoint.py [--rounds 1] [--steps 12] [--interval 4]
 
+On a GPU (`--gpu ID`): one rank on that GPU, the `--preset` given (`1b`: ~1.1B parameters, a ~13 GB state), DDP
+only (`--strategies`), layers eager (the save is measured, not the step); the background save stages into pinned host
+memory.
+
+    python bench/bench_checkpoint.py --gpu 0 --preset 1b --strategies ddp --steps 8 --interval 4
+
 Goal: blocked time in the background <= 10 % of the synchronous save's.
 """
 
@@ -30,18 +36,26 @@ TINY_BATCH = ["--set", "training.batch_size=1", "--set", "training.grad_accum_nu
               "--set", "data.context_length=128", "--set", "data.max_samples=200"]
 
 
-def run(folder: Path, cache_dir: Path, strategy: str, background: bool, steps: int,
-        interval: int) -> list[dict[str, float]]:
+def placement(gpu: int | None) -> list[str]:
+    """Where the ranks run: WORLD CPU ranks, or one rank on GPU `gpu` with eager layers."""
+    if gpu is None:
+        return ["--nproc", str(WORLD), "--set", "system.device=cpu"]
+    return ["--gpus", str(gpu), "--set", "system.compile=false"]
+
+
+def run(folder: Path, cache_dir: Path, strategy: str, background: bool, steps: int, interval: int, preset: str,
+        gpu: int | None) -> list[dict[str, float]]:
     """One supervised run; its checkpoints' records (rank 0's training_history.json)."""
-    argv = [sys.executable, "-m", "supervisor", "--preset", "small", "--nproc", str(WORLD), "--no-footer",
+    argv = [sys.executable, "-m", "supervisor", "--preset", preset, *placement(gpu), "--no-footer",
             "--log-dir", str(folder / "logs"), "--max-steps", str(steps), *TINY_BATCH,
-            "--set", "system.device=cpu", "--set", f"data.cache_dir={json.dumps(str(cache_dir))}",
+            "--set", f"data.cache_dir={json.dumps(str(cache_dir))}",
             "--set", f"training.strategy={json.dumps(strategy)}", "--set", "training.eval_interval=0",
             "--set", "training.warmup_steps=1", "--set", f"checkpoint.interval={interval}",
             "--set", f"checkpoint.dir={json.dumps(str(folder / 'ckpt'))}", "--set", "checkpoint.save_final=false",
             "--set", f"checkpoint.async_save={json.dumps(background)}", "--set", "logging.plot=false",
             "--set", "logging.log_interval=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # wheels carried to a GPU stay
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     done = subprocess.run(argv, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{strategy} {'background' if background else 'synchronous'} run failed "
@@ -50,24 +64,36 @@ def run(folder: Path, cache_dir: Path, strategy: str, background: bool, steps: i
     return json.loads(history.read_text())["checkpoints"]
 
 
-def main() -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=12, help="steps per run")
     parser.add_argument("--interval", type=int, default=4,
                         help="steps between checkpoints: a save that comes before the previous one is written waits")
-    args = parser.parse_args()
+    parser.add_argument("--preset", default="small", choices=sorted(p.stem for p in (ROOT / "presets").glob("*.json")))
+    parser.add_argument("--gpu", type=int, help="one rank on this GPU instead of CPU ranks")
+    parser.add_argument("--strategies", default="ddp,fsdp", help="comma-separated, of ddp, fsdp")
+    args = parser.parse_args(argv)
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    if not args.strategies or set(args.strategies) - {"ddp", "fsdp"}:
+        parser.error("--strategies: choose from ddp, fsdp")
+    return args
+
+
+def main() -> None:
+    args = parse(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as work:
         work_dir = Path(work)
         cache_dir = work_dir / "cache"
-        rows: dict[str, list[tuple[float, float, float, float, float]]] = {"ddp": [], "fsdp": []}
+        rows: dict[str, list[tuple[float, float, float, float, float]]] = {s: [] for s in args.strategies}
         for r in range(args.rounds):
             for strategy in rows:
                 figures = {}
                 for background in (False, True):
                     folder = work_dir / f"{r}-{strategy}-{background}"
                     folder.mkdir()
-                    records = run(folder, cache_dir, strategy, background, args.steps, args.interval)
+                    records = run(folder, cache_dir, strategy, background, args.steps, args.interval, args.preset,
+                                  args.gpu)
                     figures[background] = (statistics.median(c["blocked_s"] for c in records),
                                            statistics.median(c["write_s"] for c in records), records[0]["bytes"],
                                            statistics.median(c["waited_s"] for c in records))

@@ -1,22 +1,27 @@
-"""The GPU checks in three commands, for a GPU machine that gets a copy of the working tree (no network, no git
-checkout there), allows 10 minutes a command and 30 minutes in all, and hands back what the commands write under
-`$OUT`.
+"""The GPU checks in two commands, for a GPU machine that gets a copy of the working tree (no network, no git
+checkout there), allows 10 minutes a command and 15 minutes in all (its start included), and hands back what the
+commands write under `$OUT`.
 
 Here, in the checkout whose copy the GPU machine gets, with the project's Python (pip's network and the textbook loop
 are here, not there):
 
     python bench/gpu_session.py prepare [--anchor PATH]   # .whl/: the wheels the GPU image lacks; .anchors/: the
-                                                          # textbook loop; both git-ignored; prints the three calls
-    python bench/gpu_session.py calls                     # the three calls again (runs nothing)
+                                                          # textbook loop; both git-ignored; prints the calls
+    python bench/gpu_session.py calls                     # the calls again (runs nothing)
 
-There, one call per step, each `bash bench/gpu_session.sh STEP` with `.whl` and `.anchors` carried, `timeout_s` 600:
+There, one call per step, each `bash bench/gpu_session.sh STEP` with `.whl` and `.anchors` carried, `timeout_s` 600,
+the second sent as soon as the first returns (the machine stays started for seconds only):
 
-    tests      the default suite (CPU ranks: it hides the GPU) and the GPU tier side by side; the memory-estimate test
-               waits for the third step
-    presets    `1b`, then `small`, as shipped through the supervisor, each against the textbook loop compiled
-               (bench_gpu.py's training section, `--runs shipped`), the ranks' consoles (their MFU lines) kept
-    ablation   the memory-estimate test (the dry run's estimate against the measured peak), then the 1.1B ablation
-               rows (eager layers, the full logits, chunked against liger's loss), liger-kernel installed for them
+    presets    on the GPU, one after another: `1b`, then `small`, as shipped through the supervisor, each against the
+               textbook loop compiled (bench_gpu.py's training section, `--runs shipped`; the ranks' consoles, with
+               their MFU lines, kept), then the 1b checkpoint's blocked time, synchronous against in the background
+               (bench_checkpoint.py --gpu); beside them, the dry run's estimate of both presets (to set against the
+               peaks the shipped rows measure) and the default suite on the CPUs (it hides the GPU) at the lowest
+               priority, so that the timed runs keep their cores; 530 s
+    tier       the GPU tier without the memory-estimate test, in file order (the OOM headline and the NCCL stall
+               first); give it what is left of the lease with `--budget S`
+    ablation   for a longer lease: the memory-estimate test, then the 1.1B ablation rows (eager layers, the full
+               logits, chunked against liger's loss), liger-kernel installed for them
 
 A step installs the wheels into /tmp/site (liger-kernel into a folder of its own, on the path of the parts that ask
 for it only: with it `training.loss=auto` is liger's kernel, which the dry run's estimate does not model), runs its
@@ -34,6 +39,7 @@ import contextlib
 import json
 import os
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -47,19 +53,18 @@ ROOT = Path(__file__).resolve().parent.parent
 WHEELS, ANCHORS = ".whl", ".anchors"  # git-ignored folders that travel with the working tree
 ANCHOR = "gpu_textbook_loop.py"
 DEFAULT_ANCHOR = ROOT.parent / "shared" / "anchors" / ANCHOR
-PROJECT_WHEELS = ("datasets", "dill", "multiprocess", "python-hostlist")  # the project's needs the GPU image lacks
+# the project's needs the GPU image lacks
+PROJECT_WHEELS = ("datasets", "dill", "multiprocess", "python-hostlist", "zstandard", "py-spy")
 BUILT_HERE = ("python-hostlist",)  # no wheel on PyPI: built from its (pure Python) sdist
 LIGER = "liger-kernel==0.8.5"
 LIGER_PREFIX = "liger_kernel-"
 GPU_PYTHON = "3.12"  # the GPU image's Python
 PLATFORM = ["--python-version", GPU_PYTHON, "--implementation", "cp", "--only-binary=:all:"] + [
-    arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+    arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_5_x86_64",
+                    "manylinux1_x86_64")
     for arg in ("--platform", tag)]
 SITES = Path("/tmp")  # the wheels go to SITES/site, liger-kernel to SITES/site-liger
 CALL_LIMIT_S = 600  # one command on the GPU machine
-# A step's parts end by then. Three steps of about 8 minutes, their set-up and summaries, and a start of the machine
-# (a minute or two; another if it is given back between two calls) fit the machine's 30 minutes: 600 s each would not.
-BUDGET_S = 450.0
 GRACE_S = 15.0  # after SIGINT, before SIGKILL: pytest prints its summary, the supervisor stops its ranks
 TAIL_LINES = 14
 VERSIONS = ("torch", "triton", "transformers", "tokenizers", "datasets", "pyarrow", "fsspec", "liger-kernel")
@@ -76,6 +81,7 @@ class Part:
 class Step:
     name: str
     stages: tuple[tuple[Part, ...], ...]  # one after another; a stage's parts side by side
+    budget: float  # seconds from the step's start until its parts are stopped
 
     @property
     def liger(self) -> bool:
@@ -89,23 +95,45 @@ def tests(name: str, *args: str) -> Part:
     return Part(name, ("bash", "run_tests.sh", "-q", f"--basetemp=/tmp/gpu-session-{name}", *args))
 
 
-def bench(name: str, *args: str, liger: bool = False) -> Part:
-    return Part(name, ("{python}", "bench/bench_gpu.py", *args, "--out", "{out}"), liger)
+def bench(*args: str) -> tuple[str, ...]:
+    return ("{python}", "bench/bench_gpu.py", *args, "--out", "{out}")
 
 
+def chain(name: str, *commands: tuple[str, ...], liger: bool = False) -> Part:
+    """Commands one after another in one part, each whatever the previous one's exit status."""
+    return Part(name, ("bash", "-c", "; ".join(shlex.join(command) for command in commands)), liger)
+
+
+def shipped(shape: str) -> tuple[str, ...]:
+    return bench("--sections", "training", "--shapes", shape, "--runs", "shipped", "--anchor", f"{ANCHORS}/{ANCHOR}")
+
+
+def dry_run(preset: str) -> tuple[str, ...]:
+    return ("{python}", "-m", "supervisor", "--preset", preset, "--gpus", "0", "--dry-run")
+
+
+# The default suite runs on the CPUs (it hides the GPU) beside the GPU's work, at the lowest priority so that the timed
+# runs' host threads keep their cores.
+SUITE = Part("suite", ("nice", "-n", "19", "bash", "run_tests.sh", "-q", "--basetemp=/tmp/gpu-session-suite"))
+CHECKPOINT = ("{python}", "bench/bench_checkpoint.py", "--gpu", "0", "--preset", "1b", "--strategies", "ddp",
+              "--steps", "8", "--interval", "4")
 STEPS = {step.name: step for step in (
-    Step("tests", ((tests("default"), tests("gpu", "-m", "gpu", f"--ignore={MEMORY_TEST}")),)),
-    Step("presets", tuple((bench(shape, "--sections", "training", "--shapes", shape, "--runs", "shipped",
-                                 "--anchor", f"{ANCHORS}/{ANCHOR}"),) for shape in ("1.1B", "125M"))),
-    # The memory test without liger-kernel: the dry run's estimate models the chunked loss, what `auto` is without it.
+    # The GPU: `1b`, then `small`, as shipped against the textbook loop, then the 1b checkpoint's blocked time; the
+    # dry run's estimates of both presets, to set against the peaks the shipped rows measure.
+    Step("presets", ((SUITE, chain("estimate", dry_run("1b"), dry_run("small")),
+                      chain("gpu", shipped("1.1B"), shipped("125M"), CHECKPOINT)),), budget=530.0),
+    Step("tier", ((tests("gpu", "-m", "gpu", f"--ignore={MEMORY_TEST}"),),), budget=190.0),
+    # With a longer lease: the memory-estimate test, then the 1.1B ablation rows, liger-kernel installed for them.
+    # The memory test runs without liger-kernel: the dry run's estimate models the chunked loss, what `auto` is without.
     Step("ablation", ((tests("memory", "-m", "gpu", MEMORY_TEST),),
-                      (bench("1.1B", "--sections", "ablation", "--shapes", "1.1B",
-                             "--ablations", "eager,full_loss,chunked_loss", liger=True),))),
+                      (Part("1.1B", bench("--sections", "ablation", "--shapes", "1.1B",
+                                          "--ablations", "eager,full_loss,chunked_loss"), liger=True),)),
+         budget=450.0),
 )}
 
 
 def calls() -> list[dict[str, object]]:
-    """The three calls, as the GPU machine's command runner takes them."""
+    """The calls, as the GPU machine's command runner takes them."""
     return [{"command": f"bash bench/gpu_session.sh {name}", "carry": [WHEELS, ANCHORS], "timeout_s": CALL_LIMIT_S}
             for name in STEPS]
 
@@ -178,7 +206,7 @@ def missing_inputs(root: Path, step: Step) -> str | None:
         return f"no wheels in {WHEELS}/: run `python bench/gpu_session.py prepare` in the checkout first, and carry {WHEELS}"
     if step.liger and not any(w.name.startswith(LIGER_PREFIX) for w in wheels):
         return f"no liger-kernel wheel in {WHEELS}/: run `python bench/gpu_session.py prepare` again"
-    uses_anchor = any(f"{ANCHORS}/{ANCHOR}" in part.argv for stage in step.stages for part in stage)
+    uses_anchor = any(f"{ANCHORS}/{ANCHOR}" in arg for stage in step.stages for part in stage for arg in part.argv)
     if uses_anchor and not (root / ANCHORS / ANCHOR).is_file():
         return f"no {ANCHORS}/{ANCHOR}: run `python bench/gpu_session.py prepare` in the checkout first, and carry {ANCHORS}"
     return None
@@ -205,7 +233,8 @@ def part_env(part: Part, root: Path, sites: Path) -> dict[str, str]:
     interpreter as PYTHON for the shell scripts it starts."""
     folders = [site(sites, False), *([site(sites, True)] if part.liger else []), root]
     path = os.pathsep.join(filter(None, [*map(str, folders), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+    scripts = os.pathsep.join(filter(None, [str(site(sites, False) / "bin"), os.environ.get("PATH")]))  # py-spy
+    return {**os.environ, "PYTHONPATH": path, "PATH": scripts, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
 
 
 def run_stage(step: str, parts: tuple[Part, ...], out: Path, env: Callable[[Part], dict[str, str]],
@@ -215,7 +244,7 @@ def run_stage(step: str, parts: tuple[Part, ...], out: Path, env: Callable[[Part
     started = time.monotonic()
     running: dict[Outcome, subprocess.Popen[bytes]] = {}
     for part in parts:
-        argv = [sys.executable if a == "{python}" else a.replace("{out}", str(out)) for a in part.argv]
+        argv = [a.replace("{python}", sys.executable).replace("{out}", str(out)) for a in part.argv]
         outcome = Outcome(part, argv, out / f"{step}-{part.name}.txt")
         with outcome.log.open("wb") as sink:
             running[outcome] = subprocess.Popen(argv, cwd=root, env=env(part), stdout=sink, stderr=subprocess.STDOUT,
@@ -314,11 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="what", required=True)
     prep = sub.add_parser("prepare", help="here: the wheels and the textbook loop the calls carry; prints the calls")
     prep.add_argument("--anchor", type=Path, default=DEFAULT_ANCHOR, help=f"the textbook loop ({ANCHOR})")
-    sub.add_parser("calls", help="print the three calls (runs nothing)")
+    sub.add_parser("calls", help="print the calls (runs nothing)")
     for name in STEPS:
         one = sub.add_parser(name, help=f"on the GPU machine: the {name} step")
         one.add_argument("--out", type=Path, default=os.environ.get("OUT"), help="results (default: $OUT)")
-        one.add_argument("--budget", type=float, default=BUDGET_S, help="seconds until its parts are stopped")
+        one.add_argument("--budget", type=float,
+                         help=f"seconds until its parts are stopped (default {STEPS[name].budget:g})")
     args = parser.parse_args(argv)
     if args.what == "prepare":
         prepare(args.anchor)
@@ -328,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out DIR (or OUT in the environment) is where the results go")
-    return run_step(STEPS[args.what], args.out, args.budget)
+    step = STEPS[args.what]
+    return run_step(step, args.out, step.budget if args.budget is None else args.budget)
 
 
 if __name__ == "__main__":

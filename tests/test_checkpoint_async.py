@@ -272,3 +272,37 @@ def test_a_rank_failing_with_a_write_in_flight_ends_it_or_abandons_it_and_says_w
         latest = before
     assert layout.list_checkpoints(root)[-1] == latest == resumes_from(tmp_path, token_cache_dir)
     assert_complete(latest)
+
+
+def test_the_stager_is_handed_tensors_alone_and_the_state_comes_back_whole() -> None:
+    """torch 2.11's stager cannot copy a tuple or a class (`KeyError: <class 'type'>`), which an optimizer's betas
+    and Python's RNG state hold: every background save failed there. The containers are rebuilt around the copies
+    instead, and the stager sees one flat dict of tensors."""
+    from collections import OrderedDict, namedtuple
+
+    from trainer.checkpoint.background import HostStager
+
+    Pair = namedtuple("Pair", "first second")
+    weight = torch.randn(4, 3)
+    model_sd = OrderedDict([("w", weight), ("w_view", weight[1:])])
+    model_sd._metadata = {"": {"version": 1}}  # what Module.state_dict attaches
+    state = {"model": model_sd, "groups": [{"betas": (0.9, 0.95), "params": [0, 1]}],
+             "rng": (3, tuple(range(5)), None), "pair": Pair(torch.ones(2), "x"), "shape": torch.Size([2, 3])}
+    stager = HostStager(torch.device("cpu"))
+    seen: list[dict[str, Any]] = []
+    original = stager.stager.stage
+    stager.stager.stage = lambda flat, **kw: (seen.append(flat), original(flat, **kw))[1]
+    try:
+        copy = stager.stage(state)
+    finally:
+        stager.close()
+    (flat,) = seen
+    assert all(isinstance(t, torch.Tensor) for t in flat.values()) and len(flat) == 3
+    assert type(copy["model"]) is OrderedDict and copy["model"]._metadata == {"": {"version": 1}}
+    assert torch.equal(copy["model"]["w"], weight) and copy["model"]["w"].data_ptr() != weight.data_ptr()
+    weight.add_(1.0)  # training goes on: the copy keeps the staged step
+    assert not torch.equal(copy["model"]["w"], weight)
+    assert copy["model"]["w_view"].untyped_storage().data_ptr() == copy["model"]["w"].untyped_storage().data_ptr()
+    assert copy["groups"] == [{"betas": (0.9, 0.95), "params": [0, 1]}] and copy["rng"] == (3, (0, 1, 2, 3, 4), None)
+    assert type(copy["pair"]) is Pair and copy["pair"].second == "x" and torch.equal(copy["pair"].first, torch.ones(2))
+    assert copy["shape"] == torch.Size([2, 3]) and type(copy["shape"]) is torch.Size

@@ -1,4 +1,4 @@
-"""bench/gpu_session.py, the GPU checks in three commands, as far as a machine without a GPU can check it: the three
+"""bench/gpu_session.py, the GPU checks in two commands, as far as a machine without a GPU can check it: the
 calls it prints (and docs/testing.md shows), that each step's parts are commands that parse, what each step leaves under
 $OUT, the folders it needs before a step starts, the checkout's exclude file, a step with real wheels and processes
 (what goes on whose path, the summary after every stage), and a stage's deadline (SIGINT, then SIGKILL, what the
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -22,38 +23,51 @@ import pytest
 from rank_scripts.harness import ROOT, clean_env
 
 sys.path.insert(0, str(ROOT / "bench"))
+import bench_checkpoint  # noqa: E402
 import bench_gpu  # noqa: E402
 import gpu_runs  # noqa: E402
 import gpu_session  # noqa: E402
 
 
-def test_the_three_calls_are_printed_and_in_the_docs() -> None:
+def test_the_calls_are_printed_and_in_the_docs() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_session.py"), "calls"], capture_output=True,
                           text=True, timeout=60, env=clean_env())
     assert done.returncode == 0, done.stderr
     calls = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [c["command"] for c in calls] == [f"bash bench/gpu_session.sh {s}" for s in ("tests", "presets", "ablation")]
+    assert [c["command"] for c in calls] == [f"bash bench/gpu_session.sh {s}" for s in ("presets", "tier", "ablation")]
     assert all(c["carry"] == [".whl", ".anchors"] and c["timeout_s"] == 600 and len(c["command"]) <= 2000
                for c in calls)
     docs = "\n".join(page.read_text() for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     assert all(json.dumps(call) in docs for call in calls)
 
 
+def commands(part: gpu_session.Part) -> list[list[str]]:
+    """A part's commands: the ones a chain runs one after another, each without a leading `nice -n N`."""
+    found = [shlex.split(c) for c in part.argv[2].split("; ")] if part.argv[:2] == ("bash", "-c") else [[*part.argv]]
+    return [argv[3:] if argv[:2] == ["nice", "-n"] else argv for argv in found]
+
+
 def test_every_part_is_a_command_that_parses(tmp_path: Path) -> None:
     for step in gpu_session.STEPS.values():
-        for stage in step.stages:
-            for part in stage:
-                argv = [a.replace("{out}", str(tmp_path)) for a in part.argv]
+        for part in (part for stage in step.stages for part in stage):
+            for argv in commands(part):
+                argv = [a.replace("{out}", str(tmp_path)) for a in argv]
                 if argv[:2] == ["{python}", "bench/bench_gpu.py"]:
                     opts = bench_gpu.parse(argv[2:])  # an unknown section, shape, run or change exits here
                     assert opts.out == tmp_path and opts.sections and opts.shapes
                     if "--anchor" in argv:
                         assert opts.anchor == (ROOT / gpu_session.ANCHORS / gpu_session.ANCHOR).resolve()
+                elif argv[:2] == ["{python}", "bench/bench_checkpoint.py"]:
+                    assert bench_checkpoint.parse(argv[2:]).gpu == 0  # an unknown preset or strategy exits here
+                elif argv[:3] == ["{python}", "-m", "supervisor"]:
+                    preset = argv[argv.index("--preset") + 1]
+                    assert "--dry-run" in argv and (ROOT / "presets" / f"{preset}.json").is_file()
                 else:
                     assert argv[:2] == ["bash", "run_tests.sh"]
                     paths = [a.split("=", 1)[-1] for a in argv if a.startswith(("tests/", "--ignore="))]
                     assert all((ROOT / path).is_file() for path in paths), paths
-    assert [p.name for p in gpu_session.STEPS["presets"].stages[0]] == ["1.1B"]  # the 55 % figure first
+    (gpu,) = [part for part in gpu_session.STEPS["presets"].stages[0] if part.name == "gpu"]
+    assert "--shapes" in commands(gpu)[0] and commands(gpu)[0][commands(gpu)[0].index("--shapes") + 1] == "1.1B"
 
 
 def test_each_step_leaves_what_the_gpu_machine_hands_back(tmp_path: Path) -> None:
@@ -63,8 +77,8 @@ def test_each_step_leaves_what_the_gpu_machine_hands_back(tmp_path: Path) -> Non
         names = {f"{step.name}.md"}
         for part in (part for stage in step.stages for part in stage):
             names.add(f"{step.name}-{part.name}.txt")
-            if part.argv[:2] == ("{python}", "bench/bench_gpu.py"):
-                opts = bench_gpu.parse([a.replace("{out}", str(tmp_path)) for a in part.argv[2:]])
+            for argv in (argv for argv in commands(part) if argv[:2] == ["{python}", "bench/bench_gpu.py"]):
+                opts = bench_gpu.parse([a.replace("{out}", str(tmp_path)) for a in argv[2:]])
                 assert not isinstance(opts, Path)
                 names |= {"bench_gpu.md", gpu_runs.CONSOLES}
                 names |= {bench_gpu.Piece(section, shape, opts.runs if section == "training" else opts.ablations)
@@ -156,7 +170,7 @@ def test_a_step_installs_the_wheels_and_writes_its_summary_after_every_stage(tmp
     first = gpu_session.Part("first", ("{python}", "-c", probe))
     second = gpu_session.Part("second", ("{python}", "-c", f"{probe}; print(open(sys.argv[1]).read().count('| first "
                                                            "|'))", "{out}/check.md"), liger=True)
-    step = gpu_session.Step("check", ((first,), (second,)))
+    step = gpu_session.Step("check", ((first,), (second,)), budget=120.0)
     assert gpu_session.run_step(step, out, 120.0, root=root, sites=tmp_path / "sites") == 0
     assert (out / "check-first.txt").read_text() == "liger False\n"
     assert (out / "check-second.txt").read_text() == "liger True\n1\n"

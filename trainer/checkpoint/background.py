@@ -2,8 +2,8 @@
 it writes from.
 
 Training blocks only while a save is staged (`store.stage`: the tensors copied into host memory, pinned on GPUs, by
-DCP's `DefaultStager`, which keeps its buffers from one save to the next: one copy of this rank's model and optimizer
-state for the whole run). The write (`store.write`: DCP's shards, state.pt, the agreement that every rank's files are
+DCP's `DefaultStager` through `HostStager`, which keeps its buffers from one save to the next: one copy of this
+rank's model and optimizer state for the whole run). The write (`store.write`: DCP's shards, state.pt, the agreement that every rank's files are
 written, the rename) then runs on a thread whose collectives use the writer group, never the loop's.
 
 How a write ends decides when the training thread hears of it:
@@ -24,6 +24,7 @@ a checkpoint. The thread is a daemon, so nothing else keeps a leaving process wa
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable
@@ -38,12 +39,71 @@ from trainer.errors import UserError
 COLLECTIVE_FAILURES = (UserError, WriteFailed)  # raised alike on every rank (`store.raise_if_main_failed`)
 
 
-def make_stager(device: torch.device) -> DefaultStager:
-    """DCP's stager for this rank's device: pinned host buffers and non-blocking copies from a GPU (the copy then
-    costs the device-to-host bandwidth only), plain host buffers on a CPU rank."""
-    cuda = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=cuda))
+class HostStager:
+    """DCP's `DefaultStager` for this rank's device (pinned host buffers and non-blocking copies from a GPU, so the
+    copy costs the device-to-host bandwidth only; plain host buffers on a CPU rank), handed the tensors alone.
+
+    The stager copies whatever it is given, but some releases (torch 2.11) cannot copy a tuple, or any class object,
+    and fail with `KeyError: <class 'type'>`: an optimizer's `betas` or Python's RNG state would end every background
+    save there. So the containers around the tensors (dicts, lists, tuples) are rebuilt here, and the stager gets one
+    flat dict of every tensor in a state: tensors sharing a storage share it in the copy too, as they do through
+    the stager's own walk."""
+
+    def __init__(self, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+
+    def stage(self, state: Any) -> Any:
+        """A copy of `state` whose tensors are in host memory (the stager's buffers, reused from save to save)."""
+        tensors: list[torch.Tensor] = []
+        skeleton = _hollow(state, tensors)
+        copies = self.stager.stage({str(i): t for i, t in enumerate(tensors)})
+        return _fill(skeleton, [copies[str(i)] for i in range(len(tensors))])
+
+    def close(self) -> None:
+        self.stager.close()
+
+
+class _Slot(int):
+    """Where a tensor stood in a hollowed state: its index in the list of tensors taken out."""
+
+
+def _hollow(x: Any, tensors: list[torch.Tensor]) -> Any:
+    """`x` with each tensor replaced by its `_Slot` (appended to `tensors`); containers copied, leaves kept."""
+    if isinstance(x, torch.Tensor):
+        tensors.append(x)
+        return _Slot(len(tensors) - 1)
+    if isinstance(x, dict):
+        out = copy.copy(x)  # a dict subclass keeps its attributes (a module state dict's `_metadata`)
+        for key, value in x.items():
+            out[key] = _hollow(value, tensors)
+        return out
+    if isinstance(x, (list, tuple)):
+        items = [_hollow(value, tensors) for value in x]
+        return items if isinstance(x, list) else _tuple_like(x, items)
+    return x
+
+
+def _fill(x: Any, copies: list[torch.Tensor]) -> Any:
+    """The hollowed state with each `_Slot` replaced by its tensor's copy (in place: the skeleton is ours)."""
+    if isinstance(x, _Slot):
+        return copies[x]
+    if isinstance(x, dict):
+        for key, value in x.items():
+            x[key] = _fill(value, copies)
+        return x
+    if isinstance(x, list):
+        x[:] = [_fill(value, copies) for value in x]
+        return x
+    if isinstance(x, tuple):
+        return _tuple_like(x, [_fill(value, copies) for value in x])
+    return x
+
+
+def _tuple_like(x: tuple, items: list[Any]) -> tuple:
+    """A tuple of `x`'s type holding `items`: a named tuple takes them as arguments, any other tuple as one."""
+    return type(x)(*items) if hasattr(type(x), "_fields") else type(x)(items)
 
 
 class BackgroundWrite:

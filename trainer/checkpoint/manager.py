@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from trainer.checkpoint import layout, store
-from trainer.checkpoint.background import BackgroundWrite, make_stager
+from trainer.checkpoint.background import BackgroundWrite, HostStager
 from trainer.checkpoint.layout import FULL, SHARDED
 from trainer.config import Config
 from trainer.model.distributed import DistContext, agree_any, broadcast_object
@@ -88,7 +88,7 @@ class Checkpointer:
         self.last_saved: int | None = None
         self.superseded: list[Path] = []  # a finished earlier run's checkpoints, removed at this run's first save
         self.background: bool | None = None  # checkpoint.async_save as decided at the first save
-        self.stager: Any = None  # DCP's stager (its host buffers) while saves are written in the background
+        self.stager: HostStager | None = None  # its host buffers, while saves are written in the background
         self.in_flight: BackgroundWrite | None = None
         self.saved: list[SaveRecord] = []  # appended by the writer as each save is published (rank 0)
         self.load_s: float | None = None  # how long the resume's load took
@@ -203,7 +203,7 @@ class Checkpointer:
         too_large = agree_any(setting == "auto" and need > free * STAGING_SHARE, self.ctx)
         self.background = setting is True or (setting == "auto" and not too_large)
         if self.background:
-            self.stager = make_stager(self.ctx.device)
+            self.stager = HostStager(self.ctx.device)
         if self.ctx.is_main:
             if self.background:
                 self.log.info(f"checkpoints are written in the background: each is first staged in host memory "
