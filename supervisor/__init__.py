@@ -1,20 +1,22 @@
 """The launcher: one isolated process per GPU, prefixed logs, kill-all, hang watchdog, failure report.
 
-The run, in the order it happens:
+The rooms, each a package whose docstring says what it holds, from the bottom up (a room imports only rooms listed
+before it, and the leaves; `tests/test_house.py` checks it, and ARCHITECTURE.md's tables name what these say):
 
-* `cli` (arguments → config → devices → plan) and `launcher` (prepare the data once, start, watch, restart, report);
-* `plan` (each rank's environment), `gpus` (which GPUs exist and which a run gets), `rendezvous` (a free port),
-  `exclusion` (a restart without a faulty GPU);
-* `worker` (one rank's process), `reaper` (the sentinel that kills every rank if the supervisor dies), `signals`;
-* `pump` (rank output → prefixed console lines and per-rank logs), `console` and `footer` (the supervisor's own
-  output);
-* `watch` (one group from start to last exit), `liveness` (what each rank last said, and its allowance),
-  `failure` (whose failure is the run's);
-* `report` (the summary and the exit code);
-* subpackages — `diagnosis` (culprit, stragglers, OOM, preflight, GPU faults), `control` (the authenticated channel
-  between the nodes' supervisors), `slurm` (the layout a job describes, and the job script's side);
-* `bootstrap` (the Python environment for the shell scripts; standard library only).
+* `bootstrap` — the Python environment for the shell scripts (standard library only; run by path, imports nothing);
+* `console` — where the supervisor's own output goes: the console (plain, or a terminal with a live footer) and
+  `supervisor.log` (a leaf every room may import);
+* `gpus` — which GPUs exist and which a run gets, their health before and after (NVML), a restart without a faulty one;
+* `diagnosis` — the operator's diagnoses: a stall's culprit (on a node and across the nodes), stragglers, OOM, GPU
+  faults, a program's error file;
+* `plan` — what to start: each rank's spec and environment, where the ranks meet, the layout a Slurm job describes;
+* `group` — one group of ranks from spawn to the last exit: processes, output, liveness, hangs, failures, the stop;
+* `control` — multi-node: the authenticated channel between the nodes' supervisors (its `wire` format is a leaf);
+* `report` — the end-of-run summary and exit code, and the live footer;
+* `launch` — the command line (the supervisor's own flags and torchrun's) and the agent that runs a plan to its end:
+  prepare the data once, start, watch, restart, report;
+* `slurm` — what `train_slurm.sbatch` runs: one supervisor per node, the requeue.
 
-Imports `trainer`'s torch-free parts (the run's config, checkpoint layout, token cache, progress records, errors);
-never torch at module level: it must start fast.
+`__main__` is ``python -m supervisor``. Imports `trainer`'s torch-free parts (the run's config, checkpoint layout,
+token cache, progress records, errors); never torch at module level: it must start fast.
 """

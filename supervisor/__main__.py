@@ -1,6 +1,6 @@
-"""``python -m supervisor``: see supervisor/cli.py."""
+"""``python -m supervisor``: see supervisor/launch/cli.py."""
 
-from supervisor.cli import console_script
+from supervisor.launch.cli import console_script
 
 # Every rank, pipe, log and helper is closed by the time it exits.
 console_script()

@@ -1,7 +1,7 @@
 """Which GPUs the processes a test starts may see.
 
 The default tier means CPU ranks, so on a machine with GPUs it hides them (`CUDA_VISIBLE_DEVICES=""`, which CUDA,
-NVML-based discovery in `supervisor/gpus.py` and this project all read as "no GPU"): the suite then behaves and takes
+NVML-based discovery in `supervisor/gpus/discovery.py` and this project all read as "no GPU"): the suite then behaves and takes
 as long as on a machine without any. The GPU tier (`tests/gpu/`) starts its processes with the machine's own value,
 captured here before `tests/conftest.py` hides the GPUs.
 """

@@ -28,7 +28,7 @@ import pytest
 from process_tree import watching
 from rank_scripts.harness import ROOT, clean_env, project_pythonpath
 from small_disk import FILLER, fill, small_disk
-from supervisor import cli
+from supervisor.launch import cli
 from trainer.checkpoint.layout import STEP_PREFIX, TMP_PREFIX
 from trainer.data.cache_folder import list_caches
 from trainer.data.staging import BUILD_PREFIX
@@ -333,6 +333,20 @@ BAD_VALUES = {
                           "system.dist_timeout_s must be within (0, 31,536,000], got 1e+30"),
     "grad accumulation beyond int32": (("--set", "training.grad_accum_nums=99999999999999999999"),
                                        "training.grad_accum_nums must be at most 2,147,483,647"),
+    "write stall on a step no checkpoint follows": (
+        ("--max-steps", "40", "--set", "checkpoint.interval=10", "--set", "debug.inject_write_stall_step=10"),
+        "debug.inject_write_stall_step 10 never fires: no checkpoint follows step 10 (steps count from 0); with "
+        "checkpoint.interval 10 checkpoints follow steps 9, 19, 29 and 39: aim it at one"),
+    "fault in a save on a step no checkpoint follows": (
+        ("--set", "debug.inject_fault=sigkill", "--set", "debug.inject_fault_step=3", "--set",
+         "debug.inject_fault_during=checkpoint"),
+        "debug.inject_fault_step 3 never fires: no checkpoint follows step 3 (steps count from 0)"),
+    "fault phase without a fault": (("--set", "debug.inject_fault_during=publishing"),
+                                    "debug.inject_fault_during publishing says when a fault fires, and no fault is set"),
+    "out-of-memory fault in a save": (
+        ("--set", "debug.inject_fault=oom", "--set", "debug.inject_fault_step=4", "--set",
+         "debug.inject_fault_during=staging"),
+        "debug.inject_fault oom fires in a step's forward pass, never inside a checkpoint save"),
     "slow fault delay infinite": (("--set", "debug.inject_fault=slow", "--set", "debug.inject_fault_step=1", "--set",
                                    "debug.inject_fault_delay_s=Infinity"),
                                   "debug.inject_fault_delay_s must be a finite number, got inf"),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rank_support import MAIN, PYTHON, base_env
-from supervisor.cli import main as supervisor_main
+from supervisor.launch.cli import main as supervisor_main
 from trainer.config import Config, apply_layer
 from trainer.config.resolve import preset_layer
 from trainer.config.sizes import flops_per_token, human, parameter_count

@@ -21,7 +21,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from supervisor import cli
+from supervisor.launch import cli
 from trainer.config import SECTIONS, Config, DataConfig, field_types
 from trainer.data.corpus import open_corpus
 from trainer.errors import UserError

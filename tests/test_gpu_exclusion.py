@@ -24,8 +24,8 @@ import pytest
 from rank_scripts.harness import Run, clean_env, run
 from rank_support import TINY, history_losses, merged, set_flags, tiny_config
 from supervisor.diagnosis.gpu_fault import diagnose
-from supervisor.diagnosis.preflight import Health, check
-from supervisor.exclusion import Exclusion, gpus_phrase, regroup
+from supervisor.gpus.preflight import Health, check
+from supervisor.gpus.exclusion import Exclusion, gpus_phrase, regroup
 from trainer import loop
 from trainer.checkpoint.store import sample_order
 

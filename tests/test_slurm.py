@@ -22,8 +22,8 @@ import pytest
 from rank_scripts.harness import CONTROL_SECRET, ROOT, Run, clean_env, start
 from rank_support import TINY, merged, set_flags
 from supervisor.control.wire import LOST_CODE, SECRET_ENV
-from supervisor.exclusion import GPU_FAULT_FILE, LOST_NODE_FILE, LostNode, NodeFault
-from supervisor.slurm import layout as slurm_layout
+from supervisor.gpus.exclusion import GPU_FAULT_FILE, LOST_NODE_FILE, LostNode, NodeFault
+from supervisor.plan import slurm as slurm_layout
 from trainer.checkpoint import layout
 from trainer.errors import UserError
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from rank_scripts.harness import WORKER, run
-from supervisor.cli import check_fits_on_cpu
-from supervisor.plan import Plan, RankSpec
+from supervisor.plan.spec import Plan, RankSpec
 from trainer.config import Config, apply_layer
 from trainer.config.resolve import preset_layer
 from trainer.errors import UserError
+from trainer.preflight import check_run
 
 
 @pytest.mark.parametrize("args, message", [
@@ -69,14 +69,21 @@ def preset(name: str, **overrides: dict) -> Config:
     return cfg
 
 
-def test_gpu_presets_refuse_a_cpu_unless_forced():
+def test_gpu_presets_refuse_a_cpu_unless_forced(tmp_path, monkeypatch):
+    """The trainer's check of a run (`trainer.preflight.check_run`) on CPU ranks; on GPUs none of this applies."""
+    monkeypatch.chdir(tmp_path)  # the checkpoint folder it checks
+
+    def on_cpus(cfg: Config) -> None:
+        check_run(cfg, 1, on_gpus=False, notes=[])
+
     with pytest.raises(UserError, match=r"preset 'production' \([\d.]+B parameters, fsdp, bf16\) needs GPUs.*--debug"):
-        check_fits_on_cpu(preset("production"))
-    check_fits_on_cpu(preset("production", system={"device": "cpu"}))
-    check_fits_on_cpu(preset("debug"))
-    check_fits_on_cpu(preset("small"))
+        on_cpus(preset("production"))
+    on_cpus(preset("production", system={"device": "cpu"}))
+    on_cpus(preset("debug"))
+    on_cpus(preset("small"))
+    check_run(preset("production"), 8, on_gpus=True, notes=[])
     with pytest.raises(UserError, match="system.device=cuda but no GPU"):
-        check_fits_on_cpu(preset("debug", system={"device": "cuda"}))
+        on_cpus(preset("debug", system={"device": "cuda"}))
 
 
 def test_production_on_a_cpu_machine_is_refused_before_anything_starts(tmp_path):

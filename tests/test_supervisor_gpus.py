@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rank_scripts.harness import clean_env, run
-from supervisor import gpus
+from supervisor.gpus import discovery as gpus
 from trainer.errors import UserError
 
 

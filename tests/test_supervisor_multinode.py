@@ -31,7 +31,7 @@ from supervisor.control.wire import (
     read_secret,
     welcome_proof,
 )
-from supervisor.plan import Plan, node_ranks
+from supervisor.plan.spec import Plan, node_ranks
 from trainer.errors import UserError
 
 

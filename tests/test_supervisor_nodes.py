@@ -19,9 +19,9 @@ from test_supervisor_multinode import FakeNode
 
 from rank_scripts.harness import CONTROL_SECRET, ROOT, Run, clean_env, free_port_pair, start, survivors
 from supervisor.control.wire import LOST_CODE
-from supervisor.exclusion import LOST_NODE_FILE
-from supervisor.hangs import NOTHING_STALLED
-from supervisor.watch import RENDEZVOUS_WAIT
+from supervisor.gpus.exclusion import LOST_NODE_FILE
+from supervisor.group.hangs import NOTHING_STALLED
+from supervisor.group.stop import RENDEZVOUS_WAIT
 
 NODES = 3
 TIMEOUTS = ("--node-timeout", "3", "--join-timeout", "6", "--grace-period", "2")

@@ -11,7 +11,7 @@ import pytest
 
 from rank_scripts.harness import SPAM, WORKER, alive, clean_env, run, start, survivors
 from supervisor.console import Console
-from supervisor.pump import MAX_LINE, Pump, clean_cr
+from supervisor.group.pump import MAX_LINE, Pump, clean_cr
 
 GPUS = [1, 3, 5, 7]  # physical ids in rank order, through the fake-GPU seam
 LINES = 20000

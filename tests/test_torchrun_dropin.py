@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rank_scripts.harness import Run, clean_env, start, survivors
-from supervisor import cli, torchrun_args
+from supervisor.launch import cli, torchrun_args
 from supervisor.diagnosis import error_file
 
 PROGRAMS = Path(__file__).resolve().parent / "torchrun_programs"
@@ -95,7 +95,7 @@ def test_a_tutorial_program_trains_as_under_torchrun(tmp_path):
                   "-m", "nano_train"), PROGRAMS, id="c10d-module", marks=pytest.mark.slow),
 ])
 def test_a_nanogpt_style_script_gets_torchruns_results(tmp_path, launch, cwd):
-    from supervisor.rendezvous import PortReservation
+    from supervisor.plan.rendezvous import PortReservation
 
     reservation = PortReservation.take()
     port = reservation.port

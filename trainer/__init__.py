@@ -12,7 +12,8 @@ before it, and the leaves; `tests/test_house.py` checks it):
 * `checkpoint` — checkpoints on disk, which one `--resume` means, saving and loading them over a run;
 * the rank's run, at the top of this folder — `loop` (the step loop), `compile_check` (the first compiled step,
   tried alone), `metrics` (log line, history, MFU),
-  `run_dir` (the run folder), `wandb_run`, `rank_cli` (`pretrain_main.py`).
+  `run_dir` (the run folder), `wandb_run`, `rank_cli` (`pretrain_main.py`), `preflight` (a run's config checked
+  before anything starts: the supervisor's one call into the trainer).
 
 Nothing here imports `supervisor`: the supervisor uses the run's description; the rank never needs the supervisor.
 """

@@ -52,7 +52,7 @@ class ProgressReporter:
             fd = int(os.environ[PROGRESS_FD_ENV])
         self.fd = fd
         # a supervisor reads this channel: what it checked and said before starting the ranks (a damaged checkpoint
-        # passed over, `supervisor.cli.make_plan`) is not said again by every group it starts
+        # passed over, `supervisor.launch.cli.make_plan`) is not said again by every group it starts
         self.supervised = fd is not None
         self.said_failing = False
 

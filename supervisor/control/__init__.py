@@ -10,7 +10,7 @@ in the order they join. Once authenticated, the messages are:
     lost <node> <why>              server → clients: <node> was lost (stopped answering, died, never joined), and why
     beat                           both ways, every `Timing.beat` seconds (at most 2 s): this node is alive
     verdict <node> <0|1> <text>    anyone → everyone (relayed by node 0): <node>'s stall verdict, 1 when its evidence
-                                   names a rank of its own (supervisor/verdicts.py gathers them)
+                                   names a rank of its own (supervisor/diagnosis/verdicts.py gathers them)
     done                           client → server: this node's ranks all finished
     bye                            server → clients: the run is over; a closed connection now means nothing
 
@@ -21,7 +21,7 @@ never joined), for node 0, or to node 0, for the others. An authenticated connec
 that stays open but says nothing for `Timing.node_timeout` seconds (``--node-timeout``: its supervisor frozen, its host
 gone without a reset) means it stopped answering. Either way the node is lost: node 0 names it to everyone
 (``lost``), a client that loses node 0 names it itself, and every node stops its ranks with `LOST_CODE` (125), a node
-still building its dataset too (`supervisor.launcher`). A node that has not joined within
+still building its dataset too (`supervisor.launch.agent`). A node that has not joined within
 `Timing.join_timeout` seconds of node 0 opening the channel (``--join-timeout``) is lost the same way ("node 2 never
 joined"), with any hello refused in its name (another secret, another run) said at once and again in that headline.
 Otherwise every node exits with the code of the rank that failed first, wherever it ran, and its report says where
@@ -39,30 +39,17 @@ hears of every kind of drop, at most once per `NOTE_INTERVAL` with the count of 
 
 A background thread does the networking; the watcher's loop learns of aborts through `fd`, a pipe that becomes
 readable whenever `read_events` has something.
+
+* `wire` — what crosses the channel: bounded lines, the challenge-response over ``SUPERVISOR_CONTROL_SECRET``, the
+  per-line HMAC with sequence numbers, the validation of aborts, losses and verdicts, the node and join timeouts (a
+  leaf: the plan names its timings and secret);
+* `channel` — what both ends share: the connection's reader and writer threads, the events and verdicts handed to the
+  watcher, the heartbeat;
+* `server` — node 0's end: the listening port, what it does with strangers (timeouts, caps, drops), the numbering of
+  nodes started without ``--node-rank``, the relay;
+* `client` — every other node's end: joining, the welcome that numbers it, losing node 0;
+* `endpoint` — this node's end, opened: node 0's server or another node's client.
+
+This file imports nothing, so that the plan below the group can import `wire` (Python runs a package's
+``__init__`` before any module of it).
 """
-
-from __future__ import annotations
-
-from collections.abc import Callable
-
-from supervisor.control.channel import CONTROL_PORT_OFFSET, ControlChannel
-from supervisor.control.client import ControlClient
-from supervisor.control.server import ControlServer, claim, listen, port_refused
-from supervisor.plan import Plan
-
-
-def open_channel(plan: Plan, secret: bytes, say: Callable[[str], None]) -> ControlChannel:
-    """Node 0's server or another node's client. A node started without --node-rank is node 0 when it opens the
-    control port at --master-addr (`claim`), else a client whose node rank node 0's welcome gives."""
-    assert plan.master_port is not None
-    port = plan.master_port + CONTROL_PORT_OFFSET
-    if plan.node_rank == 0 and not plan.node_rank_assigned:
-        try:
-            listener = listen(port)
-        except OSError as e:
-            raise port_refused(port, e) from None
-        return ControlServer(plan.nnodes, listener, secret, plan.node_timing, say)
-    if plan.node_rank_assigned and (listener := claim(plan.master_addr, port)) is not None:
-        return ControlServer(plan.nnodes, listener, secret, plan.node_timing, say)
-    return ControlClient(None if plan.node_rank_assigned else plan.node_rank, plan.nnodes, (plan.master_addr, port),
-                         plan.local_addr, secret, plan.node_timing, say)

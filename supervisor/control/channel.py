@@ -24,7 +24,7 @@ from supervisor.control.wire import (
     parse_abort,
     parse_verdict,
 )
-from supervisor.worker import describe_exit
+from supervisor.group.worker import describe_exit
 
 CONTROL_PORT_OFFSET = 1
 RETRY_INTERVAL = 0.2
@@ -52,7 +52,7 @@ NodeVerdict = tuple[int, bool, str]  # node, whether its evidence names a rank o
 
 
 def remote_failure(node: int, label: str, code: int) -> Event:
-    if code == HANG_CODE:  # the node's watchdog: every node reads its own ranks' evidence (supervisor/verdicts.py)
+    if code == HANG_CODE:  # the node's watchdog: every node reads its own ranks' evidence (supervisor/diagnosis/verdicts.py)
         return Event(node, label, code, f"node {node}: {'its ranks' if label == 'supervisor' else label} stalled")
     if label == "supervisor":  # no rank failed there: the supervisor itself stopped (a signal such as Slurm's USR1)
         return Event(node, label, code, f"node {node}: its supervisor stopped with {describe_exit(code)}")

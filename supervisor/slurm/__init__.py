@@ -1,4 +1,8 @@
-"""Slurm: the multi-node layout a job's `SLURM_*` variables describe (`layout`, used by `python -m supervisor` in any
-job), and what `train_slurm.sbatch` runs (`job`: one supervisor per node through `srun`, the time-limit warning
-passed to its node's supervisor alone, the requeue, the requeue without a node whose GPU failed).
+"""Slurm's batch side.
+
+* `job` — what `train_slurm.sbatch` runs: the control secret, one supervisor per node through ``srun`` with the
+  user's flags, the time-limit warning (``--signal=B:USR1``) passed on to its node's supervisor alone, the requeue
+  after it, the requeue without a node whose GPU failed or that was lost.
+
+The layout a job describes is `supervisor.plan.slurm`: any ``python -m supervisor`` in a job reads it.
 """

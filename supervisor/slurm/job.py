@@ -20,19 +20,19 @@ Usage (inside an allocation): ``python -m supervisor.slurm.job [training flags..
   That supervisor stops its ranks at a checkpoint and, through the control channel, every other node's (each exits
   138, as after SIGUSR1). Not Slurm's own delivery to the step (``--signal=USR1@120`` without ``B:``): Slurm signals
   every process of a step, ranks included, and a rank answers SIGUSR1 with a stack dump into its log (the stall
-  diagnosis's request, `supervisor.watch`), noise at every time limit.
+  diagnosis's request, `supervisor.group.watch`), noise at every time limit.
 - The step runs with ``--kill-on-bad-exit``: a supervisor exits with an error only once the run is over on every
   node (it tells the others through the control channel), so a task still running then is one that cannot hear it,
   a lost node's (its supervisor frozen, cut off): Slurm ends it (SIGCONT, SIGTERM, SIGKILL after its KillWait)
   instead of the job waiting for it until its time limit. srun then exits with the code of the task it killed; the
-  nodes that stopped for the lost node recorded it (``<run>/node_lost.json``, `supervisor.exclusion.LostNode`), so
+  nodes that stopped for the lost node recorded it (``<run>/node_lost.json``, `supervisor.gpus.exclusion.LostNode`), so
   the job exits with the lost node's code, 125, and a line names the node by its Slurm name. The job is then
   requeued without that node, as after a GPU fault (below): a node that froze or dropped off the network once is
   not trusted with the next allocation.
 - Exit code 138 (every rank checkpointed after SIGUSR1): ``scontrol requeue``, and the job starts again in a new
   allocation.
 - A step that ended on a GPU fault (the supervisor's verdict, recorded in ``<run>/gpu_fault.json`` with the node's
-  Slurm name, `supervisor.exclusion.NodeFault`): ``scontrol requeue``, then ``scontrol update ExcNodeList=`` with the
+  Slurm name, `supervisor.gpus.exclusion.NodeFault`): ``scontrol requeue``, then ``scontrol update ExcNodeList=`` with the
   job's excluded nodes and this one (Slurm changes a job's excluded nodes only once it is pending again), so the next
   allocation lands on other nodes and resumes from the latest checkpoint. It does not requeue when the partition
   would have too few nodes left for the job, or when Slurm refuses (``--no-requeue``, its requeue limit); each
@@ -55,9 +55,9 @@ from typing import TypeVar
 
 import hostlist
 
-from supervisor.cli import build_parser, split_entry_args
 from supervisor.control.wire import LOST_CODE, SECRET_ENV
-from supervisor.exclusion import GPU_FAULT_FILE, LOST_NODE_FILE, LostNode, NodeFault
+from supervisor.gpus.exclusion import GPU_FAULT_FILE, LOST_NODE_FILE, LostNode, NodeFault
+from supervisor.launch.cli import build_parser, split_entry_args
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 ROOT = Path(__file__).resolve().parents[2]

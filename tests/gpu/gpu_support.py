@@ -17,7 +17,7 @@ import gpu_visibility
 from process_tree import watching
 from rank_scripts.harness import clean_env
 from rank_support import TINY, merged, set_flags
-from supervisor import gpus
+from supervisor.gpus import discovery as gpus
 
 TORCH_PROBE = ("import json, torch\n"
                "ok = torch.cuda.is_available()\n"

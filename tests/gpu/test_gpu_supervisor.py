@@ -13,7 +13,7 @@ import pytest
 
 from gpu_support import Machine, banner, gpu_layer, supervise
 from rank_scripts.harness import ROOT
-from supervisor import gpus
+from supervisor.gpus import discovery as gpus
 
 pytestmark = pytest.mark.gpu
 

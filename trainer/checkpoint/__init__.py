@@ -1,7 +1,8 @@
 """Checkpoints: what a save writes and a resume reads (`store`: the full state or DCP's shards, `final/`, imports
 torch), and their names on disk, damage found from the files alone, and which one `--resume` means (`layout`:
 torch-free, so the supervisor refuses a bad `--resume` before any rank starts). Both publish through
-`trainer.durable` (temporary name → fsync → rename).
+`trainer.durable` (temporary name → fsync → rename). `manager` is the loop's one interface to them (resume, save at a
+step, the final model); `background` writes a save on a thread of its own from host memory staged by DCP's stager.
 
 Imports `trainer.config`, `trainer.model` and the leaves; this file imports nothing, so `layout` stays torch-free.
 """

@@ -5,7 +5,11 @@ supervisor (or `prepare_dataset.py`), the reading half in every rank.
 * `formats` — the file formats a local corpus is read from: plain or compressed JSON Lines and text, Parquet;
 * `tokenizer` — a byte-level BPE trained on the corpus, or any AutoTokenizer;
 * `token_stream` — tokenizing into flat files, streaming, on every core;
+* `pieces` — how a `.txt` file becomes documents (``data.sample_by``) and a document of any size becomes pieces cut
+  where pre-tokenizers split words anyway;
+* `digests` — content digests of files, and the memo that re-reads only the files that changed;
 * `cache` — the token cache: build once under a content key, publish atomically, memory-map read-only;
+* `cache_folder` — the caches on disk as ``prepare_dataset.py --list`` and ``--remove`` see them;
 * `staging` — building a folder among concurrent builders: the lock, the staging folder, atomic publication;
 * `build_progress` — what a build shows while it runs;
 * `mixture` — weighted mixtures of sources: which source each sample comes from, the record naming their caches;

@@ -1,6 +1,6 @@
 """The fake NVML state file (``SUPERVISOR_FAKE_GPU_STATE``): the test seam that stands for the GPUs' hardware.
 
-The supervisor reads it instead of NVML (`supervisor.diagnosis.preflight`: before the run, and again after a failure
+The supervisor reads it instead of NVML (`supervisor.gpus.preflight`: before the run, and again after a failure
 to tell a GPU fault from a program fault); the ``gpu_lost`` fault injection writes it, so the GPU a rank "loses" reads
 as lost from then on, as NVML would report a GPU that fell off the bus. JSON, keyed by GPU id:
 ``{"1": {"lost": true, "ecc_uncorrectable": 3, "retired_pages_pending": true, "throttle": ["HW_SLOWDOWN"],

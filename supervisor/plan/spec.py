@@ -21,8 +21,8 @@ from pathlib import Path
 
 from supervisor.control.wire import SECRET_ENV, Timing
 from supervisor.diagnosis.culprit import recorder_pipe
-from supervisor.diagnosis.preflight import Health
-from supervisor.rendezvous import loopback_interface
+from supervisor.gpus.preflight import Health
+from supervisor.plan.rendezvous import loopback_interface
 from trainer.config import PROJECT_ROOT
 from trainer.diagnosis.flight_recorder import PIPE_ENV
 from trainer.progress import RESTART_COUNT_ENV
@@ -69,7 +69,7 @@ class Plan:
     node_timing: Timing = field(default_factory=Timing)  # multi-node: heartbeat and join timeouts
     local_addr: str | None = None  # multi-node: the address this node's control connection comes from
     max_restarts: int = 0
-    gpu_exclusion: bool = True  # a restart after a GPU fault leaves that GPU out (supervisor.exclusion)
+    gpu_exclusion: bool = True  # a restart after a GPU fault leaves that GPU out (supervisor.gpus.exclusion)
     min_gpus: int = 1  # fewer GPUs than this after an exclusion: the run stops instead
     preflight: dict[int, Health] = field(default_factory=dict)  # NVML before the start: a failure's baseline
     fake_gpus: bool = False  # SUPERVISOR_FAKE_GPUS: NVML's answers come from the test seam, or from nowhere
@@ -166,7 +166,7 @@ class Plan:
             env[ERROR_FILE_ENV] = str(error_file)
         # The cores shared out, so the ranks' thread pools do not oversubscribe the machine; a value set by hand wins.
         env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // max(1, self.local_world_size))))
-        if self.nnodes == 1:  # gloo's own sockets stay on the machine (see supervisor/rendezvous.py)
+        if self.nnodes == 1:  # gloo's own sockets stay on the machine (see supervisor/plan/rendezvous.py)
             env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         # the flight recorder (PyTorch's record of collectives, gloo and NCCL alike; TORCH_NCCL_TRACE_BUFFER_SIZE is
         # its deprecated name) and the pipe the supervisor asks for its dump through

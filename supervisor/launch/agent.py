@@ -22,7 +22,7 @@ exit 2 included (2 means a user error only to programs of this project), with ``
 it which attempt it is; where it keeps its checkpoints is its own business, and the messages do not speak of them.
 
 After a failure on GPUs, `supervisor.diagnosis.gpu_fault` says whether a GPU or the program was at fault (console,
-supervisor.log, the report); a restart after a GPU fault leaves that GPU out (`supervisor.exclusion`), or stops when
+supervisor.log, the report); a restart after a GPU fault leaves that GPU out (`supervisor.gpus.exclusion`), or stops when
 too few GPUs would be left. A run that ends on a GPU fault records the node in ``<run>/gpu_fault.json``, for a job
 script that leaves the node out of its next allocation.
 """
@@ -42,20 +42,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from supervisor import exclusion
 from supervisor.console import Console
 from supervisor.control.wire import HANG_CODE, LOST_CODE, read_secret
-from supervisor.diagnosis import gpu_fault, preflight
+from supervisor.diagnosis import gpu_fault
 from supervisor.diagnosis.culprit import make_pipe, recorder_pipe
-from supervisor.exclusion import Exclusion
-from supervisor.plan import Plan, node_ranks
-from supervisor.pump import Pump, Stream
-from supervisor.reaper import TOKEN_ENV, Reaper
-from supervisor.rendezvous import PortReservation
-from supervisor.report import failure_report, success_report
-from supervisor.signals import SignalInbox
-from supervisor.watch import GroupResult, Watch
-from supervisor.worker import Worker, become_subreaper, die_with_parent
+from supervisor.gpus import exclusion, preflight
+from supervisor.gpus.exclusion import Exclusion
+from supervisor.group.pump import Pump, Stream
+from supervisor.group.reaper import TOKEN_ENV, Reaper
+from supervisor.group.signals import SignalInbox
+from supervisor.group.watch import GroupResult, Watch
+from supervisor.group.worker import Worker, become_subreaper, die_with_parent
+from supervisor.plan.rendezvous import PortReservation
+from supervisor.plan.spec import Plan, node_ranks
+from supervisor.report.summary import failure_report, success_report
 from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints
 from trainer.config import PROJECT_ROOT, Config
 from trainer.data.prepare_cli import interrupt_once
@@ -83,9 +83,9 @@ class Launcher:
         self.plan, self.cfg, self.console = plan, cfg, console
         self.exclusions: list[Exclusion] = []
         self.verdict: gpu_fault.Verdict | None = None  # the last failure's diagnosis (GPU runs only)
-        self.footer: Any = None  # supervisor.footer.Footer, in terminal mode only (rich loads only then)
+        self.footer: Any = None  # supervisor.report.footer.Footer, in terminal mode only (rich loads only then)
         if console.terminal:
-            from supervisor.footer import Footer
+            from supervisor.report.footer import Footer
 
             self.footer = Footer(f"run {plan.run_dir.name}")
 
@@ -99,7 +99,7 @@ class Launcher:
             become_subreaper()
             signal.signal(signal.SIGINT, interrupt_once)
             if self.plan.nnodes > 1:  # before the dataset: the nodes join (and are heard from) while each builds
-                from supervisor.control import open_channel
+                from supervisor.control.endpoint import open_channel
 
                 control = open_channel(self.plan, read_secret(os.environ), self.console.say)
             try:
@@ -392,7 +392,8 @@ class Launcher:
             pump.start()
             watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control)
             if self.footer is not None:
-                self.footer.rows = watch.footer_rows
+                from supervisor.report.footer import group_rows  # rich, in terminal mode only
+                self.footer.rows = lambda: group_rows(watch)
                 if restart:
                     excluded = "".join(f" · {e.short()}" for e in self.exclusions)
                     self.footer.title = f"run {plan.run_dir.name} · restart {restart}/{plan.max_restarts}{excluded}"

@@ -294,7 +294,7 @@ class Pump(threading.Thread):
                 stream.tail = (stream.tail + head + bytes(lines))[-TAIL_BYTES:]
             stream.taken = stream.received
         if stream.keep_tail and not stream.muted and (gate := self.gate) is not None:
-            gate()  # stderr: what came before these lines may make them fallout (`supervisor.failure.FalloutGate`)
+            gate()  # stderr: what came before these lines may make them fallout (`supervisor.group.failure.FalloutGate`)
         if stream.muted:
             stream.muted_lines += data.count(b"\n", 0, size)  # `head` is the start of a line, never a whole one
         elif self.console.terminal:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from supervisor.diagnosis import oom
-from supervisor.pump import Stream
-from supervisor.worker import Worker, describe_exit
+from supervisor.group.pump import Stream
+from supervisor.group.worker import Worker, describe_exit
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 
 SETTLE_WAIT = 1.0  # the longest a rank's stderr lines wait for the watcher to handle the events before them

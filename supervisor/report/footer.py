@@ -9,11 +9,26 @@ from typing import Callable
 
 from rich.table import Table
 
-from supervisor.liveness import RankState
-from supervisor.report import duration
-from supervisor.worker import Worker
+from supervisor.group.liveness import RankState
+from supervisor.group.watch import Watch
+from supervisor.group.worker import Worker, describe_exit
+from supervisor.report.summary import duration
 
 Rows = Callable[[], list[tuple[Worker, RankState, str]]]
+
+
+def group_rows(watch: Watch) -> list[tuple[Worker, RankState, str]]:
+    """Each rank of the group being watched, with what it last reported and its state in words."""
+    rows = []
+    for w in watch.workers:
+        if w.alive:
+            status = "finishing" if watch.states[w.spec.rank].event == "done" else "running"
+            if (found := watch.stragglers.named.get(w.spec.rank)) is not None:
+                status += f" · straggler +{found.percent:.0f} %"
+        else:
+            status = watch.endings.get(w.spec.rank, describe_exit(w.exit_code or 0))
+        rows.append((w, watch.states[w.spec.rank], status))
+    return rows
 
 
 def fmt(value: float | None, spec: str) -> str:

@@ -5,7 +5,7 @@
 
 A command line is torchrun's when it has a positional program (everything after it is the program's, as in
 torchrun: no ``--`` needed), ``-m``, ``--no-python``, or any flag only torchrun has (`recognised`); `parse` turns it
-into the namespace the supervisor's own command line gives (`supervisor.cli` then plans and launches the same
+into the namespace the supervisor's own command line gives (`supervisor.launch.cli` then plans and launches the same
 way), plus what only a torchrun program needs (its run id, role, how to start it). Both spellings of torchrun's
 flags (``--nproc-per-node`` and ``--nproc_per_node``) and both forms (``--flag=value``, ``--flag value``) work, as in
 torchrun, whose parser (``torch.distributed.run.get_args_parser``) this one mirrors. As in torchrun, a flag left off
@@ -39,7 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from supervisor import gpus
+from supervisor.gpus import discovery
+from supervisor.plan.spec import available_cores
 from trainer.errors import UserError
 
 DEFAULT_C10D_PORT = 29400  # torchrun's port for a c10d endpoint given without one
@@ -90,9 +91,9 @@ class OneLineParser(argparse.ArgumentParser):
 class TorchrunLaunch:
     """A torchrun command line, read: the supervisor's namespace, and what only a torchrun program needs."""
 
-    args: argparse.Namespace  # as `supervisor.cli.build_parser` would give it, the launch flags filled in
+    args: argparse.Namespace  # as `supervisor.launch.cli.build_parser` would give it, the launch flags filled in
     program: Path  # a script or an executable; a module's dotted name for mode "module"
-    mode: str  # "script" | "module" | "executable" (`supervisor.plan.Plan.entry_mode`)
+    mode: str  # "script" | "module" | "executable" (`supervisor.plan.spec.Plan.entry_mode`)
     program_args: list[str]
     run_id: str  # TORCHELASTIC_RUN_ID
     role: str  # ROLE_NAME
@@ -245,13 +246,10 @@ def per_node(value: str | None, args: argparse.Namespace) -> None:
     if value not in ("gpu", "cpu", "auto"):
         raise UserError(f"--nproc-per-node {value}: expected a number, gpu, cpu or auto (this launcher places ranks "
                         f"on NVIDIA GPUs or on CPUs)")
-    # imported here: supervisor.plan, imported first, would import supervisor.control before its own definitions
-    from supervisor.plan import available_cores
-
     args.nproc, args.cpu_ranks = None, available_cores()
     if value == "cpu":
         args.set = [*args.set, "system.device=cpu"]
-    elif value == "gpu" and not gpus.discover().usable:
+    elif value == "gpu" and not discovery.discover().usable:
         raise UserError("--nproc-per-node gpu: no usable GPU on this machine (NVML and nvidia-smi found none, or "
                         "CUDA_VISIBLE_DEVICES hides them); --nproc-per-node cpu or auto runs CPU ranks")
 

@@ -60,6 +60,20 @@ class RankState:
             self.loss = record.loss if record.loss is not None else self.loss
             self.tok_s, self.eta_s = record.tok_s, record.eta_s
 
+    def feed(self, data: bytes, console_mark: float) -> list[Progress]:
+        """The records completed by `data`, read off the rank's progress pipe (a partial line waits for the rest);
+        each one updates this state. A malformed record says nothing about progress and is passed over."""
+        *lines, self.pending = (self.pending + data).split(b"\n")
+        records = []
+        for line in lines:
+            try:
+                record = Progress.decode(line)
+                self.update(record, console_mark)
+            except (ValueError, TypeError):
+                continue
+            records.append(record)
+        return records
+
     def allowance(self, hang_timeout: float, startup_timeout: float) -> float:
         return hang_timeout if self.event == "step" else startup_timeout
 

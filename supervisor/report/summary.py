@@ -16,9 +16,9 @@ from pathlib import Path
 
 from supervisor.diagnosis import error_file
 from supervisor.diagnosis.gpu_fault import Verdict
-from supervisor.exclusion import EXCLUSIONS_FILE, Exclusion
-from supervisor.watch import GroupResult
-from supervisor.worker import describe_exit
+from supervisor.gpus.exclusion import EXCLUSIONS_FILE, Exclusion
+from supervisor.group.watch import GroupResult
+from supervisor.group.worker import describe_exit
 
 TAIL_LINES = 20
 
@@ -101,7 +101,7 @@ def failure_report(result: GroupResult, run_dir: Path, restarts: int, max_restar
 
 
 def fallout_lines(result: GroupResult, run_dir: Path) -> list[str]:
-    """Where the stderr lines kept off the console went (`supervisor.pump.Stream.mute`)."""
+    """Where the stderr lines kept off the console went (`supervisor.group.pump.Stream.mute`)."""
     return [f"{w.label} (rank {w.spec.rank}): {count} more stderr line{'s' * (count != 1)} after the failure, "
             f"in {run_dir / w.spec.log_name} only"
             for w in result.workers

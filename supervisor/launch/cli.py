@@ -9,7 +9,7 @@ The config is resolved once (trainer.config: preset < --config files < flags) an
 torchrun's training script): it gets only the arguments after ``--``, finds the config path in
 ``SUPERVISOR_RUN_CONFIG``, and no dataset is prepared for it. ``--no-prepare`` skips the dataset step for the trainer
 too (the ranks then expect the cache to exist). torchrun's own command line runs a program written for torchrun
-(`supervisor.torchrun_args`): no config is written for it, its run folder is named after it (docs/torchrun.md).
+(`supervisor.launch.torchrun_args`): no config is written for it, its run folder is named after it (docs/torchrun.md).
 
 Everything here runs before any rank exists, so a bad input ends as one ``error: ...`` line and exit code 2 with
 nothing started.
@@ -26,23 +26,20 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from pathlib import Path
 
-from supervisor import gpus, torchrun_args
 from supervisor.console import Console
 from supervisor.control.wire import Timing, read_secret
-from supervisor.diagnosis import preflight
-from supervisor.exclusion import default_min_gpus
-from supervisor.launcher import Launcher, run_folder_writes
-from supervisor.plan import TRAINER_ENTRY, Plan, node_ranks
-from supervisor.slurm import layout as slurm_layout
-from supervisor.torchrun_args import TorchrunLaunch
-from trainer.checkpoint.layout import check_checkpoint_dir, earlier_run, find_resume
-from trainer.config import PROJECT_ROOT, RUNS_DIR, Config, check_world_size
-from trainer.config.choices import cpu_rank_refusal, cpu_refusal
+from supervisor.gpus import discovery, preflight
+from supervisor.gpus.exclusion import default_min_gpus
+from supervisor.launch import torchrun_args
+from supervisor.launch.agent import Launcher, run_folder_writes
+from supervisor.launch.torchrun_args import TorchrunLaunch
+from supervisor.plan import slurm as slurm_layout
+from supervisor.plan.spec import TRAINER_ENTRY, Plan, node_ranks
+from trainer.config import PROJECT_ROOT, RUNS_DIR, Config
 from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError, exit_without_teardown
-from trainer.model.source import check_model_source
-from trainer.wandb_run import check_wandb
+from trainer.preflight import check_run
 
 DEFAULT_CPU_RANKS = 2
 MAX_NPROC = 1024  # ranks on one node: more is a typo, and would be planned (and spawned) one by one
@@ -111,7 +108,7 @@ def add_torchrun_side_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def add_own_launch_flags(group: argparse._ArgumentGroup) -> None:
-    """The supervisor's flags that both its own command line and torchrun's (`supervisor.torchrun_args`) take."""
+    """The supervisor's flags that both its own command line and torchrun's (`supervisor.launch.torchrun_args`) take."""
     group.add_argument("--gpus", metavar="IDS|auto",
                        help="physical GPU ids (0,3,5), or 'auto' for the least busy (with --nproc N: the N least "
                             "busy); default: every usable GPU")
@@ -187,14 +184,6 @@ def entry_path(args: argparse.Namespace) -> Path:
     return path.resolve()
 
 
-def check_fits_on_cpu(cfg: Config) -> None:
-    """Refuse presets that cannot train on a CPU, unless the user forced the device."""
-    if cfg.system.device == "cuda":
-        raise UserError("system.device=cuda but no GPU was found (NVML and nvidia-smi found none)")
-    if refusal := cpu_refusal(cfg):
-        raise UserError(refusal)
-
-
 @dataclass
 class Devices:
     """What `choose_devices` decided: the physical GPU ids for this node's ranks (empty: CPU ranks), NVML's
@@ -205,10 +194,10 @@ class Devices:
     fake: bool = False
 
 
-def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
-                   console_notes: list[str]) -> Devices:
-    """The devices for this node's ranks; sets system.device where the plan decides."""
-    inventory = gpus.discover()
+def choose_devices(args: argparse.Namespace, cfg: Config, console_notes: list[str]) -> Devices:
+    """The devices for this node's ranks; sets system.device for fake GPUs (CPU ranks with no GPU get it from the
+    caller, once the trainer has checked what the config asked for)."""
+    inventory = discovery.discover()
     forced_cpu = cfg.system.device == "cpu"
     if forced_cpu and args.gpus is not None:
         raise UserError(f"--gpus {args.gpus} conflicts with system.device=cpu")
@@ -218,21 +207,18 @@ def choose_devices(args: argparse.Namespace, cfg: Config, trainer_entry: bool,
         if busy:
             inventory = replace(inventory, usable=tuple(g for g in inventory.usable if g not in busy))
             console_notes += [f"--gpus auto skips GPU {g.index}: in use by {health[g.index].users()}" for g in busy]
-    chosen = [] if forced_cpu else gpus.select(inventory, args.gpus, args.nproc)
+    chosen = [] if forced_cpu else discovery.select(inventory, args.gpus, args.nproc)
     if chosen:
         health = preflight.check([g.index for g in chosen], inventory.fake)
         console_notes += preflight.refuse_busy(health, args.allow_busy_gpus)
         if inventory.fake:
             cfg.system.device = "cpu"
-            fake_ids = gpus.id_ranges([g.index for g in inventory.gpus])
-            console_notes.append(f"{gpus.FAKE_GPUS_ENV}: pretending GPUs {fake_ids} exist; the ranks compute on the "
+            fake_ids = discovery.id_ranges([g.index for g in inventory.gpus])
+            console_notes.append(f"{discovery.FAKE_GPUS_ENV}: pretending GPUs {fake_ids} exist; the ranks compute on the "
                                  f"CPU")
         if args.gpus is not None and args.gpus.strip() == "auto":
             console_notes.append("--gpus auto chose " + "; ".join(g.describe() for g in chosen))
         return Devices([g.index for g in chosen], health, inventory.fake)
-    if trainer_entry:
-        check_fits_on_cpu(cfg)
-    cfg.system.device = "cpu"
     why = "system.device=cpu" if forced_cpu else "no GPU found"
     count = args.nproc or args.cpu_ranks
     console_notes.append(f"{why}: starting {count} CPU rank{'s' if count > 1 else ''} on gloo (--nproc N to change)")
@@ -283,25 +269,16 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
     (the config resolved from the defaults only serves the supervisor: it is neither shown nor written)."""
     if launch is None:
         notes.extend(cfg.notes)
-        if wandb_note := check_wandb(cfg):
-            notes.append(wandb_note)
     entry = launch.program if launch is not None else entry_path(args)
-    trainer_entry = launch is None and entry.name == TRAINER_ENTRY
     check_writable(Path(args.log_dir), "the log folder", "choose a writable one with --log-dir DIR")
-    if trainer_entry:
-        find_resume(cfg, notes)  # a --resume without a checkpoint: one error here, not a failure on every rank later
-        earlier_run(cfg)  # a fresh start over an unfinished run: likewise
-        check_checkpoint_dir(cfg)
-    devices = choose_devices(args, cfg, trainer_entry, notes)
-    if trainer_entry:  # what the ranks would refuse only after the token cache is built: refused now
-        if not devices.gpus and (refusal := cpu_rank_refusal(cfg)):
-            raise UserError(refusal)
-        check_model_source(cfg)
+    devices = choose_devices(args, cfg, notes)
     min_gpus = check_min_gpus(args, devices.gpus)
     assigned = args.node_rank is None
     ranks = node_ranks(devices.gpus, args.nproc or args.cpu_ranks, 0 if assigned else args.node_rank)
-    if launch is None:
-        check_world_size(cfg, args.nnodes * len(ranks))
+    if launch is None and entry.name == TRAINER_ENTRY:  # what the ranks would refuse only after the token cache
+        check_run(cfg, args.nnodes * len(ranks), bool(devices.gpus), notes)
+    if not devices.gpus:
+        cfg.system.device = "cpu"
     plan = Plan(entry=entry, entry_args=entry_args, run_dir=Path(), ranks=ranks, nnodes=args.nnodes,
                 node_rank=0 if assigned else args.node_rank, node_rank_assigned=assigned,
                 master_addr=args.master_addr or "127.0.0.1", master_port=args.master_port,
@@ -321,7 +298,7 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
 
 def read_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str], TorchrunLaunch | None, list[str]]:
     """The supervisor's own command line (the program's arguments after ``--``), or torchrun's
-    (`supervisor.torchrun_args`). torchrun's naming the project's trainer is read as the trainer's own: its
+    (`supervisor.launch.torchrun_args`). torchrun's naming the project's trainer is read as the trainer's own: its
     arguments are the config flags it takes (``--nproc-per-node 2 pretrain_main.py --debug``). Last, the lines
     saying what torchrun's flags that change nothing here do instead."""
     own = build_parser()
@@ -358,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             from trainer.model.estimate import dry_run_report  # imports torch: only for this flag
 
-            print(dry_run_report(cfg, gpus.detected(), args.nproc), flush=True)
+            print(dry_run_report(cfg, discovery.detected(), args.nproc), flush=True)
             return 0
         plan = make_plan(args, cfg, entry_args, notes, launch)
         console = Console(footer=plan.footer)

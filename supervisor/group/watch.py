@@ -5,22 +5,17 @@ rank to die is the first we see), a signal (SIGCHLD, or a stop request), a progr
 multi-node control channel, or the next deadline (a hang allowance running out, the end of the stack-dump pause,
 the end of the grace period). There is no polling interval.
 
-Which rank's failure is the run's, when several fail one after another, is `supervisor.failure`'s rule. Stopping
-the others: SIGTERM to each rank process, then SIGKILL to its whole process group once the grace period ends. SIGTERM
-goes to the rank alone, not its group, so its DataLoader workers keep serving it while it finishes its step and
-checkpoints; the moment a rank exits, its group is SIGKILLed, so nothing it started outlives it. A rank still joining
-its process group `RENDEZVOUS_WAIT` seconds after SIGTERM (waiting for a node that may never come) gets SIGKILL then,
-not after the grace period: it has nothing to save. So does a rank still training then while another node is lost
-(the trainer's by its records, a program that reports nothing by its stack: in a collective): its collectives wait for
-that node's ranks, so it can never reach its checkpoint (a rank in its checkpoint phase keeps the grace period).
-After the last exit, a sweep (`Reaper.sweep`) kills any descendant that left the ranks' groups (the supervisor is a
-child subreaper, so orphans come to it rather than to init).
+Which rank's failure is the run's, when several fail one after another, is `supervisor.group.failure`'s rule; how
+the others are then stopped (SIGTERM, the short kill for ranks in a rendezvous or held by a lost node, SIGKILL after
+the grace period, what is left behind) is `supervisor.group.stop`'s ladder. The moment a rank exits, its group is
+SIGKILLed, so nothing it started outlives it. After the last exit, a sweep (`Reaper.sweep`) kills any descendant that
+left the ranks' groups (the supervisor is a child subreaper, so orphans come to it rather than to init).
 
-Hang watchdog: `supervisor.hangs` says when a group is stalled and which rank holds it up (the headline).
+Hang watchdog: `supervisor.group.hangs` says when a group is stalled and which rank holds it up (the headline).
 
 Length: one state machine, the group's, and its reaction to each kind of event (an exit, the clock, a signal, the
-control channel, a progress record), which share the stop under way; the rules they apply live in `supervisor.failure`,
-`supervisor.hangs`, `supervisor.liveness` and `supervisor.verdicts`.
+control channel, a progress record), which share the stop under way; the rules they apply live in `supervisor.group.failure`,
+`supervisor.group.hangs`, `supervisor.group.liveness` and `supervisor.diagnosis.verdicts`.
 """
 
 from __future__ import annotations
@@ -29,33 +24,27 @@ import os
 import selectors
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
 from supervisor.control.wire import HANG_CODE, LOST_CODE
 from supervisor.diagnosis import stragglers
-from supervisor.diagnosis.culprit import Frame
-from supervisor.failure import PEER_EXIT_WAIT, FailureRule, FalloutGate, Suspect
-from supervisor.hangs import HangWatchdog, Stall
-from supervisor.liveness import RankState, blocked, may_be_held, may_be_joining, says_joining
-from supervisor.plan import Plan
-from supervisor.pump import Pump, Stream
-from supervisor.reaper import Reaper
-from supervisor.signals import STOP_SIGNALS, SignalInbox
-from supervisor.verdicts import NodeVerdicts
-from supervisor.worker import Worker, describe_exit
+from supervisor.diagnosis.verdicts import NodeVerdicts
+from supervisor.group.failure import PEER_EXIT_WAIT, FailureRule, FalloutGate, Suspect
+from supervisor.group.hangs import HangWatchdog
+from supervisor.group.liveness import RankState
+from supervisor.group.pump import Pump, Stream
+from supervisor.group.reaper import Reaper
+from supervisor.group.signals import STOP_SIGNALS, SignalInbox
+from supervisor.group.stop import KILL_WAIT, Stop, StopLadder
+from supervisor.group.worker import Worker, describe_exit
+from supervisor.plan.spec import Plan
 from trainer.errors import USER_ERROR_EXIT_CODE
-from trainer.progress import Progress
 
 if TYPE_CHECKING:
     from supervisor.control.channel import ControlChannel, Event
 
-KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
-# after SIGTERM: a rank still joining its process group by then gets SIGKILL instead of the grace period. It has
-# nothing to save, and a program that answers SIGTERM by setting a flag (the trainer: checkpoint at the next step)
-# never reads it while it waits there, for a node that may never come
-RENDEZVOUS_WAIT = 2.0
 PUMP_WAIT = 2.0  # after the last exit: time for the pump to reach end-of-file on every pipe
 EXIT_HANG = HANG_CODE
 
@@ -67,37 +56,6 @@ STOPPED = "stopped by the supervisor"
 KILLED = "killed (SIGKILL)"
 STUCK = "did not die (left behind)"
 
-
-
-@dataclass
-class Stop:
-    """Why a group is being stopped, and the exit code that reason gives the supervisor."""
-
-    reason: str  # "failure" | "hang" | "interrupt" | "remote"
-    exit_code: int
-    detail: str
-    worker: Worker | None = None
-    at: float = field(default_factory=time.monotonic)
-    term_at: float = 0.0  # when SIGTERM goes out (later than `at` only for a hang: the stack-dump pause)
-    kill_at: float = float("inf")
-    rendezvous_at: float = float("inf")  # when the ranks still in the rendezvous get SIGKILL (`RENDEZVOUS_WAIT`)
-    terminated: bool = False
-    killed: bool = False
-    awaiting: bool = False  # a failure: `worker` said ``failing`` and has not exited yet; its exit sets the code
-    silence: float = 0.0  # a hang: how long the rank that tripped the watchdog had been silent
-    evidence: list[str] = field(default_factory=list)  # a hang: each rank's evidence, for the report
-    stall: Stall | None = None  # a hang: what the watchdog found
-    node_verdicts: list[str] = field(default_factory=list)  # a hang on several nodes: what each node's evidence said
-    lost_node: int | None = None  # another node was lost (stopped answering, died, never joined): which
-
-
-def phase_of(state: RankState) -> str | None:
-    """Where a rank's last record left it, when that was not a step."""
-    if state.event == "phase" and state.phase and not says_joining(state):
-        return f"in its {state.phase} phase"
-    if state.event is None or says_joining(state):
-        return "before the first step: in the rendezvous, or start-up"
-    return None  # a step, the end of its steps, its failure
 
 
 @dataclass
@@ -132,6 +90,7 @@ class Watch:
         self.suspect: Suspect | None = None  # a first error exit on a lost peer, waiting for the peer's own
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
         self.hangs = HangWatchdog(plan, workers, self.states, console, tails)
+        self.ladder = StopLadder(workers, self.states, plan.grace_period, console)
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
         self.verdicts = NodeVerdicts(plan.nnodes) if control is not None else None  # a stall's, across the nodes
@@ -188,12 +147,8 @@ class Watch:
         elif stop is None:
             if (deadline := self.hangs.deadline()) is not None:
                 deadlines.append(deadline)
-        elif not stop.terminated:
-            deadlines.append(stop.term_at)
-        elif not stop.killed:
-            deadlines.append(min(stop.kill_at, stop.rendezvous_at))
         else:
-            deadlines.append(stop.kill_at + KILL_WAIT)
+            deadlines.append(stop.deadline())
         if self.awaiting_verdicts():
             assert self.verdicts is not None
             deadlines.append(self.verdicts.deadline)
@@ -324,8 +279,6 @@ class Watch:
                                      evidence=stall.evidence, stall=stall), pause=stall.pause)
             return
         if not stop.terminated and now >= stop.term_at:
-            stop.terminated = True
-            stop.kill_at = now + self.plan.grace_period
             stalled: set[int] = set()
             if stop.stall is not None:
                 stall = self.hangs.diagnose(stop.stall, now)
@@ -336,39 +289,11 @@ class Watch:
                 if self.control is not None and self.verdicts is not None:  # for the headline on every node
                     self.control.verdict(self.plan.node_rank, bool(stall.culprits), stall.detail)
                     self.verdicts.add(self.plan.node_rank, bool(stall.culprits), stall.detail)
-            for w in self.workers:
-                if w.spec.rank in stalled:
-                    w.kill_group()
-                elif not (stop.awaiting and w is stop.worker):
-                    # (an announced culprit is on its way out; a SIGTERM after it has left its stop handler would
-                    # make its exit code 143)
-                    w.terminate()
-            alive = [w for w in self.workers if w.alive] if self.plan.grace_period > RENDEZVOUS_WAIT else []
-            joining = any(may_be_joining(self.states[w.spec.rank]) for w in alive)
-            held = stop.lost_node is not None and any(may_be_held(self.states[w.spec.rank]) for w in alive)
-            if joining or held:
-                stop.rendezvous_at = now + RENDEZVOUS_WAIT
-            if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
-                sooner = [f"one still in the rendezvous in {RENDEZVOUS_WAIT:g} s (it has nothing to save)"] * joining
-                sooner += [f"one still training in {RENDEZVOUS_WAIT:g} s (it cannot reach a checkpoint while node "
-                           f"{stop.lost_node} is lost)"] * held
-                self.console.say(f"SIGTERM sent; a rank still running in {self.plan.grace_period:g} s "
-                                 f"(--grace-period) gets SIGKILL" + "".join(f", {s}" for s in sooner), style="yellow")
-        if stop.terminated and not stop.killed and now >= stop.rendezvous_at:
-            stop.rendezvous_at = float("inf")
-            self.kill_rendezvous()
-        if stop.terminated and not stop.killed and now >= stop.kill_at:
-            self.say_unheeded()
-            self.kill_all()
-        if stop.killed and now >= stop.kill_at + KILL_WAIT:
-            for w in self.workers:
-                if w.alive:
-                    self.console.say(f"{w.label} (pid {w.pid}) did not die after SIGKILL; leaving it behind",
-                                     style="bold red")
-                    self.endings[w.spec.rank] = STUCK
-                    w.exit_code, w.ended = 128 + signal.SIGKILL, now
-                    if stop.awaiting and stop.worker is w:
-                        self.settle_failure(w, w.exit_code)
+            self.ladder.terminate(stop, now, stalled)
+        for w in self.ladder.climb(stop, now):
+            self.endings[w.spec.rank] = STUCK
+            if stop.awaiting and stop.worker is w:
+                self.settle_failure(w, w.exit_code)
 
     def awaiting_verdicts(self) -> bool:
         return self.verdicts is not None and self.verdicts.waiting(time.monotonic())
@@ -384,51 +309,6 @@ class Watch:
         if headline is not None and headline != stop.detail:
             stop.detail = headline
             self.console.say(f"across the nodes: {headline}", style="bold red")
-
-    def say_unheeded(self) -> None:
-        """The ranks that outlived SIGTERM by the whole grace period, and where they were: a rank still in the
-        rendezvous (no step reported yet: waiting for a node, a collective's first connection) has nothing to save,
-        and a signal handler that only sets a flag is never reached while it waits there; one in a phase (its
-        checkpoint) says which."""
-        left = [w for w in self.workers if w.alive]
-        if not left:
-            return
-        places = [f"{w.label} {place}" for w in left if (place := phase_of(self.states[w.spec.rank])) is not None]
-        where = f" ({'; '.join(places)})" if places else ""
-        self.console.say(f"{', '.join(w.label for w in left)} still running {self.plan.grace_period:g} s after "
-                         f"SIGTERM{where}; SIGKILL", style="bold yellow")
-
-    def kill_rendezvous(self) -> None:
-        """SIGKILL for the ranks still joining their process group `RENDEZVOUS_WAIT` seconds after SIGTERM, and for
-        those still training while another node is lost (`supervisor.liveness.blocked`)."""
-        stop = self.stop
-        assert stop is not None
-        found = blocked({w.pid: self.states[w.spec.rank] for w in self.workers if w.alive}, stop.lost_node is not None)
-        self.kill_blocked(found.joining, f"still in the rendezvous {RENDEZVOUS_WAIT:g} s after SIGTERM",
-                          "no process group yet, so nothing to save")
-        self.kill_blocked(found.held, f"still training {RENDEZVOUS_WAIT:g} s after SIGTERM while node {stop.lost_node} "
-                                      f"is lost", "its collectives wait for that node's ranks, so it cannot reach a "
-                                                  "checkpoint")
-
-    def kill_blocked(self, frames: dict[int, Frame | None], state: str, why: str) -> None:
-        """SIGKILL for the ranks among `frames` (pid → where it waits, where its stack was read), saying so."""
-        ranks = [w for w in self.workers if w.alive and w.pid in frames]
-        if not ranks:
-            return
-        where = "; ".join(f"{w.label} in {frame.short()}" for w in ranks if (frame := frames[w.pid]) is not None)
-        self.console.say(f"{', '.join(w.label for w in ranks)} {state}{f' ({where})' if where else ''}: {why}; SIGKILL "
-                         f"now rather than after the {self.plan.grace_period:g} s grace period", style="bold yellow")
-        for w in ranks:
-            w.kill_group()
-
-    def kill_all(self) -> None:
-        stop = self.stop
-        assert stop is not None
-        stop.terminated = stop.killed = True
-        stop.kill_at = min(stop.kill_at, time.monotonic())
-        for w in self.workers:
-            if w.alive:
-                w.kill_group()
 
     # -- signals and the control channel --------------------------------------------------------------------------
 
@@ -451,7 +331,7 @@ class Watch:
                                  style="bold yellow")
             elif not self.stop.killed:
                 self.console.say(f"{name} again: killing every rank now", style="bold yellow")
-                self.kill_all()
+                self.ladder.kill_all(self.stop)
 
     def on_remote(self, event: Event) -> None:
         code, why = event.code, event.why
@@ -480,14 +360,7 @@ class Watch:
             os.close(w.progress_fd)
             w.progress_fd = -1
             return
-        state = self.states[w.spec.rank]
-        *lines, state.pending = (state.pending + data).split(b"\n")
-        for line in lines:
-            try:
-                record = Progress.decode(line)
-                state.update(record, self.console.writing_time())
-            except (ValueError, TypeError):
-                continue  # a malformed record says nothing about progress
+        for record in self.states[w.spec.rank].feed(data, self.console.writing_time()):
             if record.event == "failing":
                 if self.stop is None:  # before the stop: the earliest one names the failure (`on_failure`)
                     self.failures.announce(w.spec.rank, record.time)
@@ -497,15 +370,3 @@ class Watch:
                 self.straggler_history.append(found)
                 if failure := stragglers.record(self.plan.run_dir, self.straggler_history):
                     self.console.say(failure, style="yellow")
-
-    def footer_rows(self) -> list[tuple[Worker, RankState, str]]:
-        rows = []
-        for w in self.workers:
-            if w.alive:
-                status = "finishing" if self.states[w.spec.rank].event == "done" else "running"
-                if (found := self.stragglers.named.get(w.spec.rank)) is not None:
-                    status += f" · straggler +{found.percent:.0f} %"
-            else:
-                status = self.endings.get(w.spec.rank, describe_exit(w.exit_code or 0))
-            rows.append((w, self.states[w.spec.rank], status))
-        return rows

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from supervisor.plan import RankSpec
+from supervisor.plan.spec import RankSpec
 from trainer.progress import PROGRESS_FD_ENV
 
 PR_SET_PDEATHSIG = 1

@@ -1,6 +1,6 @@
 """The hang watchdog: when a group is stalled, and which rank holds the others up.
 
-Two rules, for the two kinds of rank program (`supervisor.liveness` says what a sign of life is for each):
+Two rules, for the two kinds of rank program (`supervisor.group.liveness` says what a sign of life is for each):
 
 * **The project's trainer** reports progress: a rank silent for its allowance is stalled. Every rank then gets SIGUSR1
   (faulthandler, registered by the trainer, prints all Python thread stacks into its log) and a flight-recorder dump
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from supervisor.console import Console
 from supervisor.diagnosis import culprit, stacks
-from supervisor.liveness import RankState, output_size, sample_interval, tree_cpu_seconds
-from supervisor.plan import Plan
-from supervisor.pump import Stream
-from supervisor.worker import Worker
+from supervisor.group.liveness import RankState, output_size, sample_interval, tree_cpu_seconds
+from supervisor.group.pump import Stream
+from supervisor.group.worker import Worker
+from supervisor.plan.spec import Plan
 
 DUMP_WAIT = 1.0  # after SIGUSR1: time for faulthandler to write every thread's stack before the stop begins
 NOTHING_STALLED = "no rank of this node had stalled: each was making progress until the stop"
@@ -100,7 +100,7 @@ class HangWatchdog:
 
     def dump_all(self, why: str) -> Stall:
         """Another node stalled: this node's ranks are asked for their evidence as if its own watchdog had tripped
-        (the verdicts of every node together name the culprit, supervisor/verdicts.py)."""
+        (the verdicts of every node together name the culprit, supervisor/diagnosis/verdicts.py)."""
         live = [w for w in self.workers if w.alive]
         if not self.reporting():
             stall = self.read_from_outside(live, 0.0)
