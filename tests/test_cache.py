@@ -186,6 +186,29 @@ def test_a_source_that_changes_while_its_cache_builds_is_named_and_nothing_is_ke
     assert final_folders(tmp_path / "cache") == [] and leftovers(tmp_path / "cache") == []
 
 
+@pytest.mark.parametrize("when", ["tokenizing", "publishing"])
+def test_the_cache_folder_deleted_during_a_build_is_one_line_and_nothing_is_kept(
+        built: tuple[Config, CacheInfo], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """The cache folder removed while a build writes into it (a clean-up, `rm -rf` of the wrong folder): one line
+    saying so, not a FileNotFoundError from the next write or from the rename that publishes, and nothing left."""
+    root = tmp_path / "cache"
+    real_write = cache_module.write_cache
+
+    def deleting(*args: object) -> None:
+        if when == "tokenizing":
+            shutil.rmtree(root)
+        real_write(*args)
+        if when == "publishing":
+            shutil.rmtree(root)
+
+    monkeypatch.setattr(cache_module, "write_cache", deleting)
+    cfg = make_config(root, tokenizer=str(built[1].path))  # a tokenizer outside the folder that goes
+    with pytest.raises(UserError, match=f"^{root} was deleted while the token cache was being built in it; nothing "
+                                        f"was kept: run again"):
+        prepare(cfg, show_progress=False)
+    assert not root.exists() or (final_folders(root) == [] and leftovers(root) == [])
+
+
 def test_sample_by_cuts_a_txt_file_into_documents_and_enters_the_key(built: tuple[Config, CacheInfo],
                                                                      tmp_path: Path) -> None:
     _, info = built
@@ -399,6 +422,59 @@ def test_damaged_tokens_are_caught_by_the_sampled_blocks_the_bound_check_and_ver
     with pytest.raises(UserError, match=f"token cache {folder} holds id {cache.vocab_size + 5}.*--verify"):
         for batch in batches:
             sampler.check(batch)
+
+
+def damage_under_a_run(folder: Path, damage: str, workers: int = 0) -> str:
+    """Train-read step 0 of the cache in `folder`, damage its tokens.bin as `damage` says, read step 1: the error line,
+    or "" when step 1 was read. In a process of its own, since a regression here is a SIGBUS, which would end pytest."""
+    script = f"""
+import sys
+from trainer.data.batches import BatchSampler, StepLoader
+from trainer.data.cache import TokenCache
+from trainer.errors import UserError
+cache = TokenCache.open({str(folder)!r})
+sampler = BatchSampler(cache.train, 32, 4, 1, 1, 0, seed=0, vocab_size=cache.vocab_size, origin={str(folder)!r})
+try:
+    with StepLoader(sampler, end_step=4, num_workers={workers}) as loader:
+        loader.get(0)
+        with open(cache.path / "tokens.bin", "r+b") as f:
+            if {damage!r} == "zeroed":
+                f.write(bytes(len(cache.train) * cache.train.itemsize))
+            else:
+                f.truncate(100)
+        loader.get(1)
+except UserError as e:
+    print("error:", e, file=sys.stderr)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=PROJECT_ROOT, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "truncated"])
+def test_a_cache_damaged_under_a_running_job_stops_its_next_read_naming_the_file(
+        built: tuple[Config, CacheInfo], tmp_path: Path, damage: str) -> None:
+    """Zeroed in place while a run trains on it, the cache would be trained on as zeros to the end; truncated, the
+    rank's next read past its new end is a bare SIGBUS. Either way the next read is one line naming the file."""
+    _, folder = copy_of(built[1], tmp_path)
+    tokens = folder / "tokens.bin"
+    how = "rewritten in place" if damage == "zeroed" else f"truncated to 100 of its {tokens.stat().st_size:,} bytes"
+    err = damage_under_a_run(folder, damage)
+    said = (f"error: token cache file {tokens} was {how} while the run trained on it; rebuild the cache with python "
+            f"prepare_dataset.py --force, then resume the run (--resume auto)")
+    assert err.splitlines() == [said], err
+
+
+@pytest.mark.slow
+def test_a_cache_truncated_under_a_data_loading_worker_is_the_same_line(built: tuple[Config, CacheInfo],
+                                                                        tmp_path: Path) -> None:
+    """A worker process reads the windows (training.num_workers): the rank says what happened to the file, not that
+    its worker failed."""
+    _, folder = copy_of(built[1], tmp_path)
+    err = damage_under_a_run(folder, "truncated", workers=1)
+    said = f"error: token cache file {folder / 'tokens.bin'} was truncated to 100 "
+    assert err.splitlines()[-1].startswith(said), err
 
 
 @pytest.mark.parametrize("damage", ["truncate", "drop_manifest", "bad_version", "offsets"])

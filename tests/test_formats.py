@@ -9,9 +9,11 @@ import json
 import lzma
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -33,14 +35,18 @@ def jsonl_bytes(rows: list[dict]) -> bytes:
     return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
 
 
-def zstd_frames(data: bytes) -> bytes:
-    """Two frames, as multi-threaded zstd and concatenated files write them."""
-    half = len(data) // 2
-    compressor = zstandard.ZstdCompressor(write_checksum=True)
-    return compressor.compress(data[:half]) + compressor.compress(data[half:])
+def two_streams(compress: Callable[[bytes], bytes]) -> Callable[[bytes], bytes]:
+    """Each half compressed on its own, one stream after the other, a row cut between them: as multi-threaded
+    compressors (pbzip2, lbzip2, zstd -T) and files joined with `cat` write them."""
+    def both(data: bytes) -> bytes:
+        return compress(data[:len(data) // 2]) + compress(data[len(data) // 2:])
+    return both
 
 
-COMPRESS = {".gz": gzip.compress, ".zst": zstd_frames, ".bz2": bz2.compress, ".xz": lzma.compress}
+ONE_STREAM = {".gz": gzip.compress, ".zst": zstandard.ZstdCompressor(write_checksum=True).compress,
+              ".bz2": bz2.compress, ".xz": lzma.compress}
+COMPRESS = {suffix: two_streams(compress) for suffix, compress in ONE_STREAM.items()}
+zstd_frames = COMPRESS[".zst"]
 
 
 def config(tmp_path: Path, source: Path, tokenizer: str = "bpe", **data: object) -> Config:
@@ -65,7 +71,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, CacheInfo]:
 
 @pytest.mark.parametrize("name", ["rows.jsonl.gz", "rows.jsonl.zst", "rows.jsonl.bz2", "rows.jsonl.xz",
                                   "rows.json.gz"])
-def test_compressed_json_lines_give_the_plain_files_ids(plain: tuple[Path, CacheInfo], tmp_path: Path,
+def test_compressed_json_lines_of_two_streams_give_the_plain_files_ids(plain: tuple[Path, CacheInfo], tmp_path: Path,
                                                         name: str) -> None:
     folder, reference = plain
     source = tmp_path / name
@@ -78,7 +84,7 @@ def test_compressed_json_lines_give_the_plain_files_ids(plain: tuple[Path, Cache
     assert not hit.built and hit.key == info.key
 
 
-@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+@pytest.mark.parametrize("suffix", [".gz", ".zst", ".bz2"])
 def test_compressed_text_files_give_the_plain_files_ids(plain: tuple[Path, CacheInfo], tmp_path: Path,
                                                         suffix: str) -> None:
     text = "\n\n".join(str(row["text"]) for row in ROWS if row["text"]) + "\r\n"
@@ -125,6 +131,16 @@ def test_a_parquet_file_without_the_text_column_lists_its_columns(tmp_path: Path
         list(open_corpus(config(tmp_path, tmp_path / "cut.parquet").data).pieces())
 
 
+def test_a_dictionary_encoded_text_column_is_text(tmp_path: Path) -> None:
+    """A pandas categorical column is stored as pyarrow's dictionary<int32, string>: its strings are the text."""
+    texts = [row["text"] for row in ROWS]
+    table = pa.Table.from_pandas(pd.DataFrame({"text": pd.Categorical(texts)}))
+    assert pa.types.is_dictionary(table.schema.field("text").type)
+    pq.write_table(table, tmp_path / "categorical.parquet", row_group_size=100)
+    pieces = open_corpus(config(tmp_path, tmp_path / "categorical.parquet").data).pieces()
+    assert [text for text, _ in pieces] == [text for text in texts if text]
+
+
 def test_a_bad_row_is_named_by_its_line_in_a_compressed_file_too(tmp_path: Path) -> None:
     data = jsonl_bytes(ROWS[:20]) + b'{"text": "broken\n' + jsonl_bytes(ROWS[:5])
     for name, content in (("rows.jsonl", data), ("rows.jsonl.zst", zstd_frames(data))):
@@ -135,15 +151,22 @@ def test_a_bad_row_is_named_by_its_line_in_a_compressed_file_too(tmp_path: Path)
 
 @pytest.mark.parametrize("name, damage", [("rows.jsonl.zst", "truncate"), ("rows.jsonl.gz", "truncate"),
                                           ("rows.jsonl.gz", "flip"), ("rows.jsonl.zst", "flip"),
-                                          ("rows.txt.xz", "truncate")])
+                                          ("rows.txt.xz", "truncate"), ("rows.jsonl.bz2", "second stream"),
+                                          ("rows.jsonl.xz", "second stream"), ("rows.jsonl.bz2", "trailing bytes")])
 def test_a_damaged_stream_is_one_line_naming_the_file_and_where(tmp_path: Path, name: str, damage: str) -> None:
+    """Damage anywhere, in a later stream of the file or after its last one too, as a damaged download or a bad
+    `cat` leaves it: one line naming the file and the offset, never the documents before it alone."""
     data = jsonl_bytes(ROWS * 20)
     packed = bytearray(COMPRESS[Path(name).suffix](data))
+    second = len(ONE_STREAM[Path(name).suffix](data[:len(data) // 2]))  # where the second stream begins
     if damage == "truncate":
         packed = packed[:len(packed) * 2 // 3]
+    elif damage == "trailing bytes":
+        second = len(packed)
+        packed += b"trailing bytes that are no stream"
     else:
-        middle = len(packed) // 2
-        packed[middle:middle + 8] = bytes(b ^ 0x5A for b in packed[middle:middle + 8])
+        start = len(packed) // 2 if damage == "flip" else second
+        packed[start:start + 8] = bytes(b ^ 0x5A for b in packed[start:start + 8])
     (tmp_path / name).write_bytes(bytes(packed))
     cfg = config(tmp_path, tmp_path / name)
     path = tmp_path / "config.json"
@@ -153,7 +176,8 @@ def test_a_damaged_stream_is_one_line_naming_the_file_and_where(tmp_path: Path, 
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     # flipped bytes may decode to text that is no JSON before the stream's checksum is reached: then the row is named
-    said = f"error: {tmp_path / name} is damaged at byte " if damage == "truncate" else f"error: {tmp_path / name}"
+    said = {"truncate": f"error: {tmp_path / name} is damaged at byte ", "flip": f"error: {tmp_path / name}"}.get(
+        damage, f"error: {tmp_path / name} is damaged at byte {second:,} of {len(packed):,}")
     assert len(lines) == 1 and lines[0].startswith(said), lines
     assert "Traceback" not in result.stderr and not list((tmp_path / "cache").glob("[0-9a-f]*"))
 

@@ -63,6 +63,9 @@ def test_mixture_from_the_command_line_and_its_refusals(tmp_path: Path) -> None:
                                                               "number above 0, got 0"),
                            (('data.mixture={"a.jsonl": "x"}',), "data.mixture['a.jsonl'] expects float"),
                            (("data.mixture={}",), "data.mixture is empty"),
+                           (('data.mixture={"a.jsonl": 1e308, "b.jsonl": 1e308}',),
+                            ("data.mixture weights add up to more than the largest number (1.79769e+308); only their "
+                             "ratios matter")),
                            (('data.mixture={"a.jsonl": 1}', "data.source=b.jsonl"), "are exclusive")]:
         result = run(*[part for flag in flags for part in ("--set", flag)])
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -21,6 +21,7 @@ import difflib
 import json
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -344,11 +345,12 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise UserError(message)
     check_mixture(d)
-    check_injection(cfg.debug, t.max_steps)
+    check_injection(cfg.debug, t.max_steps, cfg.checkpoint.interval)
 
 
 def check_mixture(d: DataConfig) -> None:
-    """data.mixture: instead of data.source, at least one non-empty source, every weight finite and positive."""
+    """data.mixture: instead of data.source, at least one non-empty source, every weight finite and positive, and
+    their sum finite."""
     if d.mixture is None:
         return
     example = """e.g. --set data.mixture='{"web/*.parquet": 0.7, "code.jsonl.zst": 0.3}'"""
@@ -363,17 +365,30 @@ def check_mixture(d: DataConfig) -> None:
                             f"without surrounding spaces")
         if not (math.isfinite(weight) and weight > 0):
             raise UserError(f"data.mixture weight of {source} must be a finite number above 0, got {weight:g}")
+    if not math.isfinite(sum(d.mixture.values())):  # the shares divide by the sum
+        raise UserError(f"data.mixture weights add up to more than the largest number ({sys.float_info.max:g}); only "
+                        f"their ratios matter: scale them down, e.g. to shares that sum to 1")
 
 
-def check_injection(d: DebugConfig, max_steps: int | None = None) -> None:
+def check_injection(d: DebugConfig, max_steps: int | None = None, interval: int = 0) -> None:
     """Fault injection set half-way, or aimed where it can never fire. Torch-free, so the supervisor finds these
-    before it builds or starts anything; `trainer.diagnosis.faults.FaultInjector` runs the same checks on what it is given."""
+    before it builds or starts anything; `trainer.diagnosis.faults.FaultInjector` runs the same checks on what it is given.
+    Given the run's length and its `checkpoint.interval`, a fault inside a save and a write stall must be aimed at a
+    step a checkpoint follows."""
     if (d.inject_nan_module is None) != (d.inject_nan_step is None):
         raise UserError("NaN injection needs both debug.inject_nan_module and debug.inject_nan_step, for example "
                         "--set debug.inject_nan_module=model.layers.1.mlp --set debug.inject_nan_step=3")
     if (d.inject_fault is None) != (d.inject_fault_step is None):
         raise UserError("fault injection needs both debug.inject_fault and debug.inject_fault_step, "
                         "for example --set debug.inject_fault=sigkill --set debug.inject_fault_step=3")
+    in_a_save = d.inject_fault_during != "step"
+    if in_a_save and d.inject_fault is None:
+        raise UserError(f"debug.inject_fault_during {d.inject_fault_during} says when a fault fires, and no fault is "
+                        f"set; add --set debug.inject_fault=sigkill --set debug.inject_fault_step=3 (for example), or "
+                        f"leave inject_fault_during at step")
+    if in_a_save and d.inject_fault == "oom":
+        raise UserError("debug.inject_fault oom fires in a step's forward pass, never inside a checkpoint save; leave "
+                        "debug.inject_fault_during at step")
     for step_key, rank_key in (("inject_nan_step", "inject_nan_rank"), ("inject_fault_step", "inject_fault_rank"),
                                ("inject_write_stall_step", "inject_fault_rank")):
         step, rank = getattr(d, step_key), getattr(d, rank_key)
@@ -383,8 +398,28 @@ def check_injection(d: DebugConfig, max_steps: int | None = None) -> None:
             last = "" if max_steps is None else f" (the run's steps are 0-{max_steps - 1}; training.max_steps = " \
                                                  f"{max_steps})"
             raise UserError(f"debug.{step_key} {step} is never reached{last}")
+        in_the_save = step_key == "inject_write_stall_step" or (step_key == "inject_fault_step" and in_a_save)
+        if in_the_save and step is not None and max_steps is not None and not saved_after(step, max_steps, interval):
+            raise UserError(f"debug.{step_key} {step} never fires: no checkpoint follows step {step} (steps count "
+                            f"from 0); {steps_saved_after(max_steps, interval)}")
     if not 0 <= d.inject_fault_code <= 255:
         raise UserError(f"debug.inject_fault_code must be an exit status within 0-255, got {d.inject_fault_code}")
+
+
+def saved_after(step: int, max_steps: int, interval: int) -> bool:
+    """Whether the loop saves a checkpoint after `step` (from 0): every `interval` completed steps, and at the end.
+    The checkpoint after step s is step_<s + 1>."""
+    return step + 1 == max_steps or (interval > 0 and (step + 1) % interval == 0)
+
+
+def steps_saved_after(max_steps: int, interval: int) -> str:
+    """The steps a checkpoint follows (the first few of them), as the advice of an error."""
+    every = [k * interval - 1 for k in range(1, 5) if 0 < k * interval < max_steps]
+    if not every:
+        return (f"with checkpoint.interval {interval} only the last step, {max_steps - 1}, is followed by one: aim it "
+                f"there, or set checkpoint.interval")
+    listed = ", ".join(map(str, every[:3])) + (", …" if len(every) > 3 else "")
+    return f"with checkpoint.interval {interval} checkpoints follow steps {listed} and {max_steps - 1}: aim it at one"
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:

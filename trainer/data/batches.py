@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
+from trainer.data.cache import MappedFile
 from trainer.data.mixture import Schedule
 from trainer.errors import UserError
 
@@ -89,6 +90,7 @@ class BatchSampler:
         if not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is outside a world of {world_size}")
         self.tokens = tokens
+        self.mapped = MappedFile.of(tokens)
         self.context_length = context_length
         self.micro_batch_size = micro_batch_size
         self.grad_accum = grad_accum
@@ -139,9 +141,15 @@ class BatchSampler:
         return self.read(self.windows(step, micro_step))
 
     def read(self, windows: np.ndarray) -> np.ndarray:
-        """The samples of these windows: int64 [len(windows), context_length + 1]."""
+        """The samples of these windows: int64 [len(windows), context_length + 1], from a file checked first."""
+        self.check_files()
         starts = windows * self.context_length
         return np.asarray(self.tokens[starts[:, None] + self._span], dtype=np.int64)
+
+    def check_files(self) -> None:
+        """Refuse a token file changed since the run mapped it (`MappedFile`)."""
+        if self.mapped is not None:
+            self.mapped.check()
 
     def check(self, batch: np.ndarray) -> None:
         """Refuse ids beyond the vocabulary (a cache damaged after its build) before they index the embedding: one
@@ -199,6 +207,10 @@ class MixtureSampler(BatchSampler):
             stream = self.streams[i]
             batch[here] = stream.read(stream.windows_of(index[here]))
         return batch
+
+    def check_files(self) -> None:
+        for stream in self.streams:
+            stream.check_files()
 
     def epochs(self, steps: int) -> list[int]:
         """Per source, how many times it was begun within the first `steps` steps (1: still in its first pass)."""
@@ -346,10 +358,20 @@ class StepLoader:
             if self.iterator is None or step != self.next_step or step >= self.stream_end:
                 self.start(step)
             assert self.iterator is not None
-            batch = next(self.iterator)
+            with self.workers_failing():
+                batch = next(self.iterator)
             self.next_step = step + 1
         self.sampler.check(batch.numpy())  # a host tensor: numpy's max, no torch op, nothing read back from a device
         return batch
+
+    @contextmanager
+    def workers_failing(self) -> Iterator[None]:
+        """A worker's failure caused by a token file changed under the run (`MappedFile`) is said as that change."""
+        try:
+            yield
+        except Exception:
+            self.sampler.check_files()
+            raise
 
     def start(self, step: int) -> None:
         """(Re)start the workers at `step`; the stream ends at end_step (or serves `step` alone past it)."""
@@ -379,8 +401,9 @@ class StepLoader:
         if self.iterator is not None and self.indices is not None:
             self.indices.stop()
             try:
-                for _ in self.iterator:  # ends once every step given out has arrived
-                    pass
+                with self.workers_failing():
+                    for _ in self.iterator:  # ends once every step given out has arrived
+                        pass
             finally:
                 self.iterator._shutdown_workers()  # end marker to each worker, join; the pin thread too
         self.iterator = None

@@ -21,6 +21,9 @@ What each check of a finished cache covers:
     file (all of a small file): truncation, a replaced, zeroed or rewritten file. A few changed bytes elsewhere pass;
   - training (`BatchSampler.check`): every batch's ids against the vocabulary, vectorised: damage that would index
     past the embedding is a clear error naming the cache instead of an IndexError or a device-side assert;
+  - training, before every read (`MappedFile`, in the rank and in its data-loading workers): the mapped file's size and
+    modification time against those it had when the run mapped it: a file truncated or rewritten in place under a
+    running job is one line naming it, instead of a bare SIGBUS or zeros trained on to the end;
   - `prepare_dataset.py --verify`: every byte of every file against its checksum.
 
 Build protocol, safe against races and against a builder killed at any instant:
@@ -40,8 +43,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import time
+import weakref
 from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -218,6 +223,43 @@ def map_tokens(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
         empty.flags.writeable = False
         return empty
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+class MappedFile:
+    """The file a memory-mapped token array reads, held to its size and modification time when the run mapped it. A
+    cache rewritten under a running job would be trained on as it now is (zeros, for one zeroed), and one truncated
+    ends the rank with a bare SIGBUS at the first read past its end; `check`, an fstat (a microsecond) before every
+    read, makes either one line naming the file. An open descriptor is watched, not the path: a cache rebuilt and
+    renamed into place leaves the mapped file, and the run, intact."""
+
+    def __init__(self, path: str, size: int, mtime_ns: int) -> None:
+        self.path = path
+        self.size = size
+        self.mtime_ns = mtime_ns
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+
+    @classmethod
+    def of(cls, tokens: np.ndarray) -> MappedFile | None:
+        """The watch of a memory-mapped array's file; None for an array held in memory."""
+        if not (isinstance(tokens, np.memmap) and tokens.filename):
+            return None
+        stat = os.stat(tokens.filename)
+        return cls(tokens.filename, stat.st_size, stat.st_mtime_ns)
+
+    def __reduce__(self) -> tuple[type[MappedFile], tuple[str, int, int]]:
+        return MappedFile, (self.path, self.size, self.mtime_ns)  # a worker watches it again, against the same
+
+    def check(self) -> None:
+        stat = os.fstat(self.fd)
+        if stat.st_size < self.size:
+            how = f"truncated to {stat.st_size:,} of its {self.size:,} bytes"
+        elif stat.st_size != self.size or stat.st_mtime_ns != self.mtime_ns:
+            how = "rewritten in place"
+        else:
+            return
+        raise UserError(f"token cache file {self.path} was {how} while the run trained on it; rebuild the cache with "
+                        f"python prepare_dataset.py --force, then resume the run (--resume auto)")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -5,11 +5,13 @@ A file's format is its name's ending: `.txt`, `.jsonl` and `.parquet` are read h
 Lines) through `datasets`. `.txt`, `.jsonl` and `.json` may be compressed as distributed corpora ship them: `.gz`,
 `.zst`, `.bz2`, `.xz` (The Pile, SlimPajama, RedPajama: `.jsonl.zst`; Dolma: JSON Lines as `.json.gz`, so a compressed
 `.json` is read as JSON Lines). A compressed file is decompressed as it is read, never onto disk, and gives the rows,
-errors and line numbers its uncompressed form would; a damaged stream (truncated, a bad checksum, bytes that do not
-decode) is one error naming the file, the compressed byte offset reached and the line.
+errors and line numbers its uncompressed form would. A file of several streams (pbzip2's, lbzip2's, zstd's frames, files
+joined with `cat`) is read to its end, every stream; a damaged stream (truncated, a bad checksum, bytes that do not
+decode, after a complete stream too) is one error naming the file, the compressed byte offset reached and the line.
 
 Parquet is read with pyarrow directly (`ParquetFile.iter_batches`, the text column only, a row group at a time), its
 strings handed on a batch at a time: `datasets` would first convert every batch to Python rows and dicts of its own.
+A dictionary-encoded text column (what a pandas categorical becomes) is decoded a batch at a time.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import io
 import json
 import lzma
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ COMPRESSIONS = (".gz", ".zst", ".bz2", ".xz")
 SUPPORTED = ", ".join(READERS) + f" (the first three also {'/'.join(COMPRESSIONS)}-compressed)"
 FIELDS_NAMED = 12  # fields listed when rows lack data.text_field
 STREAM_BUFFER = 1 << 20  # bytes of decompressed text buffered per read
-ZSTD_READ = 1 << 17  # compressed bytes per zstd decompression call
+COMPRESSED_READ = 1 << 17  # compressed bytes read at a time
 PARQUET_BATCH_ROWS = 1024  # rows per Arrow batch: the per-batch overhead vanishes, memory stays a few MB
 
 
@@ -64,59 +66,118 @@ def file_format(path: Path) -> FileFormat | None:
 # Decompressing as the file is read
 
 
-class ZstdReader(io.RawIOBase):
-    """The decompressed bytes of a `.zst` file, frame after frame. `zstandard`'s own stream reader returns a short
-    stream without a word when a file is cut inside a frame; this one says so (`EOFError`), like gzip, bz2 and lzma."""
+class DamagedStream(ValueError):
+    """A compressed stream that does not decode, at `offset`, the compressed byte where it was found."""
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, offset: int, reason: str) -> None:
+        super().__init__(reason)
+        self.offset = offset
+
+
+class ZstdFrame:
+    """zstandard's decompressor of one frame, with the bounded interface of the standard library's (`max_length`,
+    `needs_input`): zstandard hands out all a chunk of input decompresses to at once, this `max_length` at a time."""
+
+    def __init__(self) -> None:
         import zstandard
 
-        self.raw = raw
-        self.context = zstandard.ZstdDecompressor()
-        self.frame = self.context.decompressobj()
+        self.frame = zstandard.ZstdDecompressor().decompressobj()
         self.pending = b""
-        self.started = False  # the current frame has received input
+
+    @property
+    def eof(self) -> bool:
+        return bool(self.frame.eof) and not self.pending
+
+    @property
+    def unused_data(self) -> bytes:
+        return bytes(self.frame.unused_data)
+
+    @property
+    def needs_input(self) -> bool:
+        return not self.pending and not self.frame.eof
+
+    def decompress(self, data: bytes, max_length: int) -> bytes:
+        if data:
+            self.pending += self.frame.decompress(data)
+        out, self.pending = self.pending[:max_length], self.pending[max_length:]
+        return out
+
+
+DECOMPRESSORS: dict[str, Callable[[], Any]] = {".bz2": bz2.BZ2Decompressor, ".xz": lzma.LZMADecompressor,
+                                               ".zst": ZstdFrame}
+
+
+class StreamsReader(io.RawIOBase):
+    """The decompressed bytes of a `.bz2`, `.xz` or `.zst` file of one or more streams, one after the other (pbzip2's
+    and lbzip2's output, zstd's frames, files joined with `cat`), at most a read's worth decompressed at a
+    time. The standard library's bz2 and lzma readers stop without a word at bytes after a complete stream that do
+    not decode (a damaged second stream, trailing garbage: the documents before them, exit 0), and zstandard's at a
+    file cut inside a frame; this reader raises `DamagedStream` with the offset instead, as gzip's does. Zero bytes
+    between and after `.xz` streams are the format's stream padding, skipped as `xz` skips them."""
+
+    def __init__(self, raw: IO[bytes], compression: str) -> None:
+        self.raw = raw
+        self.new_stream = DECOMPRESSORS[compression]
+        self.padded = compression == ".xz"
+        self.stream: Any = None  # None before the first stream
+        self.streams = 0
+        self.consumed = 0  # compressed bytes read so far
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        while not self.pending:
-            chunk = self.raw.read(ZSTD_READ)
-            if not chunk:
-                if self.started and not self.frame.eof:
-                    raise EOFError("the compressed stream ends inside a zstd frame (the file is truncated)")
-                return 0
-            self.feed(chunk)
-        size = min(len(buffer), len(self.pending))
-        buffer[:size] = self.pending[:size]
-        self.pending = self.pending[size:]
-        return size
+        while True:
+            if self.stream is None or self.stream.eof:
+                data = self.next_stream()
+                if not data:
+                    return 0  # the file ends between streams: complete
+                self.stream = self.new_stream()
+                self.streams += 1
+            elif self.stream.needs_input:
+                data = self.read_raw()
+                if not data:
+                    raise DamagedStream(self.consumed, f"the file ends inside compressed stream {self.streams}")
+            else:
+                data = b""  # output of what the stream was already given
+            out = self.decompress(data, len(buffer))
+            if out:
+                buffer[:len(out)] = out
+                return len(out)
 
-    def feed(self, chunk: bytes) -> None:
-        while chunk:
-            if self.frame.eof:  # the next frame of a multi-frame file (zstd -T, pzstd, concatenated files)
-                self.frame = self.context.decompressobj()
-            self.started = True
-            self.pending += self.frame.decompress(chunk)
-            chunk = self.frame.unused_data if self.frame.eof else b""
+    def next_stream(self) -> bytes:
+        """The compressed bytes after the current stream, its padding skipped; empty at the end of the file."""
+        data = (self.stream.unused_data if self.stream is not None else b"") or self.read_raw()
+        while self.padded and data and not data.strip(b"\0"):
+            data = self.read_raw()
+        return data.lstrip(b"\0") if self.padded else data
+
+    def read_raw(self) -> bytes:
+        chunk = self.raw.read(COMPRESSED_READ)
+        self.consumed += len(chunk)
+        return chunk
+
+    def decompress(self, data: bytes, limit: int) -> bytes:
+        try:
+            return self.stream.decompress(data, limit)
+        except stream_errors() as e:
+            raise DamagedStream(self.consumed - len(data),
+                                f"compressed stream {self.streams} does not decode: {type(e).__name__}: {e}") from None
 
 
 def decompressing(raw: IO[bytes], compression: str | None) -> IO[bytes]:
     """A buffered binary stream of the file's content, decompressed on the fly."""
     if compression is None:
         return raw
-    if compression == ".zst":
-        return io.BufferedReader(ZstdReader(raw), STREAM_BUFFER)
-    module = {".gz": gzip, ".bz2": bz2, ".xz": lzma}[compression]
-    return io.BufferedReader(module.open(raw, "rb"), STREAM_BUFFER)  # type: ignore[attr-defined]
+    reader = gzip.GzipFile(fileobj=raw, mode="rb") if compression == ".gz" else StreamsReader(raw, compression)
+    return io.BufferedReader(reader, STREAM_BUFFER)  # type: ignore[arg-type]
 
 
 def stream_errors() -> tuple[type[BaseException], ...]:
     """What a damaged compressed stream raises, whichever the compression."""
     import zstandard
 
-    return OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError
+    return OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError, DamagedStream
 
 
 @contextmanager
@@ -130,9 +191,11 @@ def opened(path: Path, compression: str | None, where: list[int]) -> Iterator[IO
         except stream_errors() as e:
             if compression is None:
                 raise
+            offset, reason = ((e.offset, str(e)) if isinstance(e, DamagedStream)
+                              else (raw.tell(), f"{type(e).__name__}: {e}"))
             line = f", after line {where[0]:,}" if where and where[0] else ""
-            raise UserError(f"{path} is damaged at byte {raw.tell():,} of {path.stat().st_size:,}{line} "
-                            f"({type(e).__name__}: {e}); re-download or recompress it") from None
+            raise UserError(f"{path} is damaged at byte {offset:,} of {path.stat().st_size:,}{line} ({reason}); "
+                            f"re-download or recompress it") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -203,11 +266,14 @@ def parquet_texts(path: Path, text_field: str) -> Iterator[str]:
         if text_field not in names:
             raise no_field(text_field, names, str(path))
         kind = parquet.schema_arrow.field(text_field).type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        strings = kind.value_type if pa.types.is_dictionary(kind) else kind  # pandas' categorical: strings by index
+        if not (pa.types.is_string(strings) or pa.types.is_large_string(strings) or pa.types.is_string_view(strings)):
             raise UserError(f"{path}: column '{text_field}' holds {kind}, not text; set data.text_field to a text "
                             f"column")
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field], use_threads=False):
             column = batch.column(0)
+            if pa.types.is_dictionary(column.type):
+                column = column.dictionary_decode()
             yield from pc.filter(column, pc.greater(pc.binary_length(column), 0)).to_pylist()
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"cannot read {path} as Parquet ({type(e).__name__}: {first_line(e)}); check the file is "

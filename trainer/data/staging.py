@@ -82,16 +82,23 @@ def build_lock(root: Path, name: str, progress: BuildProgress) -> Iterator[None]
 @contextmanager
 def staging(parent: Path, name: str, what: str) -> Iterator[Path]:
     """A private temporary folder beside the final one (same file system, so the rename is atomic); always removed
-    unless published. Disk-full and permission errors become one clear UserError."""
+    unless published. Disk-full and permission errors, and the folder deleted under the build (a clean-up of the
+    cache folder), become one clear UserError."""
     folder = parent / f"{BUILD_PREFIX}{name}-{process_tag()}"
+    made = False
     try:
         folder.mkdir(parents=True)
+        made = True
         yield folder
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    except Exception as e:
+        if made and not folder.is_dir():  # whatever failed first (a write, the rename), this is why
+            gone = folder if parent.is_dir() else parent
+            raise UserError(f"{gone} was deleted while the {what} was being built in it; nothing was kept: run again, "
+                            f"and leave {parent} alone while it builds") from None
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise UserError(f"no space left on the device while writing the {what} in {parent}; free some space or "
                             f"set data.cache_dir to a folder on a larger disk") from None
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise UserError(f"cannot write the {what} in {parent} ({e.strerror}); set data.cache_dir to a writable "
                             f"folder") from None
         raise

@@ -13,10 +13,11 @@ Two kinds, both off by default and set with ``--set debug.<key>=<value>``:
   every other rank is left waiting in that step's collectives — exactly the situation the supervisor has to detect
   and clean up. With ``inject_fault_during=checkpoint`` they fire instead inside the checkpoint save that follows that
   step, once its temporary files are written and before they are published: the moment a crash must never leave a
-  checkpoint that looks complete (nothing fires where no checkpoint follows that step). The save's other phases can be
-  aimed at too: ``staging`` (its temporary folder made, the state not yet copied off the live tensors; on the training
-  thread) and ``publishing`` (every file written, meta.json too, just before the rename). A save written in the
-  background (``checkpoint.async_save``) meets the last two on its writer thread, while training goes on.
+  checkpoint that looks complete (a step no checkpoint follows is refused with the config, `check_injection`). The
+  save's other phases can be aimed at too: ``staging`` (its temporary folder made, the state not yet copied off the
+  live tensors; on the training thread) and ``publishing`` (every file written, meta.json too, just before the
+  rename). A save written in the background (``checkpoint.async_save``) meets the last two on its writer thread, while
+  training goes on.
   Two kinds rehearse the operator's diagnoses rather than a crash: ``slow`` sleeps ``inject_fault_delay_s`` before
   every step from ``inject_fault_step`` on (a straggler), and ``oom`` raises ``torch.OutOfMemoryError`` from a forward
   hook on the model in that step (as the caching allocator would), so the out-of-memory report runs on CPU ranks too.
