@@ -12,7 +12,7 @@ order. So a step's windows, and their order, are a function of the seed, the ste
 share them: the ranks only split the step's G samples, rank r taking the contiguous slice at r·grad_accum·B and its
 micro-step m the B samples at m·B in it (`positions`). Rank by rank, micro-step by micro-step, the slices are the
 global batch in order; 4 ranks × accumulation 3 read the same 12 micro-batches as 3 ranks × 4, or one process × 12.
-A resumed run continues exactly where it stopped, on another world size too when G stays (`supervisor.exclusion`).
+A resumed run continues exactly where it stopped, on another world size too when G stays (`supervisor.gpus.exclusion`).
 
 Reading ahead (`training.num_workers`). `StepLoader` hands the loop one step's micro-batches at a time. With 0 workers
 it reads them in the calling thread; with N it runs a torch DataLoader over `StepBatches`, a map-style dataset whose
