@@ -160,8 +160,11 @@ def test_sigterm_on_one_rank_stops_both_with_a_checkpoint_and_resume_is_exact(tm
     assert 3 <= stop_step < STEPS
     assert history(tmp_path / "stopped")["run"]["status"] == "stopped"
     phases = [e["phase"] for e in pipes[0].events if e["event"] == "phase"]
-    assert phases[:5] == ["distributed", "dataset", "model", "resume", "training"] and phases[-1] == "stopped"
+    assert phases[:5] == ["distributed", "dataset", "model", "resume", "training"]
     assert [e["step"] for e in pipes[0].events if e["event"] == "step"] == list(range(1, stop_step + 1))
+    last = [pipe.events[-1] for pipe in pipes]  # each rank's last record: stopped, and which one got the signal
+    assert [(e["event"], e["step"], e["signal"]) for e in last] == [("stopped", stop_step, None),
+                                                                   ("stopped", stop_step, "SIGTERM")]
 
     resumed = launch(write_run_config(tmp_path / "resumed", token_cache_dir, ckpt, resume="auto"))
     straight = launch(write_run_config(tmp_path / "straight", token_cache_dir, tmp_path / "ckpt-straight"))

@@ -4,12 +4,15 @@ dataset is built. Nothing may survive any of them."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from process_tree import watching
@@ -130,3 +133,30 @@ def test_ctrl_c_again_and_again_while_the_dataset_is_built(tmp_path):
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     assert out.count("interrupted during dataset preparation; no rank was started") == 1, out
     assert not list(cache.rglob(f"{BUILD_PREFIX}*")), "a cache build was left half-way"
+
+
+def test_a_stop_signal_sent_to_one_rank_is_a_stop_not_a_finish(tmp_path, token_cache_dir):
+    """`kill -TERM <rank 1>` (a scheduler's preemption aimed at one process): both ranks agree to stop, save a
+    checkpoint and exit 0, and the supervisor says the run stopped, naming the rank, the signal and the checkpoint, with
+    the signal's exit code; `final/` is not written."""
+    ckpt = tmp_path / "ckpt"
+    r = start(tmp_path, "--debug", "--nproc", "2", "--max-steps", "400", "--set", "system.device=cpu",
+              "--set", f"data.cache_dir={json.dumps(str(token_cache_dir))}", "--set", "data.max_samples=40",
+              "--set", f"checkpoint.dir={json.dumps(str(ckpt))}", "--set", "training.eval_interval=0",
+              entry=None)
+    deadline = time.monotonic() + 120
+    while "Step [3/" not in r.out_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline and r.proc.poll() is None, r.err_path.read_text()[-3000:]
+        time.sleep(0.1)
+    ranks = {int(p.environ()["RANK"]): p.pid for p in psutil.Process(r.proc.pid).children()
+             if "pretrain_main.py" in " ".join(p.cmdline())}
+    os.kill(ranks[1], signal.SIGTERM)
+    r.wait()
+    assert r.returncode == 143, r.stderr[-3000:]
+    saved = sorted(p for p in ckpt.iterdir() if p.name.startswith("step_"))
+    assert saved and not (ckpt / "final").exists()
+    assert re.search(r"run stopped after .*: CPU1 \(rank 1\) received SIGTERM: every rank stopped after step \d+ of "
+                     rf"400 and saved a checkpoint \(--resume auto continues from it\): {re.escape(str(saved[-1]))}",
+                     r.stderr), r.stderr[-3000:]
+    assert "stopped early (SIGTERM received)" in r.stderr and "stopped early, as agreed" in r.stderr
+    assert "run finished" not in r.stderr

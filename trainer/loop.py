@@ -328,6 +328,7 @@ class Trainer:
             self.log.info(f"nothing to train: the checkpoint is at step {self.completed} of {self.total}")
         if agree_any(self.stop.requested, self.ctx):  # SIGTERM during set-up: nothing trained, nothing to save
             self.log.info(f"[GPU {self.ctx.gpu_id}] stopping before the first step: a stop was requested (SIGTERM)")
+            self.progress.stopped(self.completed, self.total, self.stop.signal)
             return "stopped"
         started = time.perf_counter()
         eta = EtaClock(self.completed, self.total, started)
@@ -338,7 +339,7 @@ class Trainer:
                 self.log.info(f"[GPU {self.ctx.gpu_id}] stopping after step {step}: a stop was requested (SIGTERM)")
                 self.checkpoints.save(self.completed)
                 self.checkpoints.finish()
-                self.progress.phase("stopped")
+                self.progress.stopped(self.completed, self.total, self.stop.signal)
                 return "stopped"
         self.checkpoints.save(self.completed)
         self.checkpoints.finish()

@@ -22,7 +22,9 @@ RENDEZVOUS_PHASE = "distributed"
 
 @dataclass
 class Progress:
-    event: str  # "phase" (start-up stages) | "step" | "done" | "failing" (about to exit with an error)
+    # "phase" (start-up stages) | "step" | "done" | "failing" (about to exit with an error) | "stopped" (every rank
+    # agreed to stop early and saved a checkpoint: a stop signal reached one of them)
+    event: str
     step: int = 0
     total: int = 0
     loss: float | None = None
@@ -32,6 +34,7 @@ class Progress:
     time: float = 0.0
     ready_s: float | None = None  # this step: start → forward done (trainer.diagnosis.step_timer), for stragglers
     step_s: float | None = None  # this step: start → end
+    signal: str | None = None  # "stopped": the signal this rank itself received (None: it stopped with the others)
 
     def encode(self) -> bytes:
         line = json.dumps(asdict(self), separators=(",", ":"), allow_nan=True).encode() + b"\n"
@@ -75,6 +78,11 @@ class ProgressReporter:
 
     def done(self, step: int, total: int, loss: float | None = None) -> None:
         self.send(Progress(event="done", step=step, total=total, loss=loss))
+
+    def stopped(self, step: int, total: int, signal: str | None) -> None:
+        """The rank stops at `step` of `total`, its checkpoint saved, because a rank received a stop signal (`signal`:
+        this one did). The supervisor reports a run that ends so as stopped, not finished."""
+        self.send(Progress(event="stopped", step=step, total=total, signal=signal))
 
     def failing(self) -> None:
         """Sent before the rank leaves its process group on an error: the supervisor learns which rank failed first

@@ -46,6 +46,7 @@ class RankState:
     loss: float | None = None
     tok_s: float | None = None
     eta_s: float | None = None
+    signal: str | None = None  # a ``stopped`` record: the stop signal this rank received, if it was the one
     pending: bytes = b""
     cpu_seconds: float = 0.0  # a rank that reports nothing: its process tree's CPU time at the last sample
     output_bytes: int = 0  # … and its log file's size then
@@ -56,6 +57,7 @@ class RankState:
         if record.event == "phase":
             self.phase = record.phase
         else:
+            self.signal = record.signal
             self.step, self.total = record.step, record.total or self.total
             self.loss = record.loss if record.loss is not None else self.loss
             self.tok_s, self.eta_s = record.tok_s, record.eta_s

@@ -11,7 +11,10 @@
 3. At the end of the grace period, SIGKILL to every group still alive, saying where each rank was.
 4. `KILL_WAIT` seconds after SIGKILL, a process still there is stuck in the kernel: it is left behind, and said so.
 
-The watcher (`supervisor.group.watch`) decides when and why; this file only climbs.
+The watcher (`supervisor.group.watch`) decides when and why; this file only climbs. One stop needs no ladder: a stop
+signal sent to a rank rather than to the supervisor (a scheduler's preemption, ``kill -TERM <rank>``): the project's
+trainer ranks agree to stop, save a checkpoint and exit 0, each saying ``stopped`` on the progress channel first.
+Such a group did not finish (`rank_stop`): its own headline, the signal's exit code.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ RENDEZVOUS_WAIT = 2.0  # after SIGTERM: a rank still joining its process group, 
 class Stop:
     """Why a group is being stopped, the exit code that reason gives the supervisor, and the ladder's times."""
 
-    reason: str  # "failure" | "hang" | "interrupt" | "remote"
+    reason: str  # "failure" | "hang" | "interrupt" | "remote" | "signal" (a rank received a stop signal: `rank_stop`)
     exit_code: int
     detail: str
     worker: Worker | None = None
@@ -67,6 +70,26 @@ def phase_of(state: RankState) -> str | None:
     if state.event is None or says_joining(state):
         return "before the first step: in the rendezvous, or start-up"
     return None  # a step, the end of its steps, its failure
+
+
+def rank_stop(workers: list[Worker], states: dict[int, RankState], endings: dict[int, str]) -> Stop | None:
+    """A group whose ranks stopped early together, each with a ``stopped`` record, because one of them received a stop
+    signal: a stop with that signal's code (128 + its number), naming the rank that received it, and each such rank's
+    ending said so in `endings`; None when no rank said ``stopped``."""
+    stopped = [w for w in workers if states[w.spec.rank].event == "stopped"]
+    if not stopped:
+        return None
+    for w in stopped:
+        received = states[w.spec.rank].signal
+        endings[w.spec.rank] = f"stopped early ({received} received)" if received else "stopped early, as agreed"
+    receivers = [w for w in stopped if states[w.spec.rank].signal]
+    name = states[receivers[0].spec.rank].signal if receivers else "SIGTERM"
+    state = states[stopped[0].spec.rank]
+    who = f"{receivers[0].label} (rank {receivers[0].spec.rank}) received {name}" if receivers else \
+        f"a rank received {name}"
+    detail = (f"{who}: every rank stopped after step {state.step} of {state.total} and saved a checkpoint "
+              f"(--resume auto continues from it)")
+    return Stop("signal", 128 + signal.Signals[name].value, detail, worker=receivers[0] if receivers else None)
 
 
 class StopLadder:

@@ -37,7 +37,7 @@ from supervisor.group.liveness import RankState
 from supervisor.group.pump import Pump, Stream
 from supervisor.group.reaper import Reaper
 from supervisor.group.signals import STOP_SIGNALS, SignalInbox
-from supervisor.group.stop import KILL_WAIT, Stop, StopLadder
+from supervisor.group.stop import KILL_WAIT, Stop, StopLadder, rank_stop
 from supervisor.group.worker import Worker, describe_exit
 from supervisor.plan.spec import Plan
 from trainer.errors import USER_ERROR_EXIT_CODE
@@ -115,13 +115,16 @@ class Watch:
                     self.check_exits()
                     self.check_clock()
             self.settle_verdicts()
+            for w in self.workers:  # what a rank wrote just before its exit, if its exit was handled first
+                self.on_progress(w)
         finally:
             self.pump.gate = None
             self.gate.close_records()
             self.selector.close()
         self.reaper.sweep(KILL_WAIT)
         self.pump.finish(PUMP_WAIT)
-        return GroupResult(self.workers, self.states, self.endings, self.tails, self.stop)
+        return GroupResult(self.workers, self.states, self.endings, self.tails,
+                           self.stop or rank_stop(self.workers, self.states, self.endings))
 
     def dispatch(self, data: Any) -> None:
         if data == "signals":

@@ -417,6 +417,8 @@ class Launcher:
             self.console.say(success_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total,
                                             self.exclusions), style="bold green")
         else:
+            if result.stop is not None and result.stop.reason == "signal" and (saved := self.checkpoints()):
+                result.stop.detail += f": {max(saved, key=lambda p: saved[p])}"  # the one --resume auto takes
             failing = result.stop.worker if result.stop is not None else None
             errors = self.plan.error_file(failing.spec, restarts) if failing is not None else None
             self.console.say(failure_report(result, self.plan.run_dir, restarts, self.plan.max_restarts, total,

@@ -71,7 +71,7 @@ def failure_report(result: GroupResult, run_dir: Path, restarts: int, max_restar
     """`errors`: the failing rank's TORCHELASTIC_ERROR_FILE (a foreign program's), read for the root cause."""
     stop = result.stop
     assert stop is not None
-    verb = {"interrupt": "interrupted", "remote": "stopped"}.get(stop.reason, "failed")
+    verb = {"interrupt": "interrupted", "remote": "stopped", "signal": "stopped"}.get(stop.reason, "failed")
     lines = [f"run {verb} after {duration(total)}: {stop.detail}"]
     if stop.node_verdicts:
         lines.append("what each node's evidence says of its own ranks:")

@@ -151,10 +151,12 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal: str | None = None  # the name of the signal this rank received (the others learn of it by vote)
         self.previous: Any = None
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.requested = True
+        self.signal = signal.Signals(signum).name
 
     @contextmanager
     def installed(self) -> Iterator["StopRequest"]:
