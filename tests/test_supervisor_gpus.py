@@ -42,6 +42,7 @@ def test_auto_prefers_free_memory_then_low_utilisation():
     ("9", None, "GPU 9 does not exist; this machine has GPUs 0-7"),
     ("0,0", None, "a GPU is listed twice"),
     ("0,x", None, "expected GPU ids such as 0,3,5"),
+    ("0,²", None, "expected GPU ids such as 0,3,5"),  # a digit to str.isdigit, not to int
     ("0,1", 3, "names 2 GPUs but --nproc is 3"),
     (None, 9, "--nproc 9: only 8 usable GPUs (0-7)"),
     ("auto", 9, "--gpus auto --nproc 9: only 8 usable GPUs"),
@@ -151,3 +152,12 @@ def test_missing_gpu_is_a_user_error(tmp_path):
     assert r.returncode == 2
     assert r.stderr == "error: GPU 9 does not exist; this machine has GPUs 0-7\n"
     assert not r.log_dir.exists(), "nothing is created for a run that cannot start"
+
+
+@pytest.mark.parametrize("spec, message", [("0,0,1", "GPU 0 is listed twice"), ("-1", "expected ids such as 0,1,2"),
+                                           ("0:x", "expected ids"), ("²", "expected ids"), ("0:10:101", "at most 100")])
+def test_a_fake_gpu_list_that_makes_no_machine_is_one_line(tmp_path, spec, message):
+    """Two ranks on one fake id would write one gpu0.log; a negative id is no GPU."""
+    r = run(tmp_path, "--nproc", "1", env=clean_env(SUPERVISOR_FAKE_GPUS=spec))
+    assert r.returncode == 2 and r.stderr.startswith("error: SUPERVISOR_FAKE_GPUS=") and message in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and not r.log_dir.exists()

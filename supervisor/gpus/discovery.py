@@ -59,17 +59,25 @@ class Inventory:
 
 
 def fake_gpus(spec: str) -> list[Gpu]:
+    """The test seam's GPUs: ``0,1,2`` or ``ID:FREE_MIB:UTIL`` entries, each id once (two ranks would share a log)."""
     gpus = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         parts = item.split(":")
-        try:
-            index = int(parts[0])
-            free_mib = int(parts[1]) if len(parts) > 1 else FAKE_MEMORY_MIB
-            util = int(parts[2]) if len(parts) > 2 else 0
-        except ValueError:
-            raise UserError(f"{FAKE_GPUS_ENV}={spec}: expected ids such as 0,1,2 or ID:FREE_MIB:UTIL entries") from None
+        if len(parts) > 3 or not all(is_number(p) for p in parts) or int(parts[2] if len(parts) > 2 else 0) > 100:
+            raise UserError(f"{FAKE_GPUS_ENV}={spec}: expected ids such as 0,1,2 or ID:FREE_MIB:UTIL entries "
+                            f"(whole numbers, utilisation at most 100)")
+        index = int(parts[0])
+        free_mib = int(parts[1]) if len(parts) > 1 else FAKE_MEMORY_MIB
+        util = int(parts[2]) if len(parts) > 2 else 0
+        if any(g.index == index for g in gpus):
+            raise UserError(f"{FAKE_GPUS_ENV}={spec}: GPU {index} is listed twice; each id once")
         gpus.append(Gpu(index, "fake", free_mib * MIB, FAKE_MEMORY_MIB * MIB, util, f"GPU-fake-{index}"))
     return gpus
+
+
+def is_number(text: str) -> bool:
+    """A whole number written in ASCII digits (``str.isdigit`` also takes '²', which `int` refuses)."""
+    return text.isascii() and text.isdigit()
 
 
 def nvml_gpus() -> list[Gpu] | None:
@@ -197,7 +205,7 @@ def machine_phrase(inventory: Inventory) -> str:
 def parse_ids(spec: str) -> list[int]:
     ids = []
     for item in (s.strip() for s in spec.split(",")):
-        if not item.isdigit():
+        if not is_number(item):
             raise UserError(f"--gpus {spec}: expected GPU ids such as 0,3,5 or 'auto'")
         ids.append(int(item))
     if len(set(ids)) != len(ids):
