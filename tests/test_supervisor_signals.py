@@ -135,6 +135,35 @@ def test_ctrl_c_again_and_again_while_the_dataset_is_built(tmp_path):
     assert not list(cache.rglob(f"{BUILD_PREFIX}*")), "a cache build was left half-way"
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_signal_to_the_supervisor_alone_stops_its_dataset_build_at_once(tmp_path, sig):
+    """`kill -INT` or `kill -TERM` to the supervisor's pid (not the terminal's process group: the build child does not
+    get it) one moment into tokenizing: the build stops now, not after the whole corpus; one line, the signal's code,
+    no half-built cache left, nothing running."""
+    cache = tmp_path / "cache"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "--debug", "--no-footer", "--log-dir", str(tmp_path / "logs"),
+         "--set", f"data.cache_dir={cache}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"],
+        cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    with watching(proc) as tree:
+        seen = b""
+        while b"tokenizing" not in seen and (chunk := os.read(proc.stdout.fileno(), 4096)):
+            seen += chunk
+        assert b"tokenizing" in seen, seen.decode()
+        os.kill(proc.pid, sig)
+        sent = time.monotonic()
+        out = (seen + proc.stdout.read()).decode(errors="replace")
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - sent
+        tree.stop()
+        assert tree.survivors(timeout=2.0) == []
+    assert code == 128 + sig, out
+    assert f"{sig.name}: interrupted during dataset preparation; no rank was started" in out, out
+    assert "Traceback" not in out and "dataset built" not in out, out
+    assert took < 10, f"the build ran on for {took:.1f} s"
+    assert not list(cache.rglob(f"{BUILD_PREFIX}*")), "a cache build was left half-way"
+
+
 def test_a_stop_signal_sent_to_one_rank_is_a_stop_not_a_finish(tmp_path, token_cache_dir):
     """`kill -TERM <rank 1>` (a scheduler's preemption aimed at one process): both ranks agree to stop, save a
     checkpoint and exit 0, and the supervisor says the run stopped, naming the rank, the signal and the checkpoint, with

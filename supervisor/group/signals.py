@@ -7,12 +7,17 @@ Slurm's warning before the time limit (``#SBATCH --signal=B:USR1@120``, which th
 alone: a rank answers SIGUSR1 with a stack dump, `supervisor.slurm.job`): the same graceful stop, every rank
 checkpoints, and the supervisor exits 138 (128 + 10) so the job script can requeue a run that ``--resume auto``
 continues.
+
+Before any rank runs (the nodes joining, the dataset build), a stop signal is an exception instead (`interruptible`):
+the first raises `Interrupted` where the supervisor is, and it stops what it was doing, its build child included.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
@@ -20,6 +25,37 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
     """The wakeup fd carries the signal; the handler only has to exist (and to not raise)."""
+
+
+class Interrupted(Exception):
+    """A stop signal received while no rank runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """While no rank runs: the first stop signal raises `Interrupted` in the main thread, and the later ones are
+    ignored, so that an impatient second Ctrl-C cannot cut short the clean-up that follows (a build waits for the batch
+    being encoded; the other nodes are told, the sentinel dismissed). Left without an interruption, the handlers before
+    are restored; after one they stay ignored: the supervisor is on its way out."""
+    interrupted: list[int] = []
+
+    def first(signum: int, frame: FrameType | None) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        interrupted.append(signum)
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, first) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        if not interrupted:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 class SignalInbox:

@@ -5,8 +5,9 @@ the supervisor makes itself a child subreaper; then, on several nodes, the contr
 without --node-rank waits there for the one node 0 gives it; the nodes join, and are heard from, while each prepares
 its data; a node whose preparation fails stops the others, and a node lost,
 failed or stalled elsewhere stops this one's build at once, with that node named and its code); then the dataset
-is prepared (Ctrl-C there is an ordinary KeyboardInterrupt, no rank exists yet, and a second Ctrl-C is ignored while
-it unwinds); only then do signals become loop events.
+is prepared (a stop signal there, a Ctrl-C or ``kill -TERM``, is an exception, `Interrupted`: no rank exists yet, the
+build child gets SIGINT and cleans up, the other nodes are told, and a second signal is ignored while it unwinds);
+only then do signals become loop events.
 
 The dataset step looks for the token cache in this process (a hit costs a stat per source file); a build runs as a
 child process (`prepare_dataset.py`), so that a build the kernel's out-of-memory killer ends is reported here, with
@@ -50,7 +51,7 @@ from supervisor.gpus import exclusion, preflight
 from supervisor.gpus.exclusion import Exclusion
 from supervisor.group.pump import Pump, Stream
 from supervisor.group.reaper import TOKEN_ENV, Reaper
-from supervisor.group.signals import SignalInbox
+from supervisor.group.signals import Interrupted, SignalInbox, interruptible
 from supervisor.group.watch import GroupResult, Watch
 from supervisor.group.worker import Worker, become_subreaper, die_with_parent
 from supervisor.plan.rendezvous import PortReservation
@@ -58,13 +59,13 @@ from supervisor.plan.spec import Plan, node_ranks
 from supervisor.report.summary import failure_report, success_report
 from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints
 from trainer.config import PROJECT_ROOT, Config
-from trainer.data.prepare_cli import interrupt_once
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 if TYPE_CHECKING:
     from supervisor.control.channel import ControlChannel
 
 BUILD_SAMPLE = 0.5  # seconds between two samples of the dataset build's memory
+BUILD_STOP_WAIT = 30.0  # an interrupted build's clean-up (the batch being encoded) before it is killed
 
 
 @contextmanager
@@ -97,26 +98,26 @@ class Launcher:
         started = time.monotonic()
         try:
             become_subreaper()
-            signal.signal(signal.SIGINT, interrupt_once)
             if self.plan.nnodes > 1:  # before the dataset: the nodes join (and are heard from) while each builds
                 from supervisor.control.endpoint import open_channel
 
                 control = open_channel(self.plan, read_secret(os.environ), self.console.say)
-            try:
-                if control is not None and self.plan.node_rank_assigned:
-                    failed = self.join(control)
-                if failed is None:
-                    failed = self.prepare(control)
-            except KeyboardInterrupt:
-                failed = 130
-                self.console.say("interrupted during dataset preparation; no rank was started")
-            except UserError:
-                failed = USER_ERROR_EXIT_CODE
-                raise
-            finally:
-                # the other nodes stop too, told why (a node still waiting for its node rank has not joined them)
-                if failed is not None and control is not None and control.node_rank is not None:
-                    control.abort(self.plan.node_rank, "supervisor", failed)
+            with interruptible():
+                try:
+                    if control is not None and self.plan.node_rank_assigned:
+                        failed = self.join(control)
+                    if failed is None:
+                        failed = self.prepare(control)
+                except Interrupted as e:
+                    failed = 128 + e.signum
+                    self.console.say(f"{e}: interrupted during dataset preparation; no rank was started")
+                except UserError:
+                    failed = USER_ERROR_EXIT_CODE
+                    raise
+                finally:
+                    # the other nodes stop too, told why (a node still waiting for its node rank has not joined them)
+                    if failed is not None and control is not None and control.node_rank is not None:
+                        control.abort(self.plan.node_rank, "supervisor", failed)
             if failed is not None:
                 return failed
             signals = SignalInbox()
@@ -241,8 +242,13 @@ class Launcher:
                 heard, _, _ = select.select([control.fd] if control is not None else [], [], [], BUILD_SAMPLE)
                 if heard and control is not None and (stopped := self.stop_build(control, proc, started)) is not None:
                     return stopped
-        except KeyboardInterrupt:  # the build got the same SIGINT and stops by itself
-            proc.wait()
+        except Interrupted:  # the build stops as at a Ctrl-C (a terminal's reached it too: it ignores a second one)
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(BUILD_STOP_WAIT)
+            except subprocess.TimeoutExpired:  # what it half-built is removed by the next build
+                proc.kill()
+                proc.wait()
             raise
         code = 128 - proc.returncode if proc.returncode < 0 else proc.returncode  # a shell's way: 128 + signal
         if code == 0:
