@@ -18,5 +18,14 @@ before it, and the leaves; `tests/test_house.py` checks it, and ARCHITECTURE.md'
 * `slurm` — what `train_slurm.sbatch` runs: one supervisor per node, the requeue.
 
 `__main__` is ``python -m supervisor``. Imports `trainer`'s torch-free parts (the run's config, checkpoint layout,
-token cache, progress records, errors); never torch at module level: it must start fast.
+token cache, progress records, errors); never torch at module level: it must start fast. Those are the project's
+own, found first: a package of the user's on PYTHONPATH that is named like one of them (`trainer`), which a torchrun
+program under the supervisor imports as its own (docs/torchrun.md), must not replace them here.
 """
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if sys.path[0] != _ROOT:
+    sys.path.insert(0, _ROOT)

@@ -6,6 +6,11 @@ ever interleave inside a line. The supervisor's own messages go to stderr as ``s
 Terminal mode (stdout and stderr both a terminal, footer not disabled): everything goes through one rich console
 on stdout with a live footer under the scrolling lines; rich is imported only then.
 
+A line may be left open on the console: a prompt of the rank that reads the terminal (`supervisor.group.pump`), which
+what the user types follows. Its owner's next write continues it; any other write (another rank's lines, a
+supervisor message) ends it first, so no two writers share a line. In terminal mode the live footer gives way at the
+first prompt, for the rest of the run: redrawn under a line being typed, it would overwrite it.
+
 If the reader of our output goes away (``| head``), console output stops quietly; log files keep being written.
 If the reader stalls (a paused pager), the writes block, and so in turn do the ranks on their full pipes; the
 console counts the time spent inside its writes so that the hang watchdog does not take that for a stalled rank.
@@ -48,6 +53,8 @@ class Console:
         self.log_fd: int | None = None
         self.rich: Any = None  # rich.console.Console in terminal mode
         self.live: Any = None
+        self.footer_allowed = True  # until a rank's prompt waits for what is typed on the terminal
+        self.open_line: tuple[object, int] | None = None  # the owner and fd of a line left open (a prompt)
         self.styles: dict[str, str] = {}
         self._writing_time = 0.0  # seconds spent in finished console writes
         self._writing_since: float | None = None  # start of the write in progress
@@ -97,32 +104,60 @@ class Console:
 
     # -- rank output ----------------------------------------------------------------------------------------------
 
-    def write_lines(self, fd: int, buffers: Sequence[Buffer]) -> None:
-        """Plain mode: whole lines, already prefixed, written as one unit."""
+    def write_lines(self, fd: int, prefix: Buffer, buffers: Sequence[Buffer], owner: object = None,
+                    unfinished: bool = False) -> None:
+        """Plain mode: whole lines written as one unit, the first after `prefix` (left out where it continues the line
+        `owner` left open), the others prefixed already; `unfinished`: the last one stays open for `owner`."""
         with self.lock:
             self._flush_pending()
-            self._timed(lambda: write_all(fd, buffers))
+            start = [] if self._continues(owner) else [prefix]
+            self._timed(lambda: write_all(fd, [*start, *buffers]))
+            self.open_line = (owner, fd) if unfinished else None
 
-    def print_lines(self, prefix: bytes, block: bytes) -> None:
-        """Terminal mode: whole unprefixed lines from one rank, printed above the footer with a coloured label."""
+    def print_lines(self, prefix: bytes, block: bytes, owner: object = None, unfinished: bool = False) -> None:
+        """Terminal mode: unprefixed lines from one rank, printed above the footer with a coloured label (left out
+        on the first where it continues the line `owner` left open). The block ends with its last newline, or, with
+        `unfinished`, with a line that stays open for `owner` (the footer then gives way for good)."""
         from rich.text import Text
 
         label = prefix.decode(errors="replace")
         style = self.styles.setdefault(label, LABEL_STYLES[len(self.styles) % len(LABEL_STYLES)])
-        text = Text()
-        for line in block.decode(errors="replace")[:-1].split("\n"):  # the block ends with its last newline
-            text.append(label, style=style)
-            text.append(line + "\n")
-        text.rstrip()
+        body = block.decode(errors="replace")
+        first, *others = (body if unfinished else body[:-1]).split("\n")
+        rest = Text(first)
+        for line in others:
+            rest.append("\n")
+            rest.append(label, style=style)
+            rest.append(line)
+        if unfinished and self.footer_allowed:
+            self.footer_allowed = False
+            self.stop_footer()
         with self.lock:
             self._flush_pending()
-            self._timed(lambda: self.rich.print(text))
+            text = rest if self._continues(owner) else Text.assemble((label, style), rest)
+            self._timed(lambda: self.rich.print(text, end="" if unfinished else "\n"))
+            self.open_line = (owner, 1) if unfinished else None
 
     # -- under the lock ---------------------------------------------------------------------------------------------
 
     def _flush_pending(self) -> None:
+        if self._pending:
+            self._end_line()
         while self._pending:
             self._timed(self._pending.pop(0))
+
+    def _continues(self, owner: object) -> bool:
+        """Whether this write of `owner`'s continues the line it left open; any other open line is ended first."""
+        if self.open_line is not None and owner is not None and self.open_line[0] is owner:
+            return True
+        self._end_line()
+        return False
+
+    def _end_line(self) -> None:
+        if self.open_line is not None:
+            fd = self.open_line[1]
+            self.open_line = None
+            self._timed(lambda: self.rich.print() if self.rich is not None else write_all(fd, [b"\n"]))
 
     def _timed(self, write: Callable[[], None]) -> None:
         if not self.console_ok:
@@ -145,7 +180,7 @@ class Console:
     # -- the live footer ------------------------------------------------------------------------------------------
 
     def start_footer(self, render: Callable[[], Any]) -> None:
-        if self.rich is None or self.live is not None:
+        if self.rich is None or self.live is not None or not self.footer_allowed:
             return
         from rich.live import Live
 
@@ -154,14 +189,16 @@ class Console:
         self.live.start()
 
     def stop_footer(self) -> None:
-        if self.live is not None:
-            self.live.stop()
-            self.live = None
+        live, self.live = self.live, None  # the pump's thread may stop it too (`print_lines`): once is enough
+        if live is not None:
+            live.stop()
 
     def close(self) -> None:
-        """Deliver what is pending (this may wait for a slow reader), stop the footer, close supervisor.log."""
+        """Deliver what is pending (this may wait for a slow reader), end a line left open, stop the footer, close
+        supervisor.log."""
         with self.lock:
             self._flush_pending()
+            self._end_line()
         self.stop_footer()
         if self.log_fd is not None:
             os.close(self.log_fd)

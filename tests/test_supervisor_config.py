@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rank_scripts.harness import WORKER, run
+from rank_scripts.harness import WORKER, clean_env, run
 from supervisor.plan.spec import Plan, RankSpec
 from trainer.config import Config, apply_layer
 from trainer.config.resolve import preset_layer
@@ -23,14 +23,22 @@ from trainer.preflight import check_run
     (("--nnodes", "2", "--master-addr", "h", "--master-port", "1234", "--max-restarts", "1"),
      "error: --max-restarts works on a single node only"),
     (("--nproc", "0"), "error: --nproc must be within 1-1,024 (ranks on this node), got 0"),
-    (("--nnodes", "2", "--master-addr", "h", "--master-port", "1234"),
-     "error: a multi-node run needs SUPERVISOR_CONTROL_SECRET, which authenticates the nodes to each other"),
 ])
 def test_user_errors_are_one_line_and_exit_2(tmp_path, args, message):
     r = run(tmp_path, *args, entry=WORKER if "--entry" not in args else None)
     assert r.returncode == 2
     assert r.stderr.startswith(message) and r.stderr.count("\n") == 1, r.stderr
     assert not r.log_dir.exists()
+
+
+def test_a_control_secret_that_cannot_be_used_is_one_line_and_exit_2(tmp_path):
+    """Several nodes need no secret (they then trust what torchrun trusts), but one that is set must be usable."""
+    missing = tmp_path / "missing"
+    r = run(tmp_path, "--nnodes", "2", "--master-addr", "h", "--master-port", "1234", entry=WORKER,
+            env=clean_env(SUPERVISOR_CONTROL_SECRET_FILE=str(missing)))
+    assert r.returncode == 2 and not r.log_dir.exists()
+    assert r.stderr == (f"error: SUPERVISOR_CONTROL_SECRET_FILE={missing}: cannot read it (No such file or directory); "
+                        f"name a readable file that holds the control secret, the same on every node\n"), r.stderr
 
 
 def test_config_is_resolved_once_and_written_to_the_run_folder(tmp_path):
@@ -54,11 +62,11 @@ def test_inspection_flags_start_nothing(tmp_path):
 
 
 def test_trainer_entry_gets_the_run_config(tmp_path):
-    plan = Plan(entry=Path("/x/pretrain_main.py"), entry_args=["--extra"], run_dir=tmp_path,
+    plan = Plan(entry="/x/pretrain_main.py", entry_args=["--extra"], run_dir=tmp_path,
                 ranks=[RankSpec(0, 0, None)])
     assert plan.argv(tmp_path / "config.json")[1:] == ["/x/pretrain_main.py", "--run-config",
                                                        str(tmp_path / "config.json"), "--extra"]
-    other = Plan(entry=Path("/x/train.py"), entry_args=["--extra"], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)])
+    other = Plan(entry="/x/train.py", entry_args=["--extra"], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)])
     assert other.argv(tmp_path / "config.json")[1:] == ["/x/train.py", "--extra"]
 
 

@@ -26,7 +26,6 @@ NOT_COMPARED = {
     "TORCHELASTIC_RUN_ID": "a fresh id per run of --standalone (checked to be one)",
     "TORCHELASTIC_ERROR_FILE": "a path: torchrun's temporary folder, the run folder here (checked)",
     "TORCHELASTIC_USE_AGENT_STORE": "torchrun's agent hosts the store; here rank 0 does, as without an agent",
-    "OMP_NUM_THREADS": "torchrun: 1; the supervisor: the cores shared out among the ranks",
 }
 
 
@@ -35,13 +34,14 @@ def supervise(tmp: Path, *argv: str, env: dict[str, str] | None = None, timeout:
     return start(tmp, *argv, entry=None, env=env).wait(timeout)
 
 
-def torchrun(tmp: Path, *argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def torchrun(tmp: Path, *argv: str, cwd: Path | None = None,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Real torchrun with the same arguments (its exit code is not compared: on gloo its ranks sometimes abort at
     exit, after writing what the tests read)."""
     if not TORCHRUN.exists():
         pytest.skip(f"no torchrun beside {sys.executable}")
-    return subprocess.run([str(TORCHRUN), *argv], cwd=cwd or tmp, env=clean_env(), capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([str(TORCHRUN), *argv], cwd=cwd or tmp, env=env or clean_env(), capture_output=True,
+                          text=True, timeout=120)
 
 
 def wait_for(path: Path, pattern: str, run: Run, timeout: float = 60) -> str:
@@ -282,12 +282,13 @@ def test_flags_without_a_use_here_are_accepted_with_one_line_each():
              "--rdzv-conf", "join_timeout=5", "--local-addr", "h", "--local-ranks-filter", "0", "--run-path",
              "--numa-binding", "node", "--signals-to-handle", "SIGUSR1", "--event-log-handler", "x",
              "--logs-specs", "x", "--duplicate-stdout-filters", "a", "--duplicate-stderr-filters", "b"]
-    args, _, _, notes = read(*flags, str(PROGRAMS / "flaky.py"))
+    args, _, launch, notes = read(*flags, str(PROGRAMS / "flaky.py"))
     assert args.log_dir == "/tmp/x" and args.local_addr == "h"  # honoured: where this node connects from
+    assert launch.console_ranks == {0} and launch.signals_to_handle == "SIGUSR1"  # honoured too
     named = [note.split(":", 1)[0] for note in notes]
     assert sorted(named) == sorted(["--tee 3", "--redirects 3", "--log-dir /tmp/x", "--monitor-interval 1",
                                     "--start-method fork", "--rdzv-conf join_timeout=5",
-                                    "--local-ranks-filter 0", "--run-path", "--numa-binding node",
+                                    "--run-path", "--numa-binding node",
                                     "--signals-to-handle SIGUSR1", "--event-log-handler x", "--logs-specs x",
                                     "--duplicate-stdout-filters a", "--duplicate-stderr-filters b"])
     assert all("\n" not in note for note in notes)
@@ -304,12 +305,23 @@ def test_flags_without_a_use_here_are_accepted_with_one_line_each():
     (("--standalone", "--nnodes", "2", "P"), "--standalone is a single-node run"),
     (("--nproc-per-node", "2"), "no program to run; torchrun's command line: python -m supervisor"),
     (("--debug", "P"), "unrecognized arguments: --debug"),
+    # what would have the ranks retry until the store's 30-minute timeout, or fail in a traceback
+    (("--rdzv-backend=c10d", "--rdzv-endpoint=:::::", "P"), "--rdzv-endpoint ':::::': expected HOST[:PORT]"),
+    (("--rdzv-backend=c10d", "--rdzv-endpoint=localhost:-5", "P"), "--rdzv-endpoint 'localhost:-5': expected HOST"),
+    (("--rdzv-backend=c10d", "--rdzv-endpoint=no-such-host.invalid:29400", "P"),
+     "node 0's address no-such-host.invalid (--master-addr, or the host of --rdzv-endpoint) does not resolve"),
+    (("--master-addr", "999.999.999.999", "--master-port", "29400", "P"),
+     "node 0's address 999.999.999.999 (--master-addr, or the host of --rdzv-endpoint) does not resolve"),
+    (("--nproc-per-node", "²", "P"), "--nproc-per-node ²: expected a number, gpu, cpu or auto"),
+    (("--local-ranks-filter", "0,x", "P"), "--local-ranks-filter 0,x: expected local ranks separated by commas"),
+    (("-m", "P"), "-m {P}: -m takes a module's name (-m pkg.train); give a script's path without -m"),
 ])
 def test_what_cannot_be_honoured_is_one_error_line(tmp_path, capsys, argv, message):
-    argv = [str(PROGRAMS / "flaky.py") if arg == "P" else arg for arg in argv]
+    program = str(PROGRAMS / "flaky.py")
+    argv = [program if arg == "P" else arg for arg in argv]
     assert cli.main(["--log-dir", str(tmp_path / "logs"), *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert err.startswith(f"error: {message.replace('{P}', program)}") and err.count("\n") == 1, err
     assert not (tmp_path / "logs").exists()
 
 

@@ -23,6 +23,16 @@ thousands of updates leaves one line a second and its final state, readable, not
 final state is not repeated when the last state shown was already it. Prefixes stay intact because every line shown
 is a whole line.
 
+Prompts: the rank that reads the supervisor's terminal (rank 0: pdb at a ``breakpoint()``, ``input()``) writes a
+prompt and waits for a line typed, without ending its own line. Its stdout's unfinished line, once it has stayed
+unchanged for ``PROMPT_WAIT``, is shown on the console as it is, the line left open, so what is typed follows it;
+the rest of that line, when it comes, continues it without a prefix (where the user pressed Enter, the terminal has
+already moved to a new line), unless something else reached the console in between, which ends the open line first.
+The log file gets the line once, whole, when it ends. Only with a terminal on stdin: nobody types into a pipe.
+
+torchrun's ``--local-ranks-filter``: a stream without a console (``Stream.console_fd`` None) goes to its log file
+only.
+
 The log file gets the lines without the prefix (it belongs to one rank already). For each stderr stream the pump
 keeps the last 64 KiB, from which the failure report takes the failing rank's last lines, and the failure rule the
 error a rank ended with (`Stream.caught_up` tells the watcher when the pump has taken all an exited rank wrote).
@@ -53,6 +63,7 @@ TRICKLE_WAIT = 0.001
 MAX_LINE = 8 << 20
 TAIL_BYTES = 64 << 10
 BAR_INTERVAL = 1.0  # seconds between two states of one progress bar on the console
+PROMPT_WAIT = 0.2  # seconds an unfinished line of the rank reading the terminal stays unchanged before it is shown
 
 
 def clean_cr(lines: bytes) -> bytes:
@@ -77,13 +88,16 @@ def screen(carry: bytes | bytearray) -> bytes:
 class Stream:
     fd: int  # read end of the rank's stdout or stderr pipe
     prefix: bytes  # b"GPU3:"
-    console_fd: int  # 1 or 2
+    console_fd: int | None  # 1 or 2; None: the log file only (a rank torchrun's --local-ranks-filter leaves out)
     log_fd: int | None
     keep_tail: bool  # stderr: remember the last lines for the report
+    prompts: bool = False  # the stdout of the rank reading the terminal: its unfinished line may be a prompt
     carry: bytearray = field(default_factory=bytearray)  # the unfinished last line
     carry_cr: bool = False  # the carry holds a carriage return
     bar_due: float | None = None  # the carry is a progress bar being redrawn: when its next state may be shown
     bar_shown: bytes | None = None  # the state of that bar shown last
+    prompt_due: float | None = None  # when the unfinished line, unchanged until then, is shown as a prompt
+    shown: int = 0  # bytes of the unfinished line already on the console, as a prompt
     tail: bytes = b""
     muted: bool = False  # set from the watcher's thread; a plain bool is read whole under the GIL
     muted_lines: int = 0  # lines kept from the console since `mute`
@@ -125,6 +139,7 @@ class Pump(threading.Thread):
         self.console, self.bar_interval = console, bar_interval
         self.clock: Callable[[], float] = time.monotonic  # the bars' clock (a test may drive its own)
         self.bars: set[Stream] = set()  # streams whose bar changed since it was last shown
+        self.prompts: set[Stream] = set()  # streams whose unfinished line waits for its `prompt_due`
         self.selector = selectors.DefaultSelector()
         self.streams: list[Stream] = []
         self.open = 0
@@ -133,8 +148,9 @@ class Pump(threading.Thread):
         self.selector.register(self.wake_r, selectors.EVENT_READ, None)
         self.gate: Callable[[], None] | None = None  # set by the watcher while it runs
 
-    def add(self, fd: int, prefix: bytes, console_fd: int, log_fd: int | None, keep_tail: bool) -> Stream:
-        stream = Stream(fd, prefix, console_fd, log_fd, keep_tail)
+    def add(self, fd: int, prefix: bytes, console_fd: int | None, log_fd: int | None, keep_tail: bool,
+            prompts: bool = False) -> Stream:
+        stream = Stream(fd, prefix, console_fd, log_fd, keep_tail, prompts)
         self.streams.append(stream)
         self.selector.register(fd, selectors.EVENT_READ, stream)
         self.open += 1
@@ -145,7 +161,7 @@ class Pump(threading.Thread):
     def run(self) -> None:
         while self.open and not self.stop_requested:
             biggest = 0
-            for key, _ in self.selector.select(self.bar_wait()):
+            for key, _ in self.selector.select(self.timeout()):
                 stream: Stream | None = key.data
                 if stream is None:
                     os.read(self.wake_r, 64)
@@ -162,6 +178,8 @@ class Pump(threading.Thread):
                     self.close_stream(stream)
             if self.bars:
                 self.show_due_bars()
+            if self.prompts:
+                self.show_due_prompts()
             if 0 < biggest < TRICKLE:
                 time.sleep(TRICKLE_WAIT)
         for stream in self.streams:  # stopped early: take what is already in the pipes, then close
@@ -197,10 +215,8 @@ class Pump(threading.Thread):
             self.feed(stream, data)
 
     def close_stream(self, stream: Stream) -> None:
-        if stream.carry:
-            line = bytes(stream.carry) + b"\n"
-            stream.carry = bytearray()
-            self.emit_ended(stream, clean_cr(line) if stream.carry_cr else line)
+        if stream.carry:  # the unfinished line ends here
+            self.feed(stream, b"\n")
         self.selector.unregister(stream.fd)
         os.close(stream.fd)
         stream.fd = -1
@@ -214,10 +230,12 @@ class Pump(threading.Thread):
             if stream.carry_cr or b"\r" in data:
                 self.emit_ended(stream, clean_cr(bytes(stream.carry) + data[: end + 1]))
             else:
-                self.emit(stream, stream.carry, data, end + 1)
-            stream.carry, stream.carry_cr = bytearray(), False
+                self.emit(stream, stream.carry, data, end + 1, stream.shown)
+            stream.carry, stream.carry_cr, stream.shown = bytearray(), False, 0
         self.extend_carry(stream, data[end + 1:])
         stream.taken = stream.received
+        if stream.prompts:
+            self.await_prompt(stream)
 
     def extend_carry(self, stream: Stream, piece: bytes) -> None:
         """Append to the unfinished line, in amortised linear time whatever the line's length."""
@@ -231,7 +249,7 @@ class Pump(threading.Thread):
         stream.carry_cr = stream.carry_cr or b"\r" in piece
         if len(stream.carry) > MAX_LINE:
             line = bytes(stream.carry) + b"\n"
-            stream.carry, stream.carry_cr = bytearray(), False
+            stream.carry, stream.carry_cr, stream.shown = bytearray(), False, 0
             self.emit_ended(stream, clean_cr(line) if b"\r" in line else line)
         elif b"\r" in piece:
             self.redrawn(stream)
@@ -257,19 +275,47 @@ class Pump(threading.Thread):
             stream.bar_shown = state
             self.emit(stream, b"", state + b"\n")
 
-    def bar_wait(self) -> float | None:
-        """The selector's timeout: until the first changed bar is due (None, no timeout, when none changed)."""
-        if not self.bars:
-            return None
-        return max(0.0, min(s.bar_due for s in self.bars if s.bar_due is not None) - self.clock())
+    def timeout(self) -> float | None:
+        """The selector's timeout: until the first changed bar or waiting prompt is due (None, no timeout, when
+        there is neither)."""
+        due = [s.bar_due for s in self.bars if s.bar_due is not None]
+        due += [s.prompt_due for s in self.prompts if s.prompt_due is not None]
+        return max(0.0, min(due) - self.clock()) if due else None
 
     def show_due_bars(self) -> None:
         now = self.clock()
         for stream in [s for s in self.bars if s.bar_due is not None and s.bar_due <= now]:
             self.show_bar(stream, now)
 
+    # -- prompts ---------------------------------------------------------------------------------------------------
+
+    def await_prompt(self, stream: Stream) -> None:
+        """After a read: an unfinished line with something not shown yet (and no bar) is a prompt if it stays
+        unchanged for PROMPT_WAIT (`show_due_prompts`)."""
+        if len(stream.carry) > stream.shown and not stream.carry_cr:
+            stream.prompt_due = self.clock() + PROMPT_WAIT
+            self.prompts.add(stream)
+        else:
+            self.prompts.discard(stream)
+
+    def show_due_prompts(self) -> None:
+        """Each unfinished line due: what is not on the console yet, the line left open (the log file gets the whole
+        line once it ends)."""
+        now = self.clock()
+        for stream in [s for s in self.prompts if s.prompt_due is not None and s.prompt_due <= now]:
+            self.prompts.discard(stream)
+            piece = bytes(stream.carry[stream.shown:])
+            stream.shown = len(stream.carry)
+            if stream.muted or stream.console_fd is None:
+                continue
+            if self.console.terminal:
+                self.console.print_lines(stream.prefix, piece, owner=stream, unfinished=True)
+            else:
+                self.console.write_lines(stream.console_fd, stream.prefix, [piece], owner=stream, unfinished=True)
+
     def emit_ended(self, stream: Stream, lines: bytes) -> None:
-        """Complete lines whose first one ends the carried line; a bar's final state is not shown twice."""
+        """Complete lines whose first one ends the carried line; a bar's final state is not shown twice. (A prompt
+        shown of that line is ended on the console, and the line shown whole after it.)"""
         if stream.bar_shown is not None and lines.startswith(stream.bar_shown + b"\n"):
             lines = lines[len(stream.bar_shown) + 1:]
         stream.bar_due = stream.bar_shown = None
@@ -277,8 +323,10 @@ class Pump(threading.Thread):
         if lines:
             self.emit(stream, b"", lines)
 
-    def emit(self, stream: Stream, head: bytes | bytearray, data: bytes, size: int | None = None) -> None:
-        """Write `head` + `data[:size]` (complete lines; `head` is the carried start of the first one)."""
+    def emit(self, stream: Stream, head: bytes | bytearray, data: bytes, size: int | None = None,
+             shown: int = 0) -> None:
+        """Write `head` + `data[:size]` (complete lines; `head` is the carried start of the first one, whose first
+        `shown` bytes are on the console already, as a prompt: the console gets the rest)."""
         size = len(data) if size is None else size
         lines = memoryview(data)[:size]
         if stream.log_fd is not None:
@@ -295,11 +343,13 @@ class Pump(threading.Thread):
             stream.taken = stream.received
         if stream.keep_tail and not stream.muted and (gate := self.gate) is not None:
             gate()  # stderr: what came before these lines may make them fallout (`supervisor.group.failure.FalloutGate`)
+        rest = memoryview(head)[shown:]  # what the console has not shown of the first line
+        owner = stream if shown else None  # a prompt's line is continued; any other write starts a line
         if stream.muted:
             stream.muted_lines += data.count(b"\n", 0, size)  # `head` is the start of a line, never a whole one
-        elif self.console.terminal:
-            self.console.print_lines(stream.prefix, head + bytes(lines))
-        else:
+        elif stream.console_fd is not None and self.console.terminal:
+            self.console.print_lines(stream.prefix, bytes(rest) + bytes(lines), owner=owner)
+        elif stream.console_fd is not None:
             replaced = data.replace(b"\n", stream.nl_prefix)  # the unfinished rest after `size` has no newline
             cut = len(replaced) - (len(data) - size) - len(stream.prefix)
-            self.console.write_lines(stream.console_fd, [stream.prefix, head, memoryview(replaced)[:cut]])
+            self.console.write_lines(stream.console_fd, stream.prefix, [rest, memoryview(replaced)[:cut]], owner=owner)

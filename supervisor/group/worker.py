@@ -8,6 +8,9 @@
   ranks are always spawned from the main thread.)
 - Three pipes: stdout and stderr (enlarged to 1 MiB so a chatty rank rarely blocks), and the progress channel,
   whose write end the rank inherits as ``SUPERVISOR_PROGRESS_FD``.
+- Stdin: rank 0 reads the supervisor's (pdb at a ``breakpoint()``, ``input()``), as it would under torchrun; every
+  other rank reads /dev/null, so that no typed line goes to a rank nobody watches. Rank 0 has no controlling
+  terminal (its own session), so it reads the terminal without job control: Ctrl-C still reaches only the supervisor.
 
 Exit detection is the watcher's job: each worker has a pidfd (Linux 5.3+) that becomes readable when the rank
 exits, so the watcher's ``select`` learns of exits in the order they happened; on older kernels SIGCHLD wakes the
@@ -99,7 +102,8 @@ class Worker:
         return self.exit_code is None
 
     @classmethod
-    def spawn(cls, spec: RankSpec, argv: list[str], env: dict[str, str]) -> "Worker":
+    def spawn(cls, spec: RankSpec, argv: list[str], env: dict[str, str], stdin: bool = False) -> "Worker":
+        """`stdin`: the rank reads the supervisor's stdin, else /dev/null."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         prog_r, prog_w = os.pipe()
@@ -108,8 +112,8 @@ class Worker:
         os.set_blocking(prog_r, False)
         env = {**env, PROGRESS_FD_ENV: str(prog_w)}
         try:
-            process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-                                       pass_fds=(prog_w,), start_new_session=True,
+            process = subprocess.Popen(argv, env=env, stdin=None if stdin else subprocess.DEVNULL, stdout=out_w,
+                                       stderr=err_w, pass_fds=(prog_w,), start_new_session=True,
                                        preexec_fn=die_with_parent(os.getpid()))
         except BaseException:
             for fd in (out_r, err_r, prog_r):

@@ -54,7 +54,7 @@ from supervisor.group.reaper import TOKEN_ENV, Reaper
 from supervisor.group.signals import Interrupted, SignalInbox, interruptible
 from supervisor.group.watch import GroupResult, Watch
 from supervisor.group.worker import Worker, become_subreaper, die_with_parent
-from supervisor.plan.rendezvous import PortReservation
+from supervisor.plan.rendezvous import PortReservation, check_port_free
 from supervisor.plan.spec import Plan, node_ranks
 from supervisor.report.summary import failure_report, success_report
 from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints
@@ -177,7 +177,8 @@ class Launcher:
         """A node started without --node-rank: node 0 (the node that opened the control port at --master-addr) says
         so; any other waits for node 0's welcome, which gives it its node rank, and the plan's global ranks follow.
         Returns the exit code when it cannot join (node 0 refused it, or did not answer within --join-timeout): no
-        rank was started."""
+        rank was started. Node 0 refuses a --master-port that another program holds (a UserError, which stops the
+        other nodes too), as a node given --node-rank 0 does before anything starts."""
         while control.node_rank is None:
             select.select([control.fd], [], [])
             events, _ = control.read_events()
@@ -190,6 +191,8 @@ class Launcher:
                 self.console.say(f"{event.why}; no rank was started; exit code {code}", style="bold red")
                 return code
         self.plan = self.plan.as_node(control.node_rank)
+        if control.node_rank == 0 and self.plan.master_port is not None:  # its rank 0 hosts the store there
+            check_port_free(self.plan.master_port)
         first, last = self.plan.ranks[0].rank, self.plan.ranks[-1].rank
         given = (f"this node opened the control port at {self.plan.master_addr}" if control.node_rank == 0 else
                  f"given by node 0 at {self.plan.master_addr} as the nodes joined")
@@ -383,7 +386,7 @@ class Launcher:
                 env = {**plan.rank_env(spec, master_port, config_path, restart), TOKEN_ENV: reaper.token}
                 argv = plan.argv(config_path)
                 try:
-                    worker = Worker.spawn(spec, argv, env)
+                    worker = Worker.spawn(spec, argv, env, stdin=spec.rank == 0)
                 except OSError as e:
                     program = " ".join(argv[:len(argv) - len(plan.entry_args)])
                     raise UserError(f"cannot start {program}: {e.strerror or e}") from None
@@ -391,10 +394,14 @@ class Launcher:
                 workers.append(worker)
             pump = Pump(self.console)
             tails: dict[int, Stream] = {}
+            typed = sys.stdin is not None and sys.stdin.isatty()  # rank 0's prompts wait for what is typed
             for w in workers:
                 prefix = f"{w.label}:".encode()
-                pump.add(w.stdout_fd, prefix, 1, log_fds[w.spec.rank], keep_tail=False)
-                tails[w.spec.rank] = pump.add(w.stderr_fd, prefix, 2, log_fds[w.spec.rank], keep_tail=True)
+                shown = plan.console_ranks is None or w.spec.local_rank in plan.console_ranks
+                pump.add(w.stdout_fd, prefix, 1 if shown else None, log_fds[w.spec.rank], keep_tail=False,
+                         prompts=typed and w.spec.rank == 0)
+                tails[w.spec.rank] = pump.add(w.stderr_fd, prefix, 2 if shown else None, log_fds[w.spec.rank],
+                                              keep_tail=True)
             pump.start()
             watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control)
             if self.footer is not None:

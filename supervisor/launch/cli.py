@@ -33,6 +33,7 @@ from supervisor.gpus.exclusion import default_min_gpus
 from supervisor.launch import torchrun_args
 from supervisor.launch.agent import Launcher, run_folder_writes
 from supervisor.launch.torchrun_args import TorchrunLaunch
+from supervisor.plan import rendezvous
 from supervisor.plan import slurm as slurm_layout
 from supervisor.plan.spec import TRAINER_ENTRY, Plan, node_ranks
 from trainer.config import PROJECT_ROOT, RUNS_DIR, Config
@@ -167,21 +168,31 @@ def check_flags(args: argparse.Namespace) -> None:
         if args.max_restarts:
             raise UserError("--max-restarts works on a single node only (a restart would need every node to "
                             "start again together)")
-        read_secret(os.environ)  # the nodes authenticate to each other: refused here, before anything starts
+        read_secret(os.environ)  # a control secret set but weak or unreadable: refused before anything starts
     if args.master_port is not None and not 0 < args.master_port < 65535:
         raise UserError(f"--master-port must be within 1-65534, got {args.master_port}")
 
 
-def entry_path(args: argparse.Namespace) -> Path:
+def entry_path(args: argparse.Namespace) -> str:
     if args.entry is None:
         path = PROJECT_ROOT / TRAINER_ENTRY
         if not path.is_file():
             raise UserError(f"{path} does not exist; name a rank program with --entry SCRIPT")
-        return path
+        return str(path)
     path = Path(args.entry)
     if not path.is_file():
         raise UserError(f"--entry {args.entry}: no such file")
-    return path.resolve()
+    return str(path.resolve())
+
+
+def check_rendezvous(args: argparse.Namespace) -> None:
+    """Where the ranks meet, before anything starts: node 0's address resolves, and on node 0 the given port is
+    free (elsewhere the ranks would retry a wrong address until the store's 30-minute timeout, or rank 0 would end
+    in a traceback on a port taken)."""
+    if args.master_addr is not None:
+        rendezvous.check_host(args.master_addr)
+    if args.master_port is not None and args.node_rank == 0:
+        rendezvous.check_port_free(args.master_port)
 
 
 @dataclass
@@ -271,11 +282,12 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
         notes.extend(cfg.notes)
     entry = launch.program if launch is not None else entry_path(args)
     check_writable(Path(args.log_dir), "the log folder", "choose a writable one with --log-dir DIR")
+    check_rendezvous(args)
     devices = choose_devices(args, cfg, notes)
     min_gpus = check_min_gpus(args, devices.gpus)
     assigned = args.node_rank is None
     ranks = node_ranks(devices.gpus, args.nproc or args.cpu_ranks, 0 if assigned else args.node_rank)
-    if launch is None and entry.name == TRAINER_ENTRY:  # what the ranks would refuse only after the token cache
+    if launch is None and Path(entry).name == TRAINER_ENTRY:  # what the ranks would refuse only after the token cache
         check_run(cfg, args.nnodes * len(ranks), bool(devices.gpus), notes)
     if not devices.gpus:
         cfg.system.device = "cpu"
@@ -290,7 +302,8 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
                 isolate_gpus=args.isolate_gpus)
     if launch is not None:
         plan = replace(plan, entry_mode=launch.mode, torchrun_contract=True, run_id=launch.run_id, role=launch.role,
-                       virtual_local_rank=launch.virtual_local_rank)
+                       virtual_local_rank=launch.virtual_local_rank, signals_to_handle=launch.signals_to_handle,
+                       console_ranks=launch.console_ranks, python=launch.python)
     plan.run_dir = create_run_dir(Path(args.log_dir), plan.program_name if launch is not None else cfg.preset)
     cfg.logging.run_dir = str(plan.run_dir)
     return plan
@@ -307,8 +320,8 @@ def read_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str], T
         return own.parse_args(ours), entry_args, None, []
     launch = torchrun_args.parse(argv, add_torchrun_side_flags, own.parse_args([]))
     args = launch.args
-    args.entry = str(launch.program)
-    if launch.mode != "script" or launch.program.name != TRAINER_ENTRY:
+    args.entry = launch.program
+    if launch.mode != "script" or Path(launch.program).name != TRAINER_ENTRY:
         return args, launch.program_args, launch, launch.notes
     config = torchrun_args.OneLineParser(prog=TRAINER_ENTRY, allow_abbrev=False)
     add_config_arguments(config)

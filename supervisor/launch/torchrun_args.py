@@ -11,7 +11,8 @@ flags (``--nproc-per-node`` and ``--nproc_per_node``) and both forms (``--flag=v
 torchrun, whose parser (``torch.distributed.run.get_args_parser``) this one mirrors. As in torchrun, a flag left off
 the command line takes its value from ``PET_<NAME>`` (``PET_NPROC_PER_NODE``, ``PET_NNODES``, ``PET_NODE_RANK``,
 ``PET_MASTER_ADDR``, ``PET_MASTER_PORT``, ``PET_STANDALONE=1``, ...): what Kubeflow's PyTorchJob and other operators
-set before they run a plain ``torchrun script.py`` (`environment_defaults`).
+set before they run a plain ``torchrun script.py`` (`environment_defaults`); ``PYTHON_EXEC``, as in torchrun, names
+the interpreter that runs a script or a module.
 
 What each of torchrun's flags becomes:
 
@@ -22,25 +23,31 @@ What each of torchrun's flags becomes:
   ``--rdzv-backend static|c10d`` with ``--rdzv-endpoint HOST[:PORT]`` (node 0's address and port) and ``--rdzv-id``
   (TORCHELASTIC_RUN_ID),
   ``--max-restarts``, ``--role`` (ROLE_NAME), ``-m``, ``--no-python``, ``--shutdown-timeout`` (the grace period),
-  ``--virtual-local-rank`` (one visible GPU per rank, LOCAL_RANK=0), ``--log-dir`` (the root of the run folders);
+  ``--virtual-local-rank`` (one visible GPU per rank, LOCAL_RANK=0), ``--log-dir`` (the root of the run folders),
+  ``--local-ranks-filter`` (the console shows those local ranks' lines; the log files keep every rank's),
+  ``--signals-to-handle`` (the ranks' TORCHELASTIC_SIGNALS_TO_HANDLE);
 * accepted, with one console line saying what happens instead — the flags for torchrun's own log layout, its
   monitoring and its rendezvous options (`NOTED`);
 * refused with one ``error:`` line — what this launcher cannot honour: elastic node ranges (``--nnodes 1:4``),
-  rendezvous backends other than ``static`` and ``c10d`` (``etcd``), device kinds other than GPUs and CPUs.
+  rendezvous backends other than ``static`` and ``c10d`` (``etcd``), device kinds other than GPUs and CPUs; and what
+  would fail only once the ranks run: a ``--rdzv-endpoint`` torchrun would not parse either, ``-m`` given a script's
+  path (node 0's address and port are checked later, `supervisor.launch.cli.check_rendezvous`).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.gpus import discovery
-from supervisor.plan.spec import available_cores
+from supervisor.plan.spec import SIGNALS_TO_HANDLE, available_cores
 from trainer.errors import UserError
 
 DEFAULT_C10D_PORT = 29400  # torchrun's port for a c10d endpoint given without one
@@ -53,8 +60,6 @@ NOTED: dict[str, tuple[tuple[str, ...], bool, str]] = {
                   "<run folder>/gpu<id>.log (cpu<n>.log)"),
     "tee": (("-t", "--tee"), True,
             "every rank's output is prefixed on the console and kept in <run folder>/gpu<id>.log (cpu<n>.log)"),
-    "local_ranks_filter": (("--local-ranks-filter", "--local_ranks_filter"), True,
-                           "every rank's output reaches the console, prefixed; each rank's alone is in its log file"),
     "duplicate_stdout_filters": (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), True,
                                  "not applied: each rank's whole output is in its log file in the run folder"),
     "duplicate_stderr_filters": (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), True,
@@ -73,8 +78,9 @@ NOTED: dict[str, tuple[tuple[str, ...], bool, str]] = {
                   "not used: the ranks meet at MASTER_ADDR:MASTER_PORT, rank 0 hosting the store"),
     "numa_binding": (("--numa-binding", "--numa_binding"), True, "not applied: the ranks are not bound to CPUs"),
     "signals_to_handle": (("--signals-to-handle", "--signals_to_handle"), True,
-                          "the supervisor's own handling applies: SIGINT, SIGTERM, SIGHUP and SIGUSR1 stop every "
-                          "rank (SIGTERM, then SIGKILL after the grace period)"),
+                          "the ranks get it in TORCHELASTIC_SIGNALS_TO_HANDLE, as under torchrun; the supervisor's "
+                          "own handling applies: SIGINT, SIGTERM, SIGHUP and SIGUSR1 stop every rank (SIGTERM, then "
+                          "SIGKILL after the grace period)"),
 }
 
 
@@ -92,12 +98,15 @@ class TorchrunLaunch:
     """A torchrun command line, read: the supervisor's namespace, and what only a torchrun program needs."""
 
     args: argparse.Namespace  # as `supervisor.launch.cli.build_parser` would give it, the launch flags filled in
-    program: Path  # a script or an executable; a module's dotted name for mode "module"
+    program: str  # a script or an executable as typed (the program's sys.argv[0]); a module's name for mode "module"
     mode: str  # "script" | "module" | "executable" (`supervisor.plan.spec.Plan.entry_mode`)
     program_args: list[str]
     run_id: str  # TORCHELASTIC_RUN_ID
     role: str  # ROLE_NAME
     virtual_local_rank: bool
+    signals_to_handle: str  # TORCHELASTIC_SIGNALS_TO_HANDLE
+    console_ranks: frozenset[int] | None  # --local-ranks-filter: the local ranks shown on the console (None: all)
+    python: str  # the interpreter of a script or module: PYTHON_EXEC where set, as torchrun reads it
     notes: list[str] = field(default_factory=list)  # one line per flag accepted but done otherwise
 
 
@@ -125,6 +134,7 @@ def build_parser(add_own_flags: Callable[[argparse._ArgumentGroup], None],
     t.add_argument("--shutdown-timeout", "--shutdown_timeout", dest="shutdown_timeout", type=float, metavar="S")
     t.add_argument("--virtual-local-rank", "--virtual_local_rank", dest="virtual_local_rank", action="store_true")
     t.add_argument("--local-addr", "--local_addr", dest="local_addr", metavar="HOST")
+    t.add_argument("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", metavar="RANKS")
     for dest, (flags, takes_value, _) in NOTED.items():
         t.add_argument(*flags, dest=dest, **({} if takes_value else {"action": "store_true"}))
     if from_environment:
@@ -198,7 +208,8 @@ def parse(argv: list[str], add_own_flags: Callable[[argparse._ArgumentGroup], No
     per_node(t.nproc_per_node, args)
     mode, program = program_of(t)
     return TorchrunLaunch(args, program, mode, list(t.training_script_args), run_id(t), t.role,
-                          t.virtual_local_rank, notes)
+                          t.virtual_local_rank, t.signals_to_handle or SIGNALS_TO_HANDLE,
+                          console_ranks(t.local_ranks_filter), os.environ.get("PYTHON_EXEC") or sys.executable, notes)
 
 
 def nodes(t: argparse.Namespace, args: argparse.Namespace) -> None:
@@ -224,12 +235,44 @@ def nodes(t: argparse.Namespace, args: argparse.Namespace) -> None:
     if t.standalone or implicit_standalone(t):  # torchrun's rendezvous then runs on localhost:<a free port>
         args.master_addr = "localhost"
         return
-    if t.rdzv_endpoint:
-        host, colon, port = t.rdzv_endpoint.rpartition(":")
-        if not colon or not port.isdigit():
-            host, port = t.rdzv_endpoint, str(DEFAULT_C10D_PORT)
-        args.master_addr = host.strip("[]") or None
-        args.master_port = int(port) or None  # port 0: a free one, as torchrun picks
+    if t.rdzv_endpoint.strip():
+        args.master_addr, port = endpoint(t.rdzv_endpoint)
+        args.master_port = port or None  # port 0: a free one, as torchrun picks
+
+
+def endpoint(value: str) -> tuple[str, int]:
+    """--rdzv-endpoint HOST[:PORT] read by torchrun's rules: a bracketed IPv6 address (``[::1]:29400``), a port of
+    0-65535 after the last colon (29400 when there is none), a host of letters, digits, dots, colons, dashes and
+    underscores. Anything else is refused here: the ranks would retry it until the store's 30-minute timeout."""
+    text = value.strip()
+    if text.startswith("[") and text.endswith("]"):
+        host, port = text, str(DEFAULT_C10D_PORT)
+    else:
+        host, colon, port = text.rpartition(":")
+        if not colon:
+            host, port = text, str(DEFAULT_C10D_PORT)
+    if len(host) > 1 and host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not (number(port) and int(port) < 1 << 16 and re.fullmatch(r"[\w.:-]+", host)):
+        raise UserError(f"--rdzv-endpoint {value!r}: expected HOST[:PORT], node 0's host name or address (an IPv6 "
+                        f"address in brackets: [::1]:29400) and a port within 0-65535")
+    return host, int(port)
+
+
+def number(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes ``²`` and other digits `int` refuses."""
+    return text.isascii() and text.isdigit()
+
+
+def console_ranks(value: str | None) -> frozenset[int] | None:
+    """--local-ranks-filter 0,2: the local ranks whose lines reach the console (None: every rank's)."""
+    if value is None:
+        return None
+    items = [item.strip() for item in value.split(",")]
+    if not all(number(item) for item in items):
+        raise UserError(f"--local-ranks-filter {value}: expected local ranks separated by commas "
+                        f"(--local-ranks-filter 0,2)")
+    return frozenset(map(int, items))
 
 
 def per_node(value: str | None, args: argparse.Namespace) -> None:
@@ -238,7 +281,7 @@ def per_node(value: str | None, args: argparse.Namespace) -> None:
     if value is None:
         args.nproc = None if args.gpus is not None else 1  # --gpus names the GPUs: one rank each
         return
-    if value.isdigit():
+    if number(value):
         args.nproc = int(value)
         if args.nproc < 1:
             raise UserError(f"--nproc-per-node must be at least 1, got {value}")
@@ -254,23 +297,26 @@ def per_node(value: str | None, args: argparse.Namespace) -> None:
                         "CUDA_VISIBLE_DEVICES hides them); --nproc-per-node cpu or auto runs CPU ranks")
 
 
-def program_of(t: argparse.Namespace) -> tuple[str, Path]:
+def program_of(t: argparse.Namespace) -> tuple[str, str]:
     """How each rank starts the program: ``python SCRIPT``, ``python -m MODULE``, or the program itself
-    (--no-python: found on PATH when it names no folder); a program that is not there is refused here, before any
-    rank would fail on it."""
+    (--no-python: found on PATH when it names no folder), each named as typed, as torchrun passes it; a program that
+    is not there is refused here, before any rank would fail on it."""
     name = t.training_script
     if t.module and t.no_python:
         raise UserError("--no-python and -m/--module cannot be used together (torchrun refuses them too)")
     if t.module:
-        return "module", Path(name)
+        if not all(part.isidentifier() for part in name.split(".")) or name.endswith(".py") and Path(name).is_file():
+            raise UserError(f"-m {name}: -m takes a module's name (-m pkg.train); give a script's path without -m "
+                            f"(python -m supervisor [FLAGS] {name})")
+        return "module", name
     if t.no_python:
         found = shutil.which(name) if os.sep not in name else (name if os.access(name, os.X_OK) else None)
         if found is None or not Path(found).is_file():
             raise UserError(f"--no-python {name}: no such executable" + ("" if os.sep in name else " on PATH"))
-        return "executable", Path(os.path.abspath(found))
+        return "executable", name
     if not Path(name).is_file():
         raise UserError(f"{name}: no such file (the program to run; -m runs a module, --no-python an executable)")
-    return "script", Path(name).resolve()
+    return "script", name
 
 
 def run_id(t: argparse.Namespace) -> str:

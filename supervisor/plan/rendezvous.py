@@ -1,4 +1,10 @@
-"""Where the ranks of one node meet: a free port that nobody else can take, and the loopback interface.
+"""Where the ranks meet: node 0's address and port checked before anything starts, a free port that nobody else can
+take, and the loopback interface.
+
+Checked first: node 0's address must resolve (a wrong one would have the ranks retry it until the store's 30-minute
+timeout), looked up in a thread of its own so that a resolver that never answers costs seconds, not the run; and on
+node 0 a port given by hand must be free, bound as rank 0's store binds it, on every address with ``SO_REUSEADDR``
+(so a port left in TIME_WAIT by an earlier run counts as free), and let go at once.
 
 Why holding the port is safe: the supervisor binds ``127.0.0.1:0`` with ``SO_REUSEADDR`` and never listens on it.
 While that socket stays bound, the kernel hands the port to no one else: neither ``bind(0)`` nor the automatic
@@ -16,10 +22,48 @@ here.
 
 from __future__ import annotations
 
+import errno
 import socket
+import threading
 from dataclasses import dataclass, field
 
+from trainer.errors import UserError
+
 LOOPBACK = "127.0.0.1"
+RESOLVE_WAIT = 5.0  # seconds a host name may take to resolve
+
+
+def check_host(host: str, wait: float = RESOLVE_WAIT) -> None:
+    """Node 0's address resolves within `wait` seconds, or the run is refused naming it."""
+    failure: list[str] = []
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError, ValueError) as e:  # UnicodeError: a label too long; ValueError: a NUL byte
+            failure.append(getattr(e, "strerror", None) or str(e))
+        done.set()
+
+    threading.Thread(target=look_up, name="supervisor-resolve", daemon=True).start()
+    if not done.wait(wait):
+        failure.append(f"no answer from the resolver within {wait:g} s")
+    if failure:
+        raise UserError(f"node 0's address {host} (--master-addr, or the host of --rdzv-endpoint) does not resolve "
+                        f"({failure[0]}); give a host name or an address that every node can reach")
+
+
+def check_port_free(port: int) -> None:
+    """On node 0: `port`, where rank 0 will host the store, is not taken by another program."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            why = "another program listens on it" if e.errno == errno.EADDRINUSE else e.strerror or str(e)
+            raise UserError(f"port {port}, where node 0's rank 0 would host the rendezvous, cannot be taken on this "
+                            f"machine ({why}); choose a free one with --master-port PORT (or --rdzv-endpoint "
+                            f"HOST:PORT), or on a single node leave the port out and a free one is taken") from None
 
 
 @dataclass

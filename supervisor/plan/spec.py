@@ -2,7 +2,9 @@
 
 The rank environment is torchrun's, complete (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), so a program written for torchrun runs unchanged,
-plus the project's own keys; see ARCHITECTURE.md, "Rank environment".
+plus the project's own keys; see ARCHITECTURE.md, "Rank environment". A program launched with torchrun's command line
+keeps PYTHONPATH as the user set it and gets OMP_NUM_THREADS by torchrun's rule; the project's rank programs get the
+project's root first on PYTHONPATH (they import it) and the machine's cores shared out.
 
 What a rank sees of the GPUs: the project's trainer sees its own GPU alone (``CUDA_VISIBLE_DEVICES=<its id>``: it
 uses ``cuda:0``, and nothing it does can touch another rank's card). A program written for torchrun selects
@@ -31,6 +33,7 @@ TRAINER_ENTRY = "pretrain_main.py"
 RUN_CONFIG_ENV = "SUPERVISOR_RUN_CONFIG"  # every rank: the resolved config of its attempt
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torch's @record writes an uncaught exception (a foreign program)
 ERRORS_DIR = "errors"
+SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle default
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per rank: a few steps' worth, enough to see who fell behind
 
 
@@ -52,7 +55,9 @@ class RankSpec:
 
 @dataclass
 class Plan:
-    entry: Path  # a script or an executable; for entry_mode "module", the module's dotted name
+    # a script or an executable, as typed on torchrun's command line (the program's sys.argv[0], as under torchrun) or
+    # resolved (--entry); for entry_mode "module", the module's dotted name
+    entry: str
     entry_args: list[str]
     run_dir: Path
     ranks: list[RankSpec]
@@ -84,16 +89,20 @@ class Plan:
     virtual_local_rank: bool = False  # torchrun's --virtual-local-rank: isolated, and LOCAL_RANK=0
     run_id: str = "none"  # TORCHELASTIC_RUN_ID (torchrun's --rdzv-id)
     role: str = "default"  # ROLE_NAME (torchrun's --role)
+    signals_to_handle: str = SIGNALS_TO_HANDLE  # TORCHELASTIC_SIGNALS_TO_HANDLE (torchrun's --signals-to-handle)
+    # torchrun's --local-ranks-filter: the local ranks whose lines reach the console (None: every rank's); the log
+    # files keep every rank's
+    console_ranks: frozenset[int] | None = None
 
     @property
     def trainer_entry(self) -> bool:
         """The project's own rank program gets ``--run-config``; any other entry gets only its own arguments."""
-        return self.entry_mode == "script" and self.entry.name == TRAINER_ENTRY
+        return self.entry_mode == "script" and Path(self.entry).name == TRAINER_ENTRY
 
     @property
     def program_name(self) -> str:
         """What the run folder of a foreign program is named after: the script's stem, or the module's name."""
-        return str(self.entry) if self.entry_mode == "module" else self.entry.stem
+        return self.entry if self.entry_mode == "module" else Path(self.entry).stem
 
     @property
     def isolated(self) -> bool:
@@ -119,11 +128,11 @@ class Plan:
 
     def argv(self, config_path: Path | None) -> list[str]:
         if self.entry_mode == "executable":
-            return [str(self.entry), *self.entry_args]
+            return [self.entry, *self.entry_args]
         if self.entry_mode == "module":
-            return [self.python, "-m", str(self.entry), *self.entry_args]
+            return [self.python, "-m", self.entry, *self.entry_args]
         args = ["--run-config", str(config_path)] if self.trainer_entry else []
-        return [self.python, str(self.entry), *args, *self.entry_args]
+        return [self.python, self.entry, *args, *self.entry_args]
 
     def error_file(self, spec: RankSpec, restart: int) -> Path | None:
         """Where a foreign rank's @record writes its uncaught exception in group `restart` (one file per group, as
@@ -136,7 +145,9 @@ class Plan:
     def rank_env(self, spec: RankSpec, master_port: int, config_path: Path | None, restart: int) -> dict[str, str]:
         """Everything but SUPERVISOR_PROGRESS_FD, which the worker adds with the pipe it creates."""
         env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}  # the supervisors' secret, not the ranks'
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        if not self.torchrun_contract:  # the project's rank programs import it; a torchrun program's imports are its
+            # own, as torchrun leaves them (a package of the user's named `trainer` is the one it imports)
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         env.update({
             "RANK": str(spec.rank),
             "LOCAL_RANK": "0" if self.virtual_local_rank else str(spec.local_rank),
@@ -154,6 +165,7 @@ class Plan:
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             # torchrun's agent hosts the store its workers join; here rank 0 hosts it, as without an agent
             "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": self.signals_to_handle,  # as torchrun's agent leaves it to its workers
             "PYTHONUNBUFFERED": "1",
             RESTART_COUNT_ENV: str(restart),
         })
@@ -164,8 +176,13 @@ class Plan:
         env.pop(ERROR_FILE_ENV, None)
         if (error_file := self.error_file(spec, restart)) is not None:
             env[ERROR_FILE_ENV] = str(error_file)
-        # The cores shared out, so the ranks' thread pools do not oversubscribe the machine; a value set by hand wins.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // max(1, self.local_world_size))))
+        # The project's ranks get the cores shared out, so their thread pools do not oversubscribe the machine; a
+        # torchrun program gets torchrun's rule: one thread each where several ranks share the node, none set for a
+        # single rank. A value set by hand wins either way.
+        if not self.torchrun_contract:
+            env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // max(1, self.local_world_size))))
+        elif self.local_world_size > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
         if self.nnodes == 1:  # gloo's own sockets stay on the machine (see supervisor/plan/rendezvous.py)
             env.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         # the flight recorder (PyTorch's record of collectives, gloo and NCCL alike; TORCH_NCCL_TRACE_BUFFER_SIZE is

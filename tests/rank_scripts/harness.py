@@ -23,7 +23,8 @@ PYTHON = sys.executable
 SEAM_KEYS = ("SUPERVISOR_FAKE_GPUS", "SUPERVISOR_FAKE_GPU_STATE", "CUDA_VISIBLE_DEVICES", "GPU_RANK", "RANK",
              "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUPERVISOR_PROGRESS_FD", "SLURM_JOB_ID",
              "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NTASKS",
-             "SLURMD_NODENAME", "SLURM_RESTART_COUNT", "SUPERVISOR_CONTROL_SECRET", "SUPERVISOR_NODE_EXCLUSION")
+             "SLURMD_NODENAME", "SLURM_RESTART_COUNT", "SUPERVISOR_CONTROL_SECRET", "SUPERVISOR_CONTROL_SECRET_FILE",
+             "SUPERVISOR_NODE_EXCLUSION")
 CONTROL_SECRET = "a-test-secret-of-the-control-channel"  # what two node supervisors of a test share
 
 _started: list["Run"] = []
@@ -115,8 +116,9 @@ class Run:
 
 def start(tmp: Path, *args: str, entry: Path | None = WORKER, entry_args: tuple[str, ...] = (),
           env: dict[str, str] | None = None, stdout: int | None = None, stderr: int | None = None,
-          tag: str = "") -> Run:
-    """Start ``python -m supervisor ARGS --entry ENTRY -- ENTRY_ARGS`` in `tmp` (logs and pid files there too)."""
+          tag: str = "", stdin: int | None = None) -> Run:
+    """Start ``python -m supervisor ARGS --entry ENTRY -- ENTRY_ARGS`` in `tmp` (logs and pid files there too); its
+    stdin is /dev/null unless `stdin` gives one."""
     log_dir, pid_dir = tmp / f"logs{tag}", tmp / f"pids{tag}"
     pid_dir.mkdir(parents=True, exist_ok=True)
     out_path, err_path = tmp / f"stdout{tag}.txt", tmp / f"stderr{tag}.txt"
@@ -129,7 +131,8 @@ def start(tmp: Path, *args: str, entry: Path | None = WORKER, entry_args: tuple[
         cmd += ["--", *entry_args]
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(cmd, cwd=tmp, env=env or clean_env(), stdout=stdout if stdout is not None else out,
-                                stderr=stderr if stderr is not None else err, stdin=subprocess.DEVNULL)
+                                stderr=stderr if stderr is not None else err,
+                                stdin=stdin if stdin is not None else subprocess.DEVNULL)
     started = Run(proc, tmp, log_dir, pid_dir, out_path, err_path)
     _started.append(started)
     return started
