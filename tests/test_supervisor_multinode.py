@@ -23,27 +23,29 @@ from supervisor.control.server import ControlServer, listen, names_this_machine
 from supervisor.control.wire import (
     LOST_CODE,
     SECRET_ENV,
+    SECRET_FILE_ENV,
+    ControlKey,
     LineReader,
     Session,
     Timing,
+    answer_proof,
     hello_proof,
     new_nonce,
     read_secret,
-    welcome_proof,
 )
 from supervisor.plan.spec import Plan, node_ranks
 from trainer.errors import UserError
 
 
 def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0,
-              node1_secret: str = CONTROL_SECRET) -> tuple[Run, Run]:
+              node1_secret: str = CONTROL_SECRET, node1_flags: tuple[str, ...] = ()) -> tuple[Run, Run]:
     port = str(free_port_pair())
     common = ("--nproc", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
               "--grace-period", "5")
     node0 = start(tmp_path, *common, "--node-rank", "0", entry_args=node0_args,
                   env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="0")
     time.sleep(node1_delay)
-    node1 = start(tmp_path, *common, "--node-rank", "1", entry_args=node1_args,
+    node1 = start(tmp_path, *common, "--node-rank", "1", *node1_flags, entry_args=node1_args,
                   env=clean_env(SUPERVISOR_CONTROL_SECRET=node1_secret), tag="1")
     return node0, node1
 
@@ -91,11 +93,17 @@ def test_a_vanished_node_supervisor_stops_the_others(tmp_path):
 
 
 def test_a_node_with_another_secret_is_refused_and_told_why(tmp_path):
-    node0, node1 = two_nodes(tmp_path, node0_args=("--steps", "20"), node1_secret="another-secret-0123456789")
+    """Node 1 says the refusal at once, but a refusal proves nothing: it tries again until its join timeout."""
+    node0, node1 = two_nodes(tmp_path, node0_args=("--steps", "20"), node1_secret="another-secret-0123456789",
+                             node1_flags=("--join-timeout", "3"))
+    node1.wait_for_stderr("control port: node 0's control server refused this node's hello: "
+                          "SUPERVISOR_CONTROL_SECRET differs between the nodes")
     node1.wait(timeout=20)
     node0.wait(timeout=20)
     assert node1.returncode == LOST_CODE, node1.stderr[-2000:]
-    assert "node 0's control server refused this node's hello: SUPERVISOR_CONTROL_SECRET differs" in node1.stderr
+    assert re.search(r"could not join node 0's control server at 127\.0\.0\.1:\d+ within 3 s \(--join-timeout\): .*"
+                     r"node 0's control server refused this node's hello: SUPERVISOR_CONTROL_SECRET differs",
+                     node1.stderr), node1.stderr[-2000:]
     assert "refused a hello as node 1 from 127.0.0.1" in node0.stderr  # and node 0 goes on: a refusal is no abort
     assert node0.returncode == 0, node0.stderr[-2000:]
 
@@ -111,53 +119,12 @@ def test_both_nodes_finish(tmp_path):
     assert ranks == [0, 1, 2, 3]  # global rank = node rank × ranks per node + local rank
 
 
-def test_nodes_started_without_a_node_rank_are_numbered_as_they_join(tmp_path):
-    """torchrun's c10d command line as its users give it, the same on every node (no --node-rank; the third node
-    with the supervisor's own flags, also without one): the node that opens the control port at the endpoint is node
-    0, the others get 1 and 2 in the order they join, and each rank its global rank in one world (the all-reduce
-    forms); a fourth node is one too many, told so at once."""
-    port = free_port_pair()
-    program = Path(__file__).resolve().parent / "torchrun_programs" / "allreduce_loop.py"
-    env = clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
-
-    def node(tag: str) -> Run:
-        program_args = ("--step-time", "0.05", "--save-on-term", "--ready", str(tmp_path / f"pids{tag}"))
-        if tag == "c":
-            return start(tmp_path, "--nnodes", "3", "--nproc", "1", "--master-addr", "127.0.0.1", "--master-port",
-                         str(port), "--grace-period", "5", entry=program, entry_args=program_args, env=env, tag=tag)
-        return start(tmp_path, "--nnodes=3", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                     f"--rdzv-endpoint=127.0.0.1:{port}", "--grace-period", "5", str(program), *program_args,
-                     entry=None, env=env, tag=tag)
-
-    nodes = []
-    for tag, said in [("a", "node 0 of 3 (this node opened the control port at 127.0.0.1): ranks 0-0 of 3"),
-                      ("b", "node 1 of 3 (given by node 0 at 127.0.0.1 as the nodes joined): ranks 1-1 of 3"),
-                      ("c", "node 2 of 3 (given by node 0 at 127.0.0.1 as the nodes joined): ranks 2-2 of 3")]:
-        nodes.append(node(tag))
-        nodes[-1].wait_for_stderr(said)
-    deadline = time.monotonic() + 60  # the world forms: each node's rank all-reduces under its global rank
-    while not all((run.pid_dir / f"rank{rank}.pids").exists() for rank, run in enumerate(nodes)):
-        assert time.monotonic() < deadline and all(run.proc.poll() is None for run in nodes), "no world formed"
-        time.sleep(0.05)
-    nodes[0].wait_for_stderr("control port: node 2 joined")
-    extra = node("d").wait(timeout=30)
-    assert extra.returncode == LOST_CODE, extra.stderr[-2000:]
-    assert ("node 0's control server refused this node: all 3 nodes of the run (--nnodes 3) have joined already; "
-            "no rank was started; exit code 125") in extra.stderr
-    nodes[0].proc.send_signal(signal.SIGTERM)
-    for run in nodes:
-        run.wait(timeout=30)
-    assert [run.returncode for run in nodes] == [143] * 3, [run.stderr[-1500:] for run in nodes]
-    assert "refused a node without --node-rank from 127.0.0.1" in nodes[0].stderr
-    assert survivors([*nodes[0].pids(), *nodes[1].pids(), *nodes[2].pids()]) == []
-
-
 def test_node_0_listens_on_every_address_of_its_host():
     """--master-addr may name node 0 by an address the other nodes do not reach it by (a hostname that node 0's
     /etc/hosts maps to 127.0.1.1): its control port answers on all of them, as torch's TCPStore does. A node
     without --node-rank is node 0 only where --master-addr names its own machine."""
     port = free_port_pair() + 1
-    server = ControlServer(2, listen(port), CONTROL_SECRET.encode(), Timing(), lambda line: None)
+    server = ControlServer(2, listen(port), ControlKey(CONTROL_SECRET.encode(), True), Timing(), lambda line: None)
     try:
         for address in ("127.0.0.1", "127.0.1.1", "127.0.0.7"):
             with socket.create_connection((address, port), timeout=5) as sock:
@@ -183,15 +150,16 @@ def test_the_node_rank_node_0_gives_moves_the_global_ranks():
 class FakeNode:
     """The test as one more node of the run: it holds the secret, so what it sends is authenticated."""
 
-    def __init__(self, port: int, node: int, secret: bytes = CONTROL_SECRET.encode()) -> None:
+    def __init__(self, port: int, node: int, nnodes: int = 3, key: bytes = CONTROL_SECRET.encode()) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.reader = LineReader()
         (challenge,) = self.lines()
         server_nonce, nonce = challenge.split()[1], new_nonce()
-        self.sock.sendall(f"hello {node} {nonce} {hello_proof(secret, node, server_nonce, nonce)}\n".encode())
+        self.sock.sendall(f"hello {node} {nnodes} {nonce} {hello_proof(key, node, nnodes, server_nonce, nonce)}\n"
+                          .encode())
         (answer,) = self.lines()
-        assert answer == f"welcome {node} {welcome_proof(secret, node, server_nonce, nonce)}", answer
-        self.session = Session.derive(secret, server_nonce, nonce, server=False)
+        assert answer == f"welcome {node} {answer_proof(key, f'welcome {node}', server_nonce, nonce)}", answer
+        self.session = Session.derive(key, server_nonce, nonce, server=False)
 
     def lines(self) -> list[str]:
         lines: list[str] | None = []
@@ -268,7 +236,8 @@ def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
     assert closed_by_peer(stranger(control, b"abort 0 GPU0 3\n"), 5) < 1  # the unauthenticated protocol
     forged = stranger(control)
     challenge = forged.recv(4096).decode().split()[1]
-    forged.sendall(f"hello 1 {new_nonce()} {hello_proof(b'not the secret', 1, challenge, new_nonce())}\n".encode())
+    forged.sendall(f"hello 1 3 {new_nonce()} {hello_proof(b'not the secret', 1, 3, challenge, new_nonce())}\n"
+                   .encode())
     assert forged.recv(4096) == b"refused\n"
     assert closed_by_peer(stranger(control, b"\x00\xff binary \x1b[2J\n"), 5) < 1
     oversized = stranger(control)
@@ -308,7 +277,7 @@ def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
     print(f"node 0's ranks gone {stopped_in:.3f} s after node 1's rank was killed")
     assert stopped_in < 1.0, stopped_in
     assert me.news()[0].startswith("abort 1 CPU1 137 ")  # relayed to every node
-    for said in ("closed before authenticating", "is not a hello", "that does not prove this run's secret",
+    for said in ("closed before authenticating", "is not a hello", "that does not prove this run's key",
                  "a line over 512 bytes", "did not authenticate within 3 s", "connections waiting to authenticate",
                  "exit code '99999999999999999999' is not within 0-255", "whose MAC is wrong",
                  "dropped an unknown message from node 2: 'shutdown'", "node 1: CPU1 failed with SIGKILL"):
@@ -327,10 +296,10 @@ def test_a_remote_abort_never_ends_a_run_with_exit_0(tmp_path):
 SERVER_WITH_FEW_FDS = """
 import os, resource, select, sys
 from supervisor.control.server import ControlServer, listen
-from supervisor.control.wire import Timing
+from supervisor.control.wire import ControlKey, Timing
 limits = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 12, limits[1]))
-channel = ControlServer(3, listen(int(sys.argv[1]) + 1), sys.argv[2].encode(), Timing(),
+channel = ControlServer(3, listen(int(sys.argv[1]) + 1), ControlKey(sys.argv[2].encode(), True), Timing(),
                         lambda line: print(line, flush=True))
 print('listening', flush=True)
 select.select([channel.fd], [], [])
@@ -369,9 +338,25 @@ def test_a_line_is_worth_nothing_on_another_connection_or_twice():
     assert Session.derive(secret, "a" * 32, "b" * 32, server=False).open(line) is None  # reflected back
 
 
-def test_the_secret_must_be_set_and_not_trivial():
-    with pytest.raises(UserError, match="a multi-node run needs SUPERVISOR_CONTROL_SECRET"):
-        read_secret({})
+def test_a_secret_that_is_set_must_not_be_trivial(tmp_path):
+    """No secret is no error: the channel's key then comes from the run id and the port (torchrun's trust), the same on
+    every node of the run, another for another run id or port. A secret set, in the environment or in a file, is
+    used as it is and must not be guessable."""
+    assert read_secret({}) is None
+    key = ControlKey.of(None, "none", 29600)
+    assert not key.secret and key == ControlKey.of(None, "none", 29600)
+    assert key.key not in (ControlKey.of(None, "other-run", 29600).key, ControlKey.of(None, "none", 29602).key)
+    assert ControlKey.of(CONTROL_SECRET.encode(), "none", 29600) == ControlKey(CONTROL_SECRET.encode(), True)
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(CONTROL_SECRET + "\n")  # as `kubectl create secret --from-file` keeps an editor's newline
+    assert read_secret({SECRET_FILE_ENV: str(secret_file)}) == CONTROL_SECRET.encode()
+    with pytest.raises(UserError, match=f"both {SECRET_ENV} and {SECRET_FILE_ENV} are set; keep one of them"):
+        read_secret({SECRET_ENV: CONTROL_SECRET, SECRET_FILE_ENV: str(secret_file)})
+    with pytest.raises(UserError, match=f"{SECRET_FILE_ENV}={tmp_path}/missing: cannot read it \\(No such file"):
+        read_secret({SECRET_FILE_ENV: str(tmp_path / "missing")})
+    secret_file.write_text("abc123\n")
+    with pytest.raises(UserError, match=rf"the secret in {secret_file} \({SECRET_FILE_ENV}\) has 6 bytes; use at"):
+        read_secret({SECRET_FILE_ENV: str(secret_file)})
     with pytest.raises(UserError, match="SUPERVISOR_CONTROL_SECRET has 6 characters; use at least 16"):
         read_secret({SECRET_ENV: "abc123"})
     with pytest.raises(UserError, match="SUPERVISOR_CONTROL_SECRET has only 1 distinct characters; use at least 8"):

@@ -1,10 +1,13 @@
 """Multi-node: a failure on any node stops the ranks of every node within moments, not after an NCCL timeout.
 
 Node 0's supervisor runs a small TCP server on ``master-addr:master-port + 1`` (`CONTROL_PORT_OFFSET`); every other
-node's supervisor connects to it and proves it holds the run's secret (supervisor/control/wire.py: a
-challenge-response, then an HMAC on every line). Nodes started without --node-rank (torchrun's c10d way) are
-numbered here: node 0 is the one that opens that port at master-addr, the others get 1, 2, ... from node 0's welcome,
-in the order they join. Once authenticated, the messages are:
+node's supervisor connects to it and proves it holds the run's key (supervisor/control/wire.py: a
+challenge-response, then an HMAC on every line): ``SUPERVISOR_CONTROL_SECRET`` (or the file
+``SUPERVISOR_CONTROL_SECRET_FILE`` names), or without one a key derived from the run id and the port, which trusts
+what torchrun's rendezvous trusts (every node says so on its console). The hello carries the node's --nnodes: nodes
+that disagree stop at once, each saying both values (exit 2). Nodes started without --node-rank (torchrun's c10d way)
+are numbered here: node 0 is the one that opens that port at master-addr, the others get 1, 2, ... from node 0's
+welcome, in the order they join. Once authenticated, the messages are:
 
     abort <node> <label> <code>    anyone → everyone: <label> on <node> ended the run with exit code <code> (0-255)
     lost <node> <why>              server → clients: <node> was lost (stopped answering, died, never joined), and why
@@ -23,12 +26,13 @@ gone without a reset) means it stopped answering. Either way the node is lost: n
 (``lost``), a client that loses node 0 names it itself, and every node stops its ranks with `LOST_CODE` (125), a node
 still building its dataset too (`supervisor.launch.agent`). A node that has not joined within
 `Timing.join_timeout` seconds of node 0 opening the channel (``--join-timeout``) is lost the same way ("node 2 never
-joined"), with any hello refused in its name (another secret, another run) said at once and again in that headline.
+joined"), with any hello refused in its name (another key, another run) said at once and again in that headline.
+A node that node 0 refuses says so at once and tries again until its join timeout: a refusal proves nothing.
 Otherwise every node exits with the code of the rank that failed first, wherever it ran, and its report says where
 that was.
 
 The port is open to the whole network, so the server assumes nothing of a connection until its hello proves the
-secret. A connection that has not done so within `HELLO_TIMEOUT` seconds is closed, as is one that sends a line over
+key. A connection that has not done so within `HELLO_TIMEOUT` seconds is closed, as is one that sends a line over
 `MAX_LINE` bytes or a hello that is wrong; at most `MAX_PENDING` connections may be waiting to authenticate (the
 oldest is closed when another arrives), so a flood of connections holds a bounded number of file descriptors while a
 real node, which answers the challenge at once, still gets in (and retries if it was pushed out). Out of file
@@ -40,9 +44,9 @@ hears of every kind of drop, at most once per `NOTE_INTERVAL` with the count of 
 A background thread does the networking; the watcher's loop learns of aborts through `fd`, a pipe that becomes
 readable whenever `read_events` has something.
 
-* `wire` — what crosses the channel: bounded lines, the challenge-response over ``SUPERVISOR_CONTROL_SECRET``, the
-  per-line HMAC with sequence numbers, the validation of aborts, losses and verdicts, the node and join timeouts (a
-  leaf: the plan names its timings and secret);
+* `wire` — what crosses the channel: bounded lines, the channel's key (``SUPERVISOR_CONTROL_SECRET``, or one derived
+  from the run id), the challenge-response over it, the per-line HMAC with sequence numbers, the validation of aborts,
+  losses and verdicts, the node and join timeouts (a leaf: the plan names its timings and secret);
 * `channel` — what both ends share: the connection's reader and writer threads, the events and verdicts handed to the
   watcher, the heartbeat;
 * `server` — node 0's end: the listening port, what it does with strangers (timeouts, caps, drops), the numbering of

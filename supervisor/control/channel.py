@@ -18,6 +18,7 @@ from supervisor.control.wire import (
     HANG_CODE,
     LOST_CODE,
     MAX_LINE,
+    ControlKey,
     LineReader,
     Session,
     Timing,
@@ -25,6 +26,7 @@ from supervisor.control.wire import (
     parse_verdict,
 )
 from supervisor.group.worker import describe_exit
+from trainer.errors import USER_ERROR_EXIT_CODE
 
 CONTROL_PORT_OFFSET = 1
 RETRY_INTERVAL = 0.2
@@ -39,7 +41,8 @@ RECV_BYTES = 4096
 class Event:
     """Another node ended the run: `label` (a rank's device label, or "supervisor") on `node` with exit `code`;
     `why` is a sentence that names the node. `lost`: the node itself was lost (its supervisor stopped answering,
-    died, or never joined), not a rank of it failing."""
+    died, or never joined), not a rank of it failing. Code 2: the nodes were started with different layouts
+    (`disagreement`)."""
 
     node: int
     label: str
@@ -62,6 +65,14 @@ def remote_failure(node: int, label: str, code: int) -> Event:
 def lost(node: int, why: str) -> Event:
     """A node that was lost: its supervisor stopped answering, died, or never joined."""
     return Event(node, "supervisor", LOST_CODE, why, lost=True)
+
+
+def disagreement(node: int, nnodes: int, theirs: int, where: str) -> Event:
+    """`node` was started with --nnodes `nnodes` and the node `where` names with `theirs`: a user error on both (exit
+    2), said with both values; nobody was lost, and no rank of a world that cannot form is worth starting."""
+    why = (f"the nodes disagree on --nnodes: this node was started with --nnodes {nnodes}, {where} with --nnodes "
+           f"{theirs}; start every node with the same --nnodes")
+    return Event(node, "supervisor", USER_ERROR_EXIT_CODE, why)
 
 
 def silence(node: int, address: str, since: float) -> str:
@@ -152,12 +163,12 @@ class Peer:
 
 
 class ControlChannel(ABC):
-    """What the server and the client share: the secret, the event pipe, the thread, the notes."""
+    """What the server and the client share: the key, the event pipe, the thread, the notes."""
 
-    def __init__(self, node_rank: int | None, nnodes: int, secret: bytes, timing: Timing,
+    def __init__(self, node_rank: int | None, nnodes: int, key: ControlKey, timing: Timing,
                  say: Callable[[str], None]) -> None:
         # None: a node started without --node-rank, until node 0's welcome gives it one (supervisor/control/client.py)
-        self.node_rank, self.nnodes, self.secret, self.timing = node_rank, nnodes, secret, timing
+        self.node_rank, self.nnodes, self.key, self.timing = node_rank, nnodes, key, timing
         self.say = say
         self.next_beat = time.monotonic()
         self.notes = Notes(say)

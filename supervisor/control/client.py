@@ -1,6 +1,8 @@
-"""The end of every node but 0: connects to node 0 (retrying until the join timeout), proves the secret, passes
+"""The end of every node but 0: connects to node 0 (retrying until the join timeout), proves the key, passes
 aborts both ways, and beats; node 0 silent for the node timeout is lost. A node started without --node-rank learns
 its node rank from node 0's welcome (`node_rank` is None until then, and the event pipe wakes whoever waits for it).
+Node 0's answers that prove the key are final (the run is full, the nodes disagree on --nnodes); a ``refused``, which
+cannot prove anything, is said at once and tried again until the join timeout (supervisor/control/wire.py).
 """
 
 from __future__ import annotations
@@ -16,17 +18,20 @@ from supervisor.control.channel import (
     RECV_BYTES,
     RETRY_INTERVAL,
     ControlChannel,
+    Event,
     Peer,
+    disagreement,
     lost,
     remote_failure,
     shown,
     silence,
 )
 from supervisor.control.wire import (
-    SECRET_ENV,
+    ControlKey,
     Session,
     Timing,
     abort_message,
+    answer_proof,
     hello_proof,
     is_nonce,
     matches,
@@ -34,16 +39,18 @@ from supervisor.control.wire import (
     node_word,
     parse_lost,
     verdict_message,
-    welcome_proof,
 )
+
+
+REFUSED = "node 0's control server refused this node's hello"  # what a `refused` answer is said as
 
 
 class ControlClient(ControlChannel):
     """Every node but node 0."""
 
     def __init__(self, node_rank: int | None, nnodes: int, server: tuple[str, int], local_addr: str | None,
-                 secret: bytes, timing: Timing, say: Callable[[str], None]) -> None:
-        super().__init__(node_rank, nnodes, secret, timing, say)
+                 key: ControlKey, timing: Timing, say: Callable[[str], None]) -> None:
+        super().__init__(node_rank, nnodes, key, timing, say)
         (self.addr, self.port), self.local_addr = server, local_addr
         self.server: Peer | None = None  # once connected and authenticated
         self.outbox: list[str] = []  # messages from before that
@@ -59,10 +66,11 @@ class ControlClient(ControlChannel):
         server.send(message)
 
     def _join(self) -> Peer | None:
-        """Connect and authenticate, retrying until the join timeout: node 0 may not be listening yet, or may have
-        closed this connection among a flood of others. None when it cannot be done (the reason is an event)."""
+        """Connect and authenticate, retrying until the join timeout: node 0 may not be listening yet, may have
+        closed this connection among a flood of others, or may not be node 0 at all (a refusal proves nothing). None
+        when it cannot be done (the reason is an event)."""
         deadline = time.monotonic() + self.timing.join_timeout
-        why = "no answer"
+        why, refusal = "no answer", ""  # the last attempt's reason; a refusal, the likeliest cause, is kept apart
         while not self.closing:
             try:
                 sock = socket.create_connection((self.addr, self.port), timeout=HELLO_TIMEOUT,
@@ -74,48 +82,54 @@ class ControlClient(ControlChannel):
                 if isinstance(result, Peer):
                     return result
                 sock.close()
-                if result == "refused":
-                    self._event(lost(0, f"node 0's control server refused this node's hello: {SECRET_ENV} differs "
-                                        f"between the nodes (or node 0 is another run's)"))
+                if isinstance(result, Event):
+                    self._event(result)
                     return None
-                if result == "full":
-                    self._event(lost(0, f"node 0's control server refused this node: all {self.nnodes} nodes of "
-                                        f"the run (--nnodes {self.nnodes}) have joined already"))
-                    return None
+                if result == REFUSED:
+                    result = refusal = f"{REFUSED}: {self.key.differs}"
+                    self.notes.note("refused", f"{result} (at {self.addr}:{self.port}); trying again until "
+                                               f"--join-timeout ({self.timing.join_timeout:g} s) runs out: a refusal "
+                                               f"proves nothing, whoever answers on that port can send one")
                 why = result
             if time.monotonic() >= deadline:
                 if not self.stopping:
+                    why += f" (before that, {refusal})" if refusal and refusal != why else ""
                     self._event(lost(0, f"could not join node 0's control server at {self.addr}:{self.port} "
                                         f"within {self.timing.join_timeout:g} s (--join-timeout): {why}"))
                 return None
             time.sleep(RETRY_INTERVAL)
         return None
 
-    def _handshake(self, server: Peer) -> Peer | str:
-        """The authenticated connection, "refused" (another secret), "full" (no node rank left for this node), or
-        what went wrong."""
+    def _handshake(self, server: Peer) -> Peer | Event | str:
+        """The authenticated connection; node 0's final answer, proven (the run is full, or was started with another
+        --nnodes), as the event that ends this node; or what went wrong, to try again (`REFUSED`: another key)."""
         try:
             words = server.read_line().split()
             if len(words) != 2 or words[0] != "challenge" or not is_nonce(words[1]):
                 return "node 0 sent no challenge"
             server_nonce = words[1]
-            server.send_plain(f"hello {node_word(self.node_rank)} {server.nonce} "
-                              f"{hello_proof(self.secret, self.node_rank, server_nonce, server.nonce)}")
+            server.send_plain(f"hello {node_word(self.node_rank)} {self.nnodes} {server.nonce} "
+                              f"{hello_proof(self.key.key, self.node_rank, self.nnodes, server_nonce, server.nonce)}")
             answer = server.read_line()
         except OSError as e:
             return f"handshake: {e}"
-        if answer in ("refused", "full"):
-            return answer
-        words = answer.split()
-        if len(words) != 3 or words[0] != "welcome" or not words[1].isdecimal():
+        if answer == "refused":
+            return REFUSED
+        *said, given = answer.split()
+        if not said or not matches(given, answer_proof(self.key.key, " ".join(said), server_nonce, server.nonce)):
+            return "node 0's answer does not prove the run's key"
+        if said == ["full"]:
+            return lost(0, f"node 0's control server refused this node: all {self.nnodes} nodes of the run (--nnodes "
+                           f"{self.nnodes}) have joined already")
+        if len(said) == 2 and said[0] == "nnodes" and said[1].isdecimal():
+            return disagreement(0, self.nnodes, int(said[1]), f"node 0 ({self.addr})")
+        if len(said) != 2 or said[0] != "welcome" or not said[1].isdecimal():
             return "node 0's answer is not a welcome"
-        node = int(words[1])
-        if not matches(words[2], welcome_proof(self.secret, node, server_nonce, server.nonce)):
-            return "node 0's answer does not prove the run's secret"
+        node = int(said[1])
         asked_for = node == self.node_rank if self.node_rank is not None else 0 < node < self.nnodes
         if not asked_for:
             return f"node 0 welcomed this node as node {node}"
-        server.session = Session.derive(self.secret, server_nonce, server.nonce, server=False)
+        server.session = Session.derive(self.key.key, server_nonce, server.nonce, server=False)
         if self.node_rank is None:
             self.node_rank = node
             os.write(self._events_w, b"j")  # wakes a launcher waiting for its node rank

@@ -21,6 +21,7 @@ from supervisor.control.channel import (
     SEND_TIMEOUT,
     ControlChannel,
     Peer,
+    disagreement,
     host,
     lost,
     remote_failure,
@@ -30,17 +31,17 @@ from supervisor.control.channel import (
 from supervisor.control.wire import (
     ASSIGNED,
     MAX_LINE,
-    SECRET_ENV,
+    ControlKey,
     Session,
     Timing,
     abort_message,
+    answer_proof,
     hello_proof,
     is_nonce,
     lost_message,
     matches,
     new_nonce,
     verdict_message,
-    welcome_proof,
 )
 from trainer.errors import UserError
 
@@ -94,9 +95,9 @@ def claim(addr: str, port: int) -> socket.socket | None:
 class ControlServer(ControlChannel):
     """Node 0."""
 
-    def __init__(self, nnodes: int, listener: socket.socket, secret: bytes, timing: Timing,
+    def __init__(self, nnodes: int, listener: socket.socket, key: ControlKey, timing: Timing,
                  say: Callable[[str], None]) -> None:
-        super().__init__(0, nnodes, secret, timing, say)
+        super().__init__(0, nnodes, key, timing, say)
         self.listener = listener
         self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ, "listener")
@@ -211,27 +212,32 @@ class ControlServer(ControlChannel):
 
     def _hello(self, peer: Peer, line: str) -> None:
         words = line.split()
-        if (len(words) != 4 or words[0] != "hello" or not (words[1].isdecimal() or words[1] == ASSIGNED)
-                or not is_nonce(words[2])):
+        if (len(words) != 5 or words[0] != "hello" or not (words[1].isdecimal() or words[1] == ASSIGNED)
+                or not words[2].isdecimal() or not is_nonce(words[3])):
             self._drop(peer, "malformed", f"closed the connection from {peer.address}: {shown(line)} is not a hello")
             return
-        asked, client_nonce = (None if words[1] == ASSIGNED else int(words[1])), words[2]
-        if not matches(words[3], hello_proof(self.secret, asked, peer.nonce, client_nonce)):
+        asked, nnodes, client_nonce = (None if words[1] == ASSIGNED else int(words[1])), int(words[2]), words[3]
+        if not matches(words[4], hello_proof(self.key.key, asked, nnodes, peer.nonce, client_nonce)):
             peer.send_plain("refused")
             if asked is not None and 0 < asked < self.nnodes and asked not in self.nodes_seen:  # each named at once
                 self.refused[asked] = peer.address
                 left = max(0.0, self.join_deadline - time.monotonic())
                 self._drop(peer, f"forged-{asked}", f"refused a hello as node {asked} from {peer.address}: it does "
-                                                    f"not prove this run's secret ({SECRET_ENV} differs there, or it "
-                                                    f"is another run's node); unless node {asked} joins, the run "
-                                                    f"stops in {left:.0f} s (--join-timeout)")
+                                                    f"not prove this run's key ({self.key.differs}); unless node "
+                                                    f"{asked} joins, the run stops in {left:.0f} s (--join-timeout)")
             else:
-                self._drop(peer, "forged", f"refused a hello from {peer.address} that does not prove this run's "
-                                           f"secret (a stranger, or a node started with another {SECRET_ENV})")
+                self._drop(peer, "forged", f"refused a hello from {peer.address} that does not prove this run's key "
+                                           f"(a stranger, or {self.key.differs})")
+            return
+        if nnodes != self.nnodes:  # a node of this run, proven, that cannot be one of its nodes: both stop, saying so
+            answer = f"nnodes {self.nnodes}"
+            peer.send_plain(f"{answer} {answer_proof(self.key.key, answer, peer.nonce, client_nonce)}")
+            self._close(peer)
+            self._event(disagreement(0, self.nnodes, nnodes, f"the node at {host(peer.address)}"))
             return
         node = self._free_node() if asked is None else asked
         if node is None:
-            peer.send_plain("full")
+            peer.send_plain(f"full {answer_proof(self.key.key, 'full', peer.nonce, client_nonce)}")
             self._drop(peer, "node", f"refused a node without --node-rank from {peer.address}: all {self.nnodes} "
                                      f"nodes of this run (--nnodes {self.nnodes}) have joined")
             return
@@ -239,9 +245,10 @@ class ControlServer(ControlChannel):
             self._drop(peer, "node", f"closed the connection from {peer.address}: node {node} is not one of this "
                                      f"run's other nodes, or is connected already")
             return
-        peer.send_plain(f"welcome {node} {welcome_proof(self.secret, node, peer.nonce, client_nonce)}")
+        answer = f"welcome {node}"
+        peer.send_plain(f"{answer} {answer_proof(self.key.key, answer, peer.nonce, client_nonce)}")
         with self._lock:  # from here on, abort() and close() reach this peer (after its welcome, never before)
-            peer.session = Session.derive(self.secret, peer.nonce, client_nonce, server=True)
+            peer.session = Session.derive(self.key.key, peer.nonce, client_nonce, server=True)
             peer.node = node
             self.nodes_seen.add(node)
             if len(self.nodes_seen) == self.nnodes - 1:
@@ -320,9 +327,9 @@ class ControlServer(ControlChannel):
         self.given_up.update(missing)
         names = f"node{'s' * (len(missing) > 1)} {', '.join(map(str, missing))}"
         why = (f"{names} never joined: no supervisor of {'them' if len(missing) > 1 else 'it'} connected to node 0 "
-               f"and proved this run's secret within {self.timing.join_timeout:g} s (--join-timeout)")
-        why += "".join(f"; a hello as node {n} from {host(self.refused[n])} was refused ({SECRET_ENV} differs there, "
-                       f"or it is another run's node)" for n in missing if n in self.refused)
+               f"and proved this run's key within {self.timing.join_timeout:g} s (--join-timeout)")
+        why += "".join(f"; a hello as node {n} from {host(self.refused[n])} was refused ({self.key.differs})"
+                       for n in missing if n in self.refused)
         self._lose(missing[0], why)
 
     def _broadcast(self, message: str, skip: Peer | None = None) -> None:

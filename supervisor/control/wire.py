@@ -1,26 +1,37 @@
-"""What crosses the control channel's wire: bounded text lines, the handshake that proves a shared secret, and the
+"""What crosses the control channel's wire: bounded text lines, the handshake that proves a shared key, and the
 per-message HMAC that keeps strangers and replays out.
 
 The control port is reachable by anyone on the cluster's network, so nothing a connection says is acted on until it
-has proven it holds the run's secret, `SUPERVISOR_CONTROL_SECRET` (the same on every node; it never crosses the
-wire). The handshake is a challenge-response with a fresh nonce from each side:
+has proven it holds the run's key (`ControlKey`; it never crosses the wire): the secret in `SUPERVISOR_CONTROL_SECRET`
+(or in the file `SUPERVISOR_CONTROL_SECRET_FILE` names), the same on every node; without one, a key derived from the
+run id and the port, which trusts what torchrun's rendezvous trusts. The handshake is a challenge-response with a
+fresh nonce from each side:
 
-    challenge <server-nonce>                 server → client, as soon as the connection is accepted
-    hello <node> <client-nonce> <proof>      client → server; proof = HMAC(secret, "hello <node> <both nonces>");
-                                             <node> is `?` from a node started without --node-rank
-    welcome <node> <proof>                   server → client; proof = HMAC(secret, "welcome <node> <both nonces>");
-                                             <node> is the one asked for, or the one node 0 gives a `?`
-    refused                                  server → client: the hello's proof is wrong (another secret)
-    full                                     server → client: a `?` hello, but every node of the run has joined
+    challenge <server-nonce>                      server → client, as soon as the connection is accepted
+    hello <node> <nnodes> <client-nonce> <proof>  client → server; proof = HMAC(key, "hello <node> <nnodes> <both
+                                                  nonces>"); <node> is `?` from a node started without --node-rank,
+                                                  <nnodes> its --nnodes
+    welcome <node> <proof>                        server → client; proof = HMAC(key, "welcome <node> <both nonces>");
+                                                  <node> is the one asked for, or the one node 0 gives a `?`
+    nnodes <n> <proof>                            server → client: the hello proved the key but node 0 was started
+                                                  with --nnodes <n>; proof = HMAC(key, "nnodes <n> <both nonces>")
+    full <proof>                                  server → client: a `?` hello, but every node of the run has joined;
+                                                  proof = HMAC(key, "full <both nonces>")
+    refused                                       server → client: the hello's proof is wrong (another key)
+
+Every answer but ``refused`` proves the key in turn, so a node acts on it at once. ``refused`` cannot: the server that
+sends it does not hold the client's key, and nor would a stranger that answers in its place (a process of an earlier
+run still on the port, or one that took it first). A refused node says so at once and tries again until the join
+timeout, so no unauthenticated line can end a genuine node.
 
 A node that authenticated is then heard from at least every few seconds (``beat``, `Timing`), so a node that
 stops answering (frozen, cut off) is told apart from one that is merely quiet; see supervisor/control/__init__.py.
 
-Both sides then derive a session key from the secret and both nonces, and every later line is ``<message> <mac>``:
-HMAC-SHA256 under that key over the direction, the line's sequence number in that direction, and the message. A line
-recorded on one connection is worthless on another (other nonces, other key), and on its own connection it is out of
-sequence. Lines are at most `MAX_LINE` bytes; a longer one ends the connection, so a peer that never sends a newline
-costs a bounded buffer, read once.
+Both sides then derive a session key from the key and both nonces, and every later line is ``<message> <mac>``:
+HMAC-SHA256 under that session key over the direction, the line's sequence number in that direction, and the message.
+A line recorded on one connection is worthless on another (other nonces, other session key), and on its own
+connection it is out of sequence. Lines are at most `MAX_LINE` bytes; a longer one ends the connection, so a peer
+that never sends a newline costs a bounded buffer, read once.
 """
 
 from __future__ import annotations
@@ -30,10 +41,12 @@ import hmac
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from trainer.errors import UserError
 
 SECRET_ENV = "SUPERVISOR_CONTROL_SECRET"
+SECRET_FILE_ENV = "SUPERVISOR_CONTROL_SECRET_FILE"  # a file that holds it: a Kubernetes Secret mounted in the pod
 MIN_SECRET_LENGTH = 16
 MIN_SECRET_DISTINCT = 8  # "aaaaaaaaaaaaaaaa" is long enough and guessed at once
 MAX_LINE = 512
@@ -47,8 +60,8 @@ MAX_VERDICT = 400  # a `verdict` message's headline, in characters
 MAX_BEAT_INTERVAL = 2.0  # seconds between heartbeats, at most
 MAX_LABEL = 32
 SECRET_HINT = (f"set {SECRET_ENV} to the same random value on every node before starting them, e.g. export "
-               f"{SECRET_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(32))'); train_slurm.sbatch "
-               f"sets one for its job")
+               f"{SECRET_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(32))'), or name a file that "
+               f"holds it in {SECRET_FILE_ENV}; train_slurm.sbatch sets one for its job")
 
 @dataclass(frozen=True)
 class Timing:
@@ -67,19 +80,74 @@ class Timing:
         return min(MAX_BEAT_INTERVAL, self.node_timeout / 4)
 
 
-def read_secret(env: Mapping[str, str]) -> bytes:
-    """The run's control secret: a multi-node launch without one is refused before anything starts."""
-    secret = env.get(SECRET_ENV, "")
-    if not secret:
-        raise UserError(f"a multi-node run needs {SECRET_ENV}, which authenticates the nodes to each other on the "
-                        f"control port; {SECRET_HINT}")
+def read_secret(env: Mapping[str, str]) -> bytes | None:
+    """The run's control secret, from `SECRET_ENV` or the file `SECRET_FILE_ENV` names (surrounding whitespace, such as
+    a file's last newline, left out); None when neither is set: the nodes then trust what torchrun trusts
+    (`ControlKey.of`). A secret that is set but weak, or a file that cannot be read, is refused before anything
+    starts."""
+    value, path = env.get(SECRET_ENV, ""), env.get(SECRET_FILE_ENV, "")
+    if value and path:
+        raise UserError(f"both {SECRET_ENV} and {SECRET_FILE_ENV} are set; keep one of them (the same secret on every "
+                        f"node)")
+    if not path:
+        if not value:
+            return None
+        check_secret(value, SECRET_ENV)
+        return value.encode()
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise UserError(f"{SECRET_FILE_ENV}={path}: cannot read it ({e.strerror or e}); name a readable file that "
+                        f"holds the control secret, the same on every node") from None
+    check_secret(secret, f"the secret in {path} ({SECRET_FILE_ENV})")
+    return secret
+
+
+def check_secret(secret: str | bytes, where: str) -> None:
+    """Refuses a secret that is short or has few distinct characters: one that can be guessed proves nothing."""
+    unit = "characters" if isinstance(secret, str) else "bytes"
     if len(secret) < MIN_SECRET_LENGTH:
-        raise UserError(f"{SECRET_ENV} has {len(secret)} characters; use at least {MIN_SECRET_LENGTH} random ones: "
+        raise UserError(f"{where} has {len(secret)} {unit}; use at least {MIN_SECRET_LENGTH} random ones: "
                         f"{SECRET_HINT}")
     if len(set(secret)) < MIN_SECRET_DISTINCT:
-        raise UserError(f"{SECRET_ENV} has only {len(set(secret))} distinct characters; use at least "
+        raise UserError(f"{where} has only {len(set(secret))} distinct {unit}; use at least "
                         f"{MIN_SECRET_DISTINCT} (a random value): {SECRET_HINT}")
-    return secret.encode()
+
+
+@dataclass(frozen=True)
+class ControlKey:
+    """What the nodes prove to each other: HMACs under `key`.
+
+    With a secret (`secret`), only its holders join the run. Without one, the key is derived from what every node of
+    the run is given anyway, the run id (--rdzv-id, torchrun's ``none`` by default) and the port: the nodes then trust
+    what torchrun's rendezvous trusts (whoever reaches its endpoint with the run's id joins), two runs on one endpoint
+    still do not mix, and a connection that does not know them proves nothing. The host is left out of it: nodes may
+    name node 0 differently (its address, one of its names), as torchrun lets them."""
+
+    key: bytes
+    secret: bool
+
+    @classmethod
+    def of(cls, secret: bytes | None, run_id: str, port: int) -> ControlKey:
+        if secret is not None:
+            return cls(secret, True)
+        derived = hashlib.sha256(f"supervisor control channel: run {run_id}, port {port}".encode()).digest()
+        return cls(derived, False)
+
+    @property
+    def differs(self) -> str:
+        """What a hello refused under this key means, as either end says it."""
+        if self.secret:
+            return f"{SECRET_ENV} differs between the nodes, or the other end is another run's"
+        return f"the nodes differ in --rdzv-id, or only some have {SECRET_ENV}, or the other end is another run's"
+
+
+def unauthenticated_note(run_id: str, control_port: int) -> str:
+    """The console line of a node whose control channel runs without a secret."""
+    return (f"control channel: unauthenticated ({SECRET_ENV} is not set): as with torchrun's rendezvous, any host "
+            f"that reaches port {control_port} and knows the run id (--rdzv-id: {run_id}) can join this run or stop "
+            f"it; to authenticate the nodes, give every node the same random {SECRET_ENV}, or {SECRET_FILE_ENV} "
+            f"naming a file that holds it")
 
 
 def new_nonce() -> str:
@@ -90,8 +158,8 @@ def is_nonce(word: str) -> bool:
     return len(word) == NONCE_HEX and all(c in "0123456789abcdef" for c in word)
 
 
-def proof(secret: bytes, text: str) -> str:
-    return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
+def proof(key: bytes, text: str) -> str:
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
 
 
 def node_word(node: int | None) -> str:
@@ -99,12 +167,13 @@ def node_word(node: int | None) -> str:
     return ASSIGNED if node is None else str(node)
 
 
-def hello_proof(secret: bytes, node: int | None, server_nonce: str, client_nonce: str) -> str:
-    return proof(secret, f"hello {node_word(node)} {server_nonce} {client_nonce}")
+def hello_proof(key: bytes, node: int | None, nnodes: int, server_nonce: str, client_nonce: str) -> str:
+    return proof(key, f"hello {node_word(node)} {nnodes} {server_nonce} {client_nonce}")
 
 
-def welcome_proof(secret: bytes, node: int, server_nonce: str, client_nonce: str) -> str:
-    return proof(secret, f"welcome {node} {server_nonce} {client_nonce}")
+def answer_proof(key: bytes, answer: str, server_nonce: str, client_nonce: str) -> str:
+    """Node 0's proof of its answer to a hello that proved the key (``welcome <node>``, ``nnodes <n>``, ``full``)."""
+    return proof(key, f"{answer} {server_nonce} {client_nonce}")
 
 
 def matches(given: str, expected: str) -> bool:
@@ -122,8 +191,8 @@ class Session:
     received: int = 0
 
     @classmethod
-    def derive(cls, secret: bytes, server_nonce: str, client_nonce: str, server: bool) -> "Session":
-        key = hmac.new(secret, f"session {server_nonce} {client_nonce}".encode(), hashlib.sha256).digest()
+    def derive(cls, key: bytes, server_nonce: str, client_nonce: str, server: bool) -> "Session":
+        key = hmac.new(key, f"session {server_nonce} {client_nonce}".encode(), hashlib.sha256).digest()
         return cls(key, "s2c", "c2s") if server else cls(key, "c2s", "s2c")
 
     def _mac(self, direction: str, sequence: int, message: str) -> str:

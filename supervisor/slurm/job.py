@@ -12,8 +12,9 @@ Usage (inside an allocation): ``python -m supervisor.slurm.job [training flags..
 - Nodes, GPUs per node and CPUs per task are the job's own (``#SBATCH`` lines, overridden by ``sbatch`` options). The
   step asks for the job's CPUs per task explicitly: srun in Slurm 22.05 no longer inherits it, and a step confined to
   one CPU would squeeze a node's supervisor and ranks onto it wherever Slurm binds tasks to cores.
-- `SUPERVISOR_CONTROL_SECRET` is generated here unless already set: srun hands the job's environment to every node's
-  supervisor, so they share a secret that nobody outside the job has (supervisor/control/wire.py).
+- `SUPERVISOR_CONTROL_SECRET` is generated here unless it (or `SUPERVISOR_CONTROL_SECRET_FILE`) is already set: srun
+  hands the job's environment to every node's supervisor, so they share a secret that nobody outside the job has
+  (supervisor/control/wire.py).
 - The time-limit warning (``#SBATCH --signal=B:USR1@120``) reaches this process alone, the batch step's (the job
   script execs into it), which passes it on to the supervisor of its node, the step's task there (``scontrol
   listpids``; ``run_training.sh`` and the bootstrap exec into the supervisor, so the task's pid is the supervisor's).
@@ -55,7 +56,7 @@ from typing import TypeVar
 
 import hostlist
 
-from supervisor.control.wire import LOST_CODE, SECRET_ENV
+from supervisor.control.wire import LOST_CODE, SECRET_ENV, SECRET_FILE_ENV
 from supervisor.gpus.exclusion import GPU_FAULT_FILE, LOST_NODE_FILE, LostNode, NodeFault
 from supervisor.launch.cli import build_parser, split_entry_args
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
@@ -201,7 +202,7 @@ def run_job(env: dict[str, str], flags: list[str]) -> int:
         raise UserError("train_slurm.sbatch is a Slurm job script and SLURM_JOB_ID is not set; submit it with sbatch "
                         "train_slurm.sbatch [flags...] (or start run_training.sh yourself)")
     exclude = node_exclusion(env)
-    if not env.get(SECRET_ENV):
+    if not env.get(SECRET_ENV) and not env.get(SECRET_FILE_ENV):
         env[SECRET_ENV] = secrets.token_hex(32)
     # before the step starts: SIGUSR1's default action would end this process, and the job with it
     node = env.get("SLURMD_NODENAME", "")
