@@ -163,6 +163,7 @@ class Trainer:
 
         progress.phase("resume")
         self.completed = self.checkpoints.resume()
+        self.checkpoints.prepare()  # staging buffers for background saves allocated now, not in the first save
 
     # -- set-up helpers ----------------------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Checkpoints: what a save writes and a resume reads (`store`: the full state or DCP's shards, `final/`, imports
-torch), and their names on disk, damage found from the files alone, and which one `--resume` means (`layout`:
-torch-free, so the supervisor refuses a bad `--resume` before any rank starts). Both publish through
+torch), and their names on disk, damage found from the files alone (each file's size and checksum, recorded in
+meta.json by the rank that wrote it), and which one `--resume` means (`layout`: torch-free, so the supervisor refuses
+a bad `--resume` before any rank starts). Both publish through
 `trainer.durable` (temporary name → fsync → rename). `manager` is the loop's one interface to them (resume, save at a
 step, the final model); `background` writes a save on a thread of its own from host memory staged by DCP's stager.
 

@@ -5,13 +5,24 @@ before any rank builds its model.
     <checkpoint.dir>/step_000500/   one complete checkpoint (it has its meta.json: folders appear complete, by rename)
     <checkpoint.dir>/.tmp-step_…    a save in progress, or one a killed process left (removed by the next save)
     <checkpoint.dir>/.old-…         an older folder of the same name, set aside while its replacement is renamed in
+
+Each file of a checkpoint folder is recorded in its meta.json (`files`: its size and xxh3-64 checksum, taken by the
+rank that wrote it right after writing it), so that damage the atomic save cannot rule out (a disk fault, a copy cut
+short, a hand edit, files copied from another checkpoint) is found before the tensors are trusted: sizes here, with a
+stat each (`damage`, before any rank starts), checksums by the ranks before they load (`verify_files`, every byte
+read once, the files shared among the ranks by trainer.checkpoint.store). A checkpoint written before its files were
+recorded has no `files`: its structure alone is checked, and it loads unverified.
 """
 
 from __future__ import annotations
 
 import json
 import zipfile
-from pathlib import Path
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import xxhash  # installed with datasets, which the project requires
 
 from trainer.config import Config
 from trainer.config.json_text import parse_json
@@ -27,6 +38,9 @@ DCP_DIR = "dcp"  # the sharded format's torch.distributed.checkpoint folder
 DCP_METADATA = ".metadata"  # written last by torch.distributed.checkpoint
 FULL, SHARDED = "full", "sharded"  # a checkpoint's format: one full state (DDP, one process) or FSDP2's shards
 STRATEGY_OF_FORMAT = {FULL: "ddp", SHARDED: "fsdp"}
+CHECKSUM = "xxh3_64"  # what meta.json records of each file beside its size: tens of GB/s on one core, so a file is
+#                       checked at the speed of the disk it is read from (it finds damage, not tampering)
+READ_CHUNK = 8 << 20
 # The model keys that decide the parameters' shapes (vocab_size aside: None means the tokenizer's). A model started
 # from `name_or_path` takes its shape from there, whatever the other keys say.
 SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
@@ -65,6 +79,72 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Files as their writers recorded them
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """A file's size and checksum as meta.json records them, the file read once through one buffer."""
+    digest, size = xxhash.xxh3_64(), 0
+    buffer = bytearray(READ_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+            size += n
+    return {"bytes": size, CHECKSUM: digest.hexdigest()}
+
+
+def record_files(folder: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """`file_record` of each of `names` (paths relative to `folder`, with `/`), by name."""
+    return {name: file_record(folder / name) for name in names}
+
+
+def recorded_files(meta: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """meta.json's record of the checkpoint's files: {} for a checkpoint written before files were recorded, None
+    for a record this version cannot read (a hand edit, or a name outside the checkpoint)."""
+    files = meta.get("files") or {}
+    if not isinstance(files, dict):
+        return None
+    for name, entry in files.items():
+        parts = PurePosixPath(name).parts
+        if (not parts or parts[0] == "/" or ".." in parts or not isinstance(entry, dict)
+                or not isinstance(entry.get("bytes"), int) or not isinstance(entry.get(CHECKSUM), str)):
+            return None
+    return files
+
+
+def size_damage(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """The first recorded file of the checkpoint `path` that is missing or of another size than recorded, said."""
+    for name, entry in files.items():
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            return f"{path / name} is missing (meta.json records {entry['bytes']:,} bytes)"
+        except OSError as e:
+            return f"{path / name} cannot be read ({e.strerror or e})"
+        if size != entry["bytes"]:
+            return f"{path / name} is {size:,} bytes, meta.json recorded {entry['bytes']:,}"
+    return None
+
+
+def verify_files(path: Path, names: list[str], files: dict[str, dict[str, Any]]) -> str | None:
+    """The first of `names` (recorded in `files`) that differs from its record, said: every size first (a stat each),
+    then every checksum (each file read once)."""
+    if problem := size_damage(path, {name: files[name] for name in names}):
+        return problem
+    for name in names:
+        try:
+            found = file_record(path / name)
+        except OSError as e:
+            return f"{path / name} cannot be read ({e.strerror or e})"
+        if found["bytes"] != files[name]["bytes"]:  # changed since its size was checked
+            return f"{path / name} is {found['bytes']:,} bytes, meta.json recorded {files[name]['bytes']:,}"
+        if found[CHECKSUM] != files[name][CHECKSUM]:
+            return f"{path / name} has checksum {found[CHECKSUM]}, meta.json recorded {files[name][CHECKSUM]}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Damage: what the atomic save cannot rule out (a disk fault, a copy cut short, a hand edit), found without torch and
 # without reading the tensors, so that `--resume` passes over or refuses such a checkpoint before any rank starts
 
@@ -91,8 +171,9 @@ def archive_damage(path: Path) -> str | None:
 
 def damage(path: Path) -> str | None:
     """What makes a checkpoint (a folder or a `.pt` file) unusable, or None when it looks whole: a folder's meta.json
-    must parse and say what `check_meta` reads, its state.pt be a whole archive, the dcp/ of a sharded or split one
-    (`trainer.checkpoint.store`) be finished."""
+    must parse and say what `check_meta` reads, its state.pt be a whole archive, each file it records be there at its
+    recorded size, the dcp/ of a sharded or split one (`trainer.checkpoint.store`) be finished. Checksums are left to
+    the ranks (`verify_files`): they read every byte."""
     if path.is_file():
         return archive_damage(path)
     try:
@@ -106,27 +187,71 @@ def damage(path: Path) -> str | None:
         return f"{path / META_FILE} lacks the step, format, cache_key or config a checkpoint records"
     if problem := archive_damage(path / STATE_FILE):
         return problem
+    files = recorded_files(meta)
+    if files is None:
+        return f"{path / META_FILE} records its files in a form this version does not read"
+    if problem := size_damage(path, files):
+        return problem
     if (meta["format"] == SHARDED or meta.get("split") is True) and not (path / DCP_DIR / DCP_METADATA).is_file():
         return f"{path / DCP_DIR} has no {DCP_METADATA} (the save of its shards did not finish)"
     return None
 
 
-def newest_intact(root: Path, notes: list[str] | None = None) -> Path | None:
-    """The latest checkpoint under `root` that is not damaged; each damaged one passed over is said in `notes`.
-    None when there is none at all; a UserError when there are some and every one is damaged."""
-    found = list_checkpoints(root)
-    problems = []
-    for path in reversed(found):
-        problem = damage(path)
+def scan(root: Path, known: dict[Path, str] | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under `root` that looks intact (None where none does), and the damaged ones newer than
+    it, newest first, each with what is wrong with it: what `damage` finds, or what `known` says (the ranks' checks
+    of checksums and their loads, which find what the files alone do not show)."""
+    known = known or {}
+    damaged = []
+    for path in reversed(list_checkpoints(root)):
+        problem = known.get(path) or damage(path)
         if problem is None:
-            if notes is not None:
-                notes += [f"--resume: {p}; resuming from {path}, the newest intact checkpoint" for p in problems]
-            return path
-        problems.append(problem)
-    if problems:
-        raise UserError(f"every checkpoint in {root} is damaged ({len(problems)}; the latest: {problems[0]}); start "
-                        f"fresh without --resume in another checkpoint.dir, or restore them")
-    return None
+            return path, damaged
+        damaged.append((path, problem))
+    return None, damaged
+
+
+def passed_over(problem: str, intact: Path) -> str:
+    """The line that says a damaged checkpoint was passed over for `intact`."""
+    return f"--resume: {problem}; resuming from {intact}, the newest intact checkpoint"
+
+
+def all_damaged(root: Path, damaged: list[tuple[Path, str]]) -> UserError:
+    return UserError(f"every checkpoint in {root} is damaged ({len(damaged)}; the latest: {damaged[0][1]}); start "
+                     f"fresh without --resume in another checkpoint.dir, or restore them")
+
+
+def newest_intact(root: Path, notes: list[str] | None = None, known: dict[Path, str] | None = None) -> Path | None:
+    """The latest checkpoint under `root` that is not damaged (`scan`); each damaged one passed over is said in
+    `notes`. None when there is none at all; a UserError when there are some and every one is damaged."""
+    intact, damaged = scan(root, known)
+    if intact is None:
+        if damaged:
+            raise all_damaged(root, damaged)
+        return None
+    if notes is not None:
+        notes += [passed_over(problem, intact) for _, problem in damaged]
+    return intact
+
+
+def names_one(cfg: Config) -> bool:
+    """Whether `checkpoint.resume` names one checkpoint (a folder or a `.pt` file): a damaged one is then refused,
+    where `auto` and a folder holding checkpoints pass over it for the newest intact one."""
+    spec = cfg.checkpoint.resume
+    if spec is None or spec == "auto":
+        return False
+    path = Path(spec)
+    return path.is_file() or (path / META_FILE).is_file()
+
+
+def refusal(spec: str, path: Path, problem: str, known: dict[Path, str] | None = None) -> UserError:
+    """`--resume spec` (the checkpoint `path`) refused for `problem`, naming the newest intact checkpoint beside it."""
+    try:
+        intact = newest_intact(path.parent, known=known)
+    except UserError:
+        intact = None
+    instead = f"; the newest intact checkpoint beside it is {intact}: --resume {intact}" if intact else ""
+    return UserError(f"--resume {spec} cannot be resumed: {problem}{instead}")
 
 
 def find_resume(cfg: Config, notes: list[str] | None = None) -> Path | None:
@@ -140,14 +265,9 @@ def find_resume(cfg: Config, notes: list[str] | None = None) -> Path | None:
     if spec == "auto":
         return newest_intact(Path(cfg.checkpoint.dir), notes)
     path = Path(spec)
-    if path.is_file() or (path / META_FILE).is_file():
+    if names_one(cfg):
         if problem := damage(path):
-            try:
-                intact = newest_intact(path.parent)
-            except UserError:
-                intact = None
-            instead = f"; the newest intact checkpoint beside it is {intact}: --resume {intact}" if intact else ""
-            raise UserError(f"--resume {spec} cannot be resumed: {problem}{instead}")
+            raise refusal(spec, path, problem)
         return path
     latest = newest_intact(path, notes) if path.is_dir() else None
     if latest is None:

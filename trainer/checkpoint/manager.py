@@ -2,7 +2,9 @@
 a step (an interval, a stop, the end), a checkpoint where the NaN guard asks for one, the final model.
 
 What a save writes and a load reads is `store`; names on disk and which checkpoint `--resume` means is `layout`;
-the write in the background is `background`. This class holds what lies between them over a run: the step last
+the write in the background is `background`. This class holds what lies between them over a run: the checkpoint a
+resume loads (its files verified first; a damaged one passed over for the newest intact one, rank 0 deciding for
+every rank), the staging buffers of background saves (allocated before the first step), the step last
 saved (a stop right after an interval save writes nothing again), the save still being written (at most one: the
 next save, a stop, the end of the run and a failure wait for it), a finished earlier run's checkpoints in the same
 folder (replaced by this run's first save), pruning to `checkpoint.keep` (after a save is published, so the latest
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psutil
 
@@ -26,6 +28,7 @@ from trainer.checkpoint import layout, store
 from trainer.checkpoint.background import BackgroundWrite, HostStager
 from trainer.checkpoint.layout import FULL, SHARDED
 from trainer.config import Config
+from trainer.errors import UserError
 from trainer.model.distributed import DistContext, agree_any, broadcast_object
 from trainer.progress import ProgressReporter
 
@@ -59,12 +62,6 @@ class SaveRecord:
         waited = f", {self.waited_s:.1f} s of it waiting for the previous save" if self.waited_s >= 0.05 else ""
         return (f"checkpoint saved: {self.path} ({human_bytes(self.bytes)}; training blocked {self.blocked_s:.2f} s"
                 f"{waited}, written in {self.write_s:.2f} s{' in the background' if self.background else ''})")
-
-
-def one_line(error: BaseException) -> str:
-    """An error as one short line for the log (a collective's errors run to many)."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
 
 
 def folder_bytes(path: Path) -> int:
@@ -123,9 +120,7 @@ class Checkpointer:
                               f"starts from step 0, and its first checkpoint replaces those (to extend that run "
                               f"instead: --resume auto with a larger --max-steps)")
             return 0
-        started = time.perf_counter()
-        meta = store.load(path, self.state, self.ctx, self.cache.key)
-        self.load_s = time.perf_counter() - started
+        path, meta = self.load_intact(path)
         if path.resolve() == layout.step_path(self.root, meta.step).resolve():
             self.last_saved = meta.step  # already on disk where this run saves: no need to write it again
         if self.ctx.is_main:
@@ -140,7 +135,75 @@ class Checkpointer:
                               f"{self.cfg.training.grad_accum_nums}: the same global batch, the same batches")
         return meta.step
 
+    def load_intact(self, path: Path) -> tuple[Path, store.CheckpointMeta]:
+        """Verify the checkpoint `path`'s files, then load it (collective); a damaged one (its files differ from their
+        record, or it does not load) is passed over for the newest intact checkpoint before it, which is verified in
+        turn. Each one passed over is said once one loads, naming it; where none does, one UserError says so. Returns
+        the checkpoint loaded and its meta."""
+        known: dict[Path, str] = {}  # the checkpoints found damaged here, and why
+        passed: list[str] = []  # rank 0: what was wrong with each checkpoint passed over here, newest first
+        while True:
+            checked = store.verify(path, self.ctx)
+            problem = checked.problem
+            if problem is None:
+                self.say_verified(path, checked)
+                started = time.perf_counter()
+                try:
+                    meta = store.load(path, self.state, self.ctx, self.cache.key)
+                except store.Unreadable as e:
+                    problem = str(e)
+                else:
+                    self.load_s = time.perf_counter() - started
+                    for damaged in passed:
+                        self.log.warning(layout.passed_over(damaged, path))
+                    return path, meta
+            known[path] = problem
+            path = self.instead_of(path, known, passed)
+
+    def say_verified(self, path: Path, checked: store.Verification) -> None:
+        if not self.ctx.is_main:
+            return
+        if not checked.files:
+            self.log.warning(f"{path} records no checksums of its files (a single .pt file, or a checkpoint written "
+                             f"before checkpoints recorded them): loading it unverified")
+            return
+        rate = f"{human_bytes(checked.bytes / checked.seconds)}/s" if checked.seconds > 0 else "at once"
+        self.log.info(f"checkpoint {path} verified: {checked.files} files, {human_bytes(checked.bytes)} read in "
+                      f"{checked.seconds:.2f} s ({rate}, the ranks reading their shares at once)")
+
+    def instead_of(self, damaged: Path, known: dict[Path, str], passed: list[str]) -> Path:
+        """The checkpoint to try in place of `damaged` (rank 0 decides, every rank follows): the newest intact one in
+        the same folder, what was wrong with each passed over appended to `passed`. Where --resume named `damaged`
+        itself, or no intact checkpoint is left, one UserError on every rank alike."""
+        decision: Path | str = ""
+        if self.ctx.is_main:
+            try:
+                decision = self.newest_intact_instead(damaged, known, passed)
+            except UserError as e:
+                decision = str(e)
+        decision = broadcast_object(decision, self.ctx)
+        if isinstance(decision, str):
+            raise UserError(decision)
+        return decision
+
+    def newest_intact_instead(self, damaged: Path, known: dict[Path, str], passed: list[str]) -> Path:
+        """Rank 0's part of `instead_of`."""
+        if layout.names_one(self.cfg):
+            raise layout.refusal(str(self.cfg.checkpoint.resume), damaged, known[damaged], known)
+        intact, newer = layout.scan(damaged.parent, known)
+        if intact is None:
+            raise layout.all_damaged(damaged.parent, newer)
+        step = layout.step_of(damaged) or 0
+        # those newer than `damaged` were said already, when --resume chose it
+        passed += [problem for path, problem in newer if (layout.step_of(path) or 0) <= step]
+        return intact
+
     # -- saving ------------------------------------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Before the first step (collective): decide how saves are written (`writes_in_background`), which in the
+        background allocates the staging buffers now rather than at the first save."""
+        self.writes_in_background()
 
     def save(self, step: int) -> Path | None:
         """The checkpoint after `step` completed steps, unless it is on disk already. Training blocks while the save
@@ -190,28 +253,41 @@ class Checkpointer:
         self.log.info(record.line())
 
     def writes_in_background(self) -> bool:
-        """checkpoint.async_save, decided at the first save, alike on every rank (each rank's writer joins the same
-        collectives): `auto` stages only where this host's copies (every local rank's shards, or its share of the
-        replicated state) fit in half of the memory free now."""
+        """checkpoint.async_save, decided before the first step (`prepare`), alike on every rank (each rank's writer
+        joins the same collectives): `auto` stages only where this host's copies (every local rank's shards, or its
+        share of the replicated state) fit in half of the memory free now."""
         if self.background is not None:
             return self.background
         setting = self.cfg.checkpoint.async_save
+        store.prime_optimizer(self.state)  # its state counted, and there to stage, before the first step
         held = store.tensor_bytes(self.state.model.state_dict()) + store.tensor_bytes(self.state.optimizer.state_dict())
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         need = held * local if self.state.format == SHARDED else held * local // self.ctx.world_size
         free = psutil.virtual_memory().available
         too_large = agree_any(setting == "auto" and need > free * STAGING_SHARE, self.ctx)
         self.background = setting is True or (setting == "auto" and not too_large)
-        if self.background:
-            self.stager = HostStager(self.ctx.device)
+        allocated_s = self.allocate_staging() if self.background else 0.0
         if self.ctx.is_main:
             if self.background:
                 self.log.info(f"checkpoints are written in the background: each is first staged in host memory "
-                              f"({human_bytes(need)} on this host, kept for the run; checkpoint.async_save)")
+                              f"({human_bytes(need)} on this host, allocated in {allocated_s:.2f} s and kept for the "
+                              f"run; checkpoint.async_save)")
             elif too_large:
                 self.log.info(f"checkpoints are written synchronously: staging one in host memory would take "
                               f"{human_bytes(need)} of the {human_bytes(free)} free (checkpoint.async_save=auto)")
         return self.background
+
+    def allocate_staging(self) -> float:
+        """Make the stager and have it allocate its buffers by staging this rank's part of the state once; seconds
+        taken. The stager keeps one buffer per tensor storage it has staged, reused at every later save, so the
+        first save then blocks training no longer than the later ones: the allocation (pinned host memory on a
+        GPU: seconds for a large state) is paid here, before the first step, with the optimizer's state already
+        there (`store.prime_optimizer`)."""
+        started = time.perf_counter()
+        self.stager = HostStager(self.ctx.device)
+        meta = self.meta(0, self.splits(True))
+        self.stager.stage(store.weights_to_stage(self.state, meta, self.ctx))
+        return time.perf_counter() - started
 
     def wait(self) -> float:
         """Wait for the save in flight, if any (collective: raises its failure on every rank alike); seconds waited,
@@ -249,7 +325,7 @@ class Checkpointer:
         if (ended and in_flight.error is None) or (latest is not None and latest.name == in_flight.name):
             self.log.warning(f"{who}: {self.root / in_flight.name} was published: it is the latest checkpoint")
             return
-        why = one_line(in_flight.error) if in_flight.error is not None else f"still being written after {limit:g} s"
+        why = f"still being written after {limit:g} s" if in_flight.error is None else store.one_line(in_flight.error)
         self.log.warning(f"{who}: {in_flight.name} was not published ({why}); the latest checkpoint is "
                          f"{latest if latest is not None else 'none (a resume starts from step 0)'}")
 

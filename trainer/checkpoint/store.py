@@ -3,8 +3,8 @@
 Layout under `checkpoint.dir` (default `.checkpoints/`, relative to the working directory):
 
     step_000500/            one checkpoint; the name is the number of optimizer steps completed
-        meta.json           step, format, dataset cache key, data position, parameter shapes, config (readable
-                            without torch)
+        meta.json           step, format, dataset cache key, data position, parameter shapes, config, and each
+                            file's size and checksum (readable without torch)
         state.pt            scheduler, grad scaler and every rank's RNG state; plus model and optimizer in the
                             "full" format (DDP / single process, written by rank 0)
         dcp/                model and optimizer via torch.distributed.checkpoint: in the "sharded" format (FSDP2),
@@ -17,7 +17,11 @@ on every rank, so each rank stages and writes only its share (`replicated_share`
 optimizer state, balanced by bytes) into dcp/, instead of rank 0 copying and writing all of it alone; a load reads
 every share back on any number of ranks, as it reads FSDP2's shards. A checkpoint is written into `.tmp-step_<n>/`,
 fsynced, then renamed into place once every rank's files are written, so a process killed mid-save leaves the previous
-checkpoints intact and only a stray `.tmp-*` folder (removed by the next save). `state.pt` is loaded with
+checkpoints intact and only a stray `.tmp-*` folder (removed by the next save). Each rank checksums the files it
+wrote right after writing them (still in the page cache); rank 0 records them all in meta.json before the rename. A
+resume checks them first (`verify`: every rank reads its share of the files), and a checkpoint whose files differ
+from the record, or that fails to load all the same, is `Unreadable` on every rank alike, so that the ranks pass
+over it together (trainer.checkpoint.manager). `state.pt` is loaded with
 `weights_only=True`. In the full format a checkpoint can also be one file holding the same content (what the NaN
 guard asks for as `nan_grad_step_<n>.pt`); `--resume` accepts either. Names on disk and the choice of the checkpoint
 to resume from are in `trainer/checkpoint/layout.py` (no torch: the supervisor checks `--resume` too).
@@ -29,12 +33,13 @@ world sizes and releases), kept in one place with the checks that refuse a check
 from __future__ import annotations
 
 import json
-import pickle
+import logging
 import random
 import shutil
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 from trainer import durable
 from trainer.checkpoint.layout import (
     DCP_DIR,
+    DCP_METADATA,
     FULL,
     META_FILE,
     OLD_PREFIX,
@@ -62,6 +68,8 @@ from trainer.checkpoint.layout import (
     other_data,
     other_format,
     other_shape,
+    record_files,
+    verify_files,
 )
 from trainer.config import Config
 from trainer.errors import UserError
@@ -101,6 +109,10 @@ class CheckpointMeta:
     # the full format: model and optimizer in dcp/, each rank's share (`replicated_share`), not in state.pt. Absent
     # from the meta.json of checkpoints written before it existed: those keep everything in state.pt
     split: bool = False
+    # each file of the folder by its path in it: {"bytes": size, "xxh3_64": checksum} (trainer.checkpoint.layout),
+    # recorded in meta.json once every rank's files are written; empty in state.pt's copy, in a `.pt` file, and in
+    # checkpoints written before files were recorded (those load unverified)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def in_dcp(self) -> bool:
@@ -130,9 +142,40 @@ def sample_order(data: dict[str, int]) -> tuple[int, int, int]:
 
 
 def read_meta(path: Path) -> CheckpointMeta:
-    if path.is_file():
-        return CheckpointMeta.from_dict(load_payload(path)["meta"])
+    """A checkpoint folder's meta.json (a `.pt` file keeps its meta in its payload)."""
     return CheckpointMeta.from_dict(json.loads((path / META_FILE).read_text()))
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What `verify` found of a checkpoint's files."""
+
+    problem: str | None  # the first file that differs from meta.json's record, said; None when none does
+    files: int  # the files recorded: 0 for a checkpoint written before files were recorded (not verified)
+    bytes: int  # their bytes, every one read
+    seconds: float
+
+
+class Unreadable(Exception):
+    """A checkpoint that is damaged, as every rank agrees: its files differ from their record, or it does not load
+    (damage its checks could not find: one written before files were recorded, or changed since it was checked)."""
+
+
+def agreed(problem: str | None, ctx: DistContext) -> str | None:
+    """Collective: the lowest rank's problem, or None where no rank has one, on every rank alike."""
+    return next((p for p in gather_objects(problem, ctx) if p is not None), None)
+
+
+def verify(path: Path, ctx: DistContext) -> Verification:
+    """Collective: check the checkpoint `path`'s files against meta.json's record of them before anything is loaded,
+    each rank its share (`balanced_share`, by bytes, so the ranks read at once), sizes first, then checksums. Rank 0
+    reads the record, so that every rank checks the same one; every rank gets the same verdict."""
+    started = time.perf_counter()
+    files = broadcast_object(read_meta(path).files if ctx.is_main and path.is_dir() else None, ctx) or {}
+    sizes = {name: entry["bytes"] for name, entry in files.items()}
+    mine = sorted(balanced_share(sizes, ctx.rank, ctx.world_size))
+    problem = agreed(verify_files(path, mine, files) if mine else None, ctx)
+    return Verification(problem, len(files), sum(sizes.values()), time.perf_counter() - started)
 
 
 def check_compatible(path: Path, meta: CheckpointMeta, cache_key: str, state: TrainState) -> None:
@@ -167,6 +210,18 @@ def remove(path: Path) -> None:
 
 def publish(tmp: Path, final: Path) -> None:
     durable.publish(tmp, final, aside=final.with_name(OLD_PREFIX + final.name))
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one short line for the log (a collective's errors run to many)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200]}" if text else type(error).__name__
+
+
+def dcp_failure(error: CheckpointException) -> BaseException:
+    """The error behind DCP's report of a collective failure (a BaseException holding each failed rank's): the lowest
+    rank's, which every rank was told of."""
+    return error.failures[min(error.failures)][0] if error.failures else RuntimeError(str(error))
 
 
 @dataclass(frozen=True)
@@ -243,17 +298,16 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate(state["python"])
 
 
-def payload(state: TrainState, meta: CheckpointMeta, rngs: list[dict[str, Any]], with_weights: bool) -> dict[str, Any]:
-    out: dict[str, Any] = {
+def payload(state: TrainState, meta: CheckpointMeta, rngs: list[dict[str, Any]],
+            weights: dict[str, Any] | None) -> dict[str, Any]:
+    """state.pt's content; `weights` (the model and optimizer, `weights_to_stage`) where they are kept there."""
+    return {
         "meta": asdict(meta),
         "scheduler": state.scheduler.state_dict(),
         "scaler": state.scaler.state_dict() if state.scaler is not None else None,
         "rng": rngs,
+        **(weights or {}),
     }
-    if with_weights:
-        out["model"] = state.model.state_dict()
-        out["optimizer"] = state.optimizer.state_dict()
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -299,6 +353,19 @@ def tensor_bytes(tree: Any) -> int:
     return 0
 
 
+def balanced_share(cost: dict[str, int], rank: int, world_size: int) -> set[str]:
+    """This rank's names when each name goes to one rank, the largest first onto the rank with the fewest bytes so
+    far: balanced by bytes, and the same on every rank (a pure function of the names and their costs)."""
+    load = [0] * world_size
+    mine = set()
+    for name in sorted(cost, key=lambda n: (-cost[n], n)):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += cost[name]
+        if owner == rank:
+            mine.add(name)
+    return mine
+
+
 def replicated_share(model_sd: dict[str, Any], optim_sd: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """This rank's share of a state every rank holds whole (DDP's), for DCP: each parameter, with its optimizer
     state, goes to one rank, the largest first onto the rank with the fewest bytes so far (the same on every rank: a
@@ -306,18 +373,38 @@ def replicated_share(model_sd: dict[str, Any], optim_sd: dict[str, Any], rank: i
     the whole state, each key in exactly one of them."""
     states = optim_sd.get("state", {})
     names = list(dict.fromkeys([*model_sd, *states]))
-    cost = {n: tensor_bytes(model_sd.get(n)) + tensor_bytes(states.get(n)) for n in names}
-    load = [0] * world_size
-    mine = set()
-    for name in sorted(names, key=lambda n: (-cost[n], n)):
-        owner = min(range(world_size), key=lambda r: (load[r], r))
-        load[owner] += cost[name]
-        if owner == rank:
-            mine.add(name)
+    mine = balanced_share({n: tensor_bytes(model_sd.get(n)) + tensor_bytes(states.get(n)) for n in names}, rank,
+                          world_size)
     optimizer: dict[str, Any] = {"state": {n: s for n, s in states.items() if n in mine}}
     if rank == 0:
         optimizer.update({k: v for k, v in optim_sd.items() if k != "state"})
     return {"model": {n: t for n, t in model_sd.items() if n in mine}, "optimizer": optimizer}
+
+
+def weights_to_stage(state: TrainState, meta: CheckpointMeta, ctx: DistContext) -> dict[str, Any]:
+    """The model and optimizer state dicts a save of `meta`'s kind takes on this rank, as views of the live tensors:
+    for dcp/, its FSDP2 shards or (`meta.split`) its share of the replicated state; otherwise the whole of them, for
+    state.pt."""
+    if not meta.in_dcp:
+        return {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    if meta.split:
+        return replicated_share(model_sd, optim_sd, ctx.rank, ctx.world_size)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def prime_optimizer(state: TrainState) -> None:
+    """Give an optimizer that has not stepped yet its state now, as its first step would create it: DCP's own
+    initialisation (what `get_state_dict` does to an optimizer without state: a step at learning rate 0 on zero
+    gradients, which moves no weight and leaves zero moments), with the step counts it advanced set back to 0. The
+    state's tensors then exist before training (updated in place from then on), so staging buffers keyed by them can
+    be allocated before the first step; that step computes exactly what it would have."""
+    if state.optimizer.state:
+        return
+    get_state_dict(state.model, state.optimizer)
+    for param_state in state.optimizer.state.values():
+        if isinstance(param_state.get("step"), torch.Tensor):
+            param_state["step"].zero_()
 
 
 def stage(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
@@ -341,12 +428,11 @@ def stage(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext,
     if error:
         raise UserError(error)
     fault("staging")
+    weights = weights_to_stage(state, meta, ctx) if meta.in_dcp or ctx.is_main else None
     if meta.in_dcp:
-        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-        staged.shards = replicated_share(model_sd, optim_sd, ctx.rank, ctx.world_size) if meta.split else \
-            {"model": model_sd, "optimizer": optim_sd}
+        staged.shards = weights
     if ctx.is_main:
-        staged.payload = payload(state, meta, rngs, with_weights=not meta.in_dcp)
+        staged.payload = payload(state, meta, rngs, None if meta.in_dcp else weights)
     if copy is not None:
         staged.shards = copy(staged.shards) if staged.shards is not None else None
         staged.payload = copy(staged.payload) if staged.payload is not None else None
@@ -361,23 +447,45 @@ def write(staged: Staged, ctx: DistContext, group: Any = None, fault: Fault = no
     `fault` fires once the state is written (`checkpoint`) and once meta.json is too (`publishing`), before the
     rename: a rank killed there leaves an unpublished `.tmp-` folder and the previous checkpoint the latest. A
     failure of DCP's write is every rank's alike (DCP tells them all), so each says it as rank 0 does its own (a full
-    disk named as one, `failure_of`)."""
+    disk named as one, `failure_of`). Each rank records its own shards once they are written (`layout.record_files`:
+    read back while still in the page cache), rank 0 its state.pt and DCP's .metadata; rank 0 gathers them all into
+    meta.json."""
     tmp, path = staged.tmp, staged.path
+    files: dict[str, dict[str, Any]] = {}  # each file written, as meta.json records it
 
     def write_shards() -> None:
         try:
             dcp.save(staged.shards, checkpoint_id=tmp / DCP_DIR, process_group=group)
-        except CheckpointException as e:  # (a BaseException) DCP's report of each rank's failure: the lowest rank's
-            raise e.failures[min(e.failures)][0] if e.failures else RuntimeError(str(e)) from e
+        except CheckpointException as e:  # (a BaseException) DCP's report of each rank's failure
+            raise dcp_failure(e) from e
+
+    def record_shards() -> None:  # DCP names a rank's files after its rank in `group`, which holds every rank in order
+        own = sorted((tmp / DCP_DIR).glob(f"__{ctx.rank}_*.distcp"))
+        files.update(record_files(tmp, [f.relative_to(tmp).as_posix() for f in own]))
+
+    def gather_records(own: WriteFailure | None) -> WriteFailure | None:
+        """Every rank's records into `files`, and the first rank's failure to make them (a rank gone: the gather's)."""
+        gathered: list[tuple[dict[str, Any], WriteFailure | None]] = []
+        failure = failure_of(lambda: gathered.extend(gather_objects((files, own), ctx, group)), path.parent)
+        for theirs, their_failure in gathered:
+            files.update(theirs)
+            failure = failure or their_failure
+        return failure
 
     def write_state() -> None:
         torch.save(staged.payload, tmp if staged.single_file else tmp / STATE_FILE)
+        if not staged.single_file:
+            dcp_metadata = [f"{DCP_DIR}/{DCP_METADATA}"] if staged.shards is not None else []
+            files.update(record_files(tmp, [STATE_FILE, *dcp_metadata]))
 
     def write_meta() -> None:  # meta.json last: only a complete checkpoint ever has one
         if not staged.single_file:
-            (tmp / META_FILE).write_text(json.dumps(asdict(staged.meta), indent=1) + "\n")
+            meta = replace(staged.meta, files=dict(sorted(files.items())))
+            (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n")
 
     failure = failure_of(write_shards, path.parent) if staged.shards is not None else None
+    if staged.shards is not None and failure is None:  # (a failure of DCP's is every rank's: none gathers)
+        failure = gather_records(failure_of(record_shards, path.parent))
     if ctx.is_main and failure is None:
         failure = failure_of(write_state, path.parent)
     fault("checkpoint")
@@ -399,21 +507,56 @@ def save(path: Path, state: TrainState, meta: CheckpointMeta, ctx: DistContext, 
     return path
 
 
-def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> CheckpointMeta:
-    """Restore `state` from a checkpoint after checking it belongs to this run (collective for the sharded format)."""
-    meta = read_meta(path)
-    check_compatible(path, meta, cache_key, state)
+DCP_PACKAGE = str(Path(dcp.__file__).parent)
+
+
+@contextmanager
+def dcp_tracebacks_left_out() -> Iterator[None]:
+    """DCP logs a traceback on the root logger for each way it fails to read a damaged `.metadata` before it raises;
+    the load says its failure in one line instead (`Unreadable`), so those records are dropped while it reads."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.pathname.startswith(DCP_PACKAGE))
+
+    root = logging.getLogger()
+    root.addFilter(keep)
     try:
-        content = load_payload(path if path.is_file() else path / STATE_FILE)
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:  # damage the layout's look did not see
-        raise UserError(f"checkpoint {path} cannot be read ({str(e).splitlines()[0]}); resume an intact "
-                        f"checkpoint, or start fresh without --resume") from None
+        yield
+    finally:
+        root.removeFilter(keep)
+
+
+def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> CheckpointMeta:
+    """Restore `state` from a checkpoint after checking it belongs to this run (collective). One that does not read
+    back raises `Unreadable` on every rank alike, however torch failed on it (a zip archive cut short, a shard
+    missing, DCP's `.metadata` cut short, on some ranks or on all), so that the ranks pass over it together."""
+    state_file = path if path.is_file() else path / STATE_FILE
+    meta = None if path.is_file() else read_meta(path)  # a `.pt` file keeps its meta among its tensors
+    if meta is not None:
+        check_compatible(path, meta, cache_key, state)  # before a state.pt that may hold every weight is read
+    content, problem = None, None
+    try:
+        content = load_payload(state_file)
+    except Exception as e:  # damage the checks did not see
+        problem = f"{state_file} cannot be read ({one_line(e)})"
+    if problem := agreed(problem, ctx):
+        raise Unreadable(problem)
+    if meta is None:
+        meta = CheckpointMeta.from_dict(content["meta"])
+        check_compatible(path, meta, cache_key, state)
     if not meta.in_dcp:
         state.model.load_state_dict(content["model"])
         state.optimizer.load_state_dict(content["optimizer"])
     else:  # every rank reads what it holds: its FSDP2 shards, or the whole of a split state from every rank's share
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-        dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / DCP_DIR)
+        try:
+            with dcp_tracebacks_left_out():
+                dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path / DCP_DIR)
+        except CheckpointException as e:  # (a BaseException) what failed on any rank, told to every rank
+            problem = f"{path / DCP_DIR} cannot be read ({one_line(dcp_failure(e))})"
+        except Exception as e:
+            problem = f"{path / DCP_DIR} cannot be read ({one_line(e)})"
+        if problem := agreed(problem, ctx):
+            raise Unreadable(problem)
         set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     state.scheduler.load_state_dict(content["scheduler"])
     if state.scaler is not None and content.get("scaler"):
