@@ -1,8 +1,8 @@
 """Multi-node benchmark: one launcher per node on loopback addresses (127.0.0.1-N; Linux routes all of 127/8 to lo),
-the supervisor side by side with torchrun (``python -m torch.distributed.run``, static rendezvous, its defaults) on
-the same programs and the same command line.
+the supervisor side by side with torchrun (``python -m torch.distributed.run``, its defaults) on the same programs and
+the same command line.
 
-    python bench/bench_nodes.py [--repeats 3] [--nodes 16] [--per-node 8] [--quick]
+    python bench/bench_nodes.py [--repeats 3] [--nodes 16] [--per-node 8] [--quick] [--canonical]
 
 Two kinds of rank:
 
@@ -13,6 +13,11 @@ Two kinds of rank:
 * light ranks: tests/rank_scripts/worker.py (a line of progress every 0.5 s, asleep in between; no torch), for the
   launchers' own CPU and memory per rank at 8, 32 and --nodes x 8 ranks: what a rank does between its collectives
   does not change the launcher's work, and 128 torch ranks do not fit on a small machine.
+
+Every node's launcher gets a static layout (``--node-rank i --master-addr 127.0.0.1 --local-addr 127.0.0.<i+1>``, the
+supervisor with a control secret) or, with ``--canonical``, torchrun's canonical command, the same on every node with
+nothing else set: ``--nnodes N --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:P`` (no node rank,
+no secret: the supervisors number themselves as they join and run their control channel unauthenticated).
 
 Measured, per launcher:
 
@@ -49,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout first
 
 from rank_scripts.harness import WORKER, alive, free_port_pair  # noqa: E402
-from supervisor.control.wire import Timing  # noqa: E402
+from supervisor.control.wire import SECRET_ENV, SECRET_FILE_ENV, Timing  # noqa: E402
 
 PY = sys.executable
 PROGRAM = ROOT / "tests" / "torchrun_programs" / "allreduce_loop.py"
@@ -77,11 +82,14 @@ class Cluster:
     per_node: int
     port: int
     started: float
+    canonical: bool
 
     @classmethod
-    def start(cls, work: Path, launcher: str, count: int, per_node: int, torch_ranks: bool) -> Cluster:
+    def start(cls, work: Path, launcher: str, count: int, per_node: int, torch_ranks: bool,
+              canonical: bool = False) -> Cluster:
         port = free_port_pair()
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "SUPERVISOR_CONTROL_SECRET": SECRET, "CUDA_VISIBLE_DEVICES": ""}
+        env = {k: v for k, v in os.environ.items() if k not in (SECRET_ENV, SECRET_FILE_ENV)}
+        env.update(PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", **({} if canonical else {SECRET_ENV: SECRET}))
         own = ["-m", "supervisor", "--no-footer", "--log-dir", str(work / "logs"), "--grace-period", "5",
                "--node-timeout", str(NODE_TIMEOUT)] if launcher == "supervisor" else ["-m", "torch.distributed.run"]
         started, nodes = time.monotonic(), []
@@ -90,12 +98,26 @@ class Cluster:
             pids.mkdir(parents=True)
             program = [str(PROGRAM), "--ready", str(pids), "--step-time", STEP_TIME] if torch_ranks else \
                 [str(WORKER), "--pid-dir", str(pids), "--step-time", STEP_TIME]
-            cmd = [PY, *own, "--nnodes", str(count), "--node-rank", str(k), "--nproc-per-node", str(per_node),
-                   "--master-addr", address(0), "--master-port", str(port), "--local-addr", address(k), *program]
+            layout = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{address(0)}:{port}"] if canonical else \
+                ["--node-rank", str(k), "--master-addr", address(0), "--master-port", str(port), "--local-addr",
+                 address(k)]
+            cmd = [PY, *own, "--nnodes", str(count), "--nproc-per-node", str(per_node), *layout, *program]
             with open(work / f"err{k}.txt", "wb") as err:
                 nodes.append(subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=err,
                                               start_new_session=True))
-        return cls(work, launcher, nodes, per_node, port, started)
+        return cls(work, launcher, nodes, per_node, port, started, canonical)
+
+    def launcher_of(self, node: int) -> int:
+        """The index in `nodes` of the launcher that is node `node`: the same in a static layout; under the canonical
+        command the supervisors number themselves as they join, and each says which node it is."""
+        if not (self.canonical and self.launcher == "supervisor"):
+            return node
+        said = f"node {node} of {len(self.nodes)} ("
+        return next(k for k in range(len(self.nodes)) if said in self.stderr(k))
+
+    def address(self, node: int) -> str:
+        """The address node `node`'s control connection comes from (the canonical command gives no --local-addr)."""
+        return address(0) if self.canonical else address(node)
 
     def rank_pids(self, node: int | None = None) -> list[int]:
         folders = [self.work / f"pids{node}"] if node is not None else self.work.glob("pids*")
@@ -163,7 +185,7 @@ def gone_after(cluster: Cluster, since: float, watched: list[psutil.Process],
 
 
 def kill_one(cluster: Cluster) -> tuple[float, list[int | None]]:
-    """SIGKILL a rank of the last node: seconds until every process of every node is gone."""
+    """SIGKILL a rank of the last node started: seconds until every process of every node is gone."""
     watched = [p for k in range(len(cluster.nodes)) for p in cluster.processes(k)]
     victim = cluster.rank_pids(len(cluster.nodes) - 1)[0]
     killed = time.monotonic()
@@ -174,12 +196,13 @@ def kill_one(cluster: Cluster) -> tuple[float, list[int | None]]:
 def freeze_one(cluster: Cluster, node: int, watch: float) -> str:
     """SIGSTOP a node's launcher and ranks. The supervisor: seconds until the last other node named it. torchrun:
     what the other nodes did over `watch` seconds."""
+    frozen = cluster.launcher_of(node)
     frozen_at = time.monotonic()
-    for proc in cluster.processes(node):
+    for proc in cluster.processes(frozen):
         proc.suspend()
-    others = [k for k in range(len(cluster.nodes)) if k != node]
+    others = [k for k in range(len(cluster.nodes)) if k != frozen]
     if cluster.launcher == "supervisor":
-        named = f"node {node} ({address(node)}) stopped answering"
+        named = f"node {node} ({cluster.address(node)}) stopped answering"
         while not all(named in cluster.stderr(k) for k in others):
             if time.monotonic() - frozen_at > 120:
                 raise RuntimeError(f"not named: {cluster.stderr(others[0])[-2000:]}")
@@ -188,15 +211,15 @@ def freeze_one(cluster: Cluster, node: int, watch: float) -> str:
     before = {k: len(cluster.stderr(k)) for k in others}
     rank_cpu = {pid: sum(psutil.Process(pid).cpu_times()[:2]) for k in others for pid in cluster.rank_pids(k)}
     time.sleep(watch)
-    said = [k for k in others if node_named(cluster.stderr(k)[before[k]:], node)]
+    said = [k for k in others if node_named(cluster.stderr(k)[before[k]:], node, cluster.address(node))]
     running = [pid for pid in rank_cpu if alive(pid)]
     launchers = sum(cluster.nodes[k].poll() is None for k in others)
     return (f"after {watch:.0f} s: {len(said)} of {len(others)} other launchers named node {node}; {launchers} still "
             f"running, {len(running)} of their {len(rank_cpu)} ranks still waiting in their all-reduce")
 
 
-def node_named(text: str, node: int) -> bool:
-    pattern = rf"\b{re.escape(address(node))}\b|\bnode[ _]?(rank)?[ =:]*{node}\b"
+def node_named(text: str, node: int, addr: str) -> bool:
+    pattern = rf"\b{re.escape(addr)}\b|\bnode[ _]?(rank)?[ =:]*{node}\b"
     return re.search(pattern, text, re.IGNORECASE) is not None
 
 
@@ -241,9 +264,12 @@ def main() -> None:
     parser.add_argument("--per-node", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="2 nodes of 2 torch ranks, light ranks at 8 and 32, "
                                                              "one repeat: a few minutes")
+    parser.add_argument("--canonical", action="store_true",
+                        help="torchrun's canonical command on every node (c10d endpoint, no node rank, no secret)")
     args = parser.parse_args()
     nodes, per_node, repeats = (2, 2, 1) if args.quick else (args.nodes, args.per_node, args.repeats)
-    light = (1, 4) if args.quick else (1, 4, args.nodes)
+    light = (1, 4) if args.quick else tuple(sorted({1, min(4, args.nodes), args.nodes}))
+    canonical = args.canonical
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         rank_pss, rank_rss, agent_pss = probe_memory(work / "probe")
@@ -252,11 +278,14 @@ def main() -> None:
               f"{agent_pss:.0f} MiB. {fits}: {count} nodes x {k} torch ranks = {count * k}", flush=True)
         kills: dict[str, list[tuple[float, list[int | None]]]] = {launcher: [] for launcher in LAUNCHERS}
         starts: dict[str, list[float]] = {launcher: [] for launcher in LAUNCHERS}
-        print(f"2. {count * k} torch ranks on {count} nodes: start-up to the first all-reduce; a rank of node "
-              f"{count - 1} killed -> every process of every node gone", flush=True)
+        command = "torchrun's canonical command (c10d endpoint, no node rank, no secret)" if canonical else \
+            "a static layout"
+        print(f"2. {count * k} torch ranks on {count} nodes, {command}: start-up to the first all-reduce; a rank of "
+              f"the last node started killed -> every process of every node gone", flush=True)
         for i in range(repeats):
             for launcher in LAUNCHERS:
-                cluster = Cluster.start(work / f"kill-{launcher}-{i}", launcher, count, k, torch_ranks=True)
+                cluster = Cluster.start(work / f"kill-{launcher}-{i}", launcher, count, k, torch_ranks=True,
+                                        canonical=canonical)
                 try:
                     starts[launcher].append(cluster.wait_ranks())
                     time.sleep(1.0 + NODE_TIMEOUT)  # joined and beating
@@ -270,7 +299,8 @@ def main() -> None:
         print(f"3. node {frozen_node} of {count} frozen (SIGSTOP: its launcher and its {k} torch ranks)", flush=True)
         frozen: dict[str, str] = {}
         for launcher in LAUNCHERS:
-            cluster = Cluster.start(work / f"freeze-{launcher}", launcher, count, k, torch_ranks=True)
+            cluster = Cluster.start(work / f"freeze-{launcher}", launcher, count, k, torch_ranks=True,
+                                    canonical=canonical)
             try:
                 cluster.wait_ranks()
                 time.sleep(1.0 + NODE_TIMEOUT)
@@ -283,7 +313,7 @@ def main() -> None:
         for nodes_light in light:
             for launcher in LAUNCHERS:
                 cluster = Cluster.start(work / f"light-{launcher}-{nodes_light}", launcher, nodes_light, 8,
-                                        torch_ranks=False)
+                                        torch_ranks=False, canonical=canonical)
                 try:
                     up = cluster.wait_ranks()
                     time.sleep(NODE_TIMEOUT)
@@ -306,7 +336,7 @@ def report(count: int, k: int, starts: dict[str, list[float]], kills: dict[str, 
     rows.append((f"start-up to the first all-reduce, {count * k} torch ranks on {count} nodes",
                  *(median_worst(starts[launcher]) for launcher in LAUNCHERS), f"{start_ratio:.2f}x"))
     gone = {launcher: [t for t, _ in kills[launcher]] for launcher in LAUNCHERS}
-    rows.append((f"a rank of node {count - 1} killed -> every process of every node gone",
+    rows.append(("a rank of the last node started killed -> every process of every node gone",
                  *(median_worst(gone[launcher]) for launcher in LAUNCHERS),
                  f"{statistics.median(gone['supervisor']) / statistics.median(gone['torchrun']):.2f}x"))
     rows.append(("the launchers' exit codes", *(", ".join(map(str, sorted({c for _, cs in kills[launcher]
