@@ -17,6 +17,8 @@ import pytest
 from rank_scripts.harness import Run, clean_env, start, survivors
 from supervisor.launch import cli, torchrun_args
 from supervisor.diagnosis import error_file
+from supervisor.plan import rendezvous
+from trainer.errors import UserError
 
 PROGRAMS = Path(__file__).resolve().parent / "torchrun_programs"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -323,6 +325,22 @@ def test_what_cannot_be_honoured_is_one_error_line(tmp_path, capsys, argv, messa
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message.replace('{P}', program)}") and err.count("\n") == 1, err
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_joining_node_waits_for_node_0s_name_to_resolve(monkeypatch):
+    """On Kubernetes a worker pod can start before the master's service name is published: a node that joins looks
+    the name up again until its --join-timeout, node 0 (patience 0) is refused at once."""
+    answers = iter(["Name or service not known", "Name or service not known", None])
+    monkeypatch.setattr(rendezvous, "RESOLVE_RETRY", 0.05)
+    monkeypatch.setattr(rendezvous, "look_up", lambda host: next(answers))
+    rendezvous.check_host("master-0.job.svc", patience=5.0)  # the third look-up answers
+    monkeypatch.setattr(rendezvous, "look_up", lambda host: "Name or service not known")
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"does not resolve \(Name or service not known\) for 0.3 s \(--join-timeout\)"):
+        rendezvous.check_host("master-0.job.svc", patience=0.3)
+    assert 0.2 < time.monotonic() - started < 2.0
+    with pytest.raises(UserError, match=r"does not resolve \(Name or service not known\); give a host name"):
+        rendezvous.check_host("master-0.job.svc")
 
 
 # -- the error file and the bars ----------------------------------------------------------------------------------

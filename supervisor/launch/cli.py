@@ -189,8 +189,8 @@ def check_rendezvous(args: argparse.Namespace) -> None:
     """Where the ranks meet, before anything starts: node 0's address resolves, and on node 0 the given port is
     free (elsewhere the ranks would retry a wrong address until the store's 30-minute timeout, or rank 0 would end
     in a traceback on a port taken)."""
-    if args.master_addr is not None:
-        rendezvous.check_host(args.master_addr)
+    if args.master_addr is not None:  # a node that joins waits for the name, as long as it would wait to join
+        rendezvous.check_host(args.master_addr, 0.0 if args.node_rank == 0 else args.join_timeout)
     if args.master_port is not None and args.node_rank == 0:
         rendezvous.check_port_free(args.master_port)
 

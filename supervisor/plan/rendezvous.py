@@ -25,32 +25,46 @@ from __future__ import annotations
 import errno
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 from trainer.errors import UserError
 
 LOOPBACK = "127.0.0.1"
-RESOLVE_WAIT = 5.0  # seconds a host name may take to resolve
+RESOLVE_WAIT = 5.0  # seconds one look-up of a host name may take
+RESOLVE_RETRY = 1.0  # seconds between two look-ups of a name that does not resolve yet
 
 
-def check_host(host: str, wait: float = RESOLVE_WAIT) -> None:
-    """Node 0's address resolves within `wait` seconds, or the run is refused naming it."""
+def look_up(host: str, wait: float = RESOLVE_WAIT) -> str | None:
+    """Why `host` does not resolve (None: it does), the resolver given `wait` seconds."""
     failure: list[str] = []
     done = threading.Event()
 
-    def look_up() -> None:
+    def ask() -> None:
         try:
             socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except (OSError, UnicodeError, ValueError) as e:  # UnicodeError: a label too long; ValueError: a NUL byte
             failure.append(getattr(e, "strerror", None) or str(e))
         done.set()
 
-    threading.Thread(target=look_up, name="supervisor-resolve", daemon=True).start()
+    threading.Thread(target=ask, name="supervisor-resolve", daemon=True).start()
     if not done.wait(wait):
-        failure.append(f"no answer from the resolver within {wait:g} s")
-    if failure:
+        return f"no answer from the resolver within {wait:g} s"
+    return failure[0] if failure else None
+
+
+def check_host(host: str, patience: float = 0.0) -> None:
+    """Node 0's address resolves, or the run is refused naming it. `patience`: how long a node that only joins may
+    wait for the name to appear (on Kubernetes a worker pod can start before the master's service name is published;
+    torchrun's agent retries too); node 0 itself, and a number or a name that will never resolve, is refused once
+    the look-up has failed and the patience is spent."""
+    deadline = time.monotonic() + patience
+    while (why := look_up(host)) is not None and time.monotonic() + RESOLVE_RETRY < deadline:
+        time.sleep(RESOLVE_RETRY)
+    if why is not None:
+        waited = f" for {patience:g} s (--join-timeout)" if patience else ""
         raise UserError(f"node 0's address {host} (--master-addr, or the host of --rdzv-endpoint) does not resolve "
-                        f"({failure[0]}); give a host name or an address that every node can reach")
+                        f"({why}){waited}; give a host name or an address that every node can reach")
 
 
 def check_port_free(port: int) -> None:
