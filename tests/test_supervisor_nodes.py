@@ -182,6 +182,25 @@ def test_a_stall_is_named_on_every_node_by_the_node_whose_evidence_names_it(tmp_
             assert text.startswith("CPU0 (rank 1) stalled at step" if n == 1 else NOTHING_STALLED), (node_name, text)
 
 
+def test_a_rank_in_its_own_code_is_named_on_every_node_while_the_others_wait_for_it(tmp_path):
+    """The ranks train in one gloo group across the three nodes, reporting progress: rank 2 (node 2) hangs in its own
+    code before its all-reduce of step 8 while ranks 0 and 1 wait in theirs. Every node's watchdog trips at about the
+    same moment, and the node whose rank merely waits (and tripped first) names nobody: every node's headline names
+    node 2's rank, from node 2's evidence."""
+    nodes = joined(tmp_path, "--hang-timeout", "3",
+                   entry_args={n: ("--gloo", "--fail", "hang", "--fail-rank", "2", "--fail-step", "8")
+                               for n in range(NODES)})
+    for run in nodes:
+        run.wait(timeout=60)
+    for rank, run in enumerate(nodes):
+        assert run.returncode == 124, run.stderr[-3000:]
+        assert re.search(r"run \w+ after [\d:.]+ s?: node 2: CPU0 \(rank 2\) stalled at step 7 in fault "
+                         r"\(rank_scripts/worker\.py:\d+\)", headline(run)), run.stderr[-3000:]
+        said = verdicts(run)
+        for n in (0, 1):  # they wait in the all-reduce: nothing of theirs is named
+            assert "singles out no rank" in said[f"node {n}{' (this node)' if n == rank else ''}"], said
+
+
 def verdicts(run: Run) -> dict[str, str]:
     """The report's list of what each node said of its own ranks: ``node 2`` (``node 0 (this node)``) → headline."""
     lines = run.stderr.splitlines()

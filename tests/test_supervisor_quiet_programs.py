@@ -1,6 +1,7 @@
 """Supervising a program written for torchrun, which reports nothing: no timeout kills it while it works, however long;
-a frozen rank is seen (no output and no CPU time anywhere in the group), every rank's Python stack is read from
-outside (py-spy) and the frozen rank is named; no rank is ever sent a stack request it cannot answer."""
+a rank asleep in its own code while the others wait for it is quiet, not hung: one line, and the run goes on; a frozen
+rank is seen (no output and no CPU time anywhere in the group), every rank's Python stack is read from outside
+(py-spy) and the frozen rank is named; no rank is ever sent a stack request it cannot answer."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from rank_scripts.harness import ROOT, clean_env, start, survivors
 
 QUIET = ROOT / "tests" / "rank_scripts" / "quiet_ddp.py"
+QUIET_RANK = ROOT / "tests" / "torchrun_programs" / "quiet_rank.py"
 # The hang timeouts here are short, for fast tests, but not shorter than HANG_FLOOR: a rank still importing torch on a
 # machine whose cores and disk are both busy (the suite under two busy loops) has been seen to wait on the disk for
 # 3 s with no CPU time, which this rule rightly cannot tell from a stall.
@@ -36,6 +40,29 @@ def test_a_quiet_program_outlasts_the_startup_timeout(tmp_path: Path) -> None:
     assert "stalled" not in r.stderr and "SIGUSR1" not in r.stderr
 
 
+def sleeps_while_the_other_waits(tmp_path: Path, hang_timeout: str, seconds: float) -> None:
+    r = start(tmp_path, "--nproc-per-node", "2", "--hang-timeout", hang_timeout, str(QUIET_RANK), "--rank", "0",
+              "--seconds", str(seconds), entry=None).wait(timeout=seconds + 90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = re.findall(r"^supervisor: CPU0 \(rank 0\) is quiet in a sleep \(clock_nanosleep\) at quiet "
+                      r"\(torchrun_programs/quiet_rank\.py:\d+\); the others wait for it in a collective; not a stall$",
+                      r.stderr, re.M)
+    assert len(said) == 1, r.stderr[-3000:]  # said once, however many times the watchdog looked again
+    assert "stalled" not in r.stderr
+    assert "CPU0:rank 0: 4 steps" in r.stdout and "CPU1:rank 1: 4 steps" in r.stdout
+
+
+def test_a_rank_asleep_in_its_own_code_is_quiet_not_hung(tmp_path: Path) -> None:
+    """Rank 0 sleeps 12 s (time.sleep) while rank 1 waits for it in an all-reduce, with a 5 s hang timeout: no rank
+    writes or uses CPU time, the stacks show rank 0 asleep in its own code, and the run finishes (torchrun: 0)."""
+    sleeps_while_the_other_waits(tmp_path, HANG_FLOOR, 12)
+
+
+@pytest.mark.slow
+def test_forty_seconds_asleep_at_an_eight_second_hang_timeout(tmp_path: Path) -> None:
+    sleeps_while_the_other_waits(tmp_path, "8", 40)
+
+
 def test_a_frozen_rank_is_named_with_every_rank_stack(tmp_path: Path) -> None:
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -46,8 +73,8 @@ def test_a_frozen_rank_is_named_with_every_rank_stack(tmp_path: Path) -> None:
     r = run.wait(timeout=60)
     assert r.returncode == 124, r.stderr[-4000:]
     err = r.stderr
-    assert re.search(r"no rank has written output or used CPU time for [\d.]+ s; reading every rank's Python "
-                     r"stacks from outside \(py-spy\)", err), err[-4000:]
+    assert re.search(r"no rank has written output or used CPU time for [\d.]+ s and the stacks read from outside "
+                     r"\(py-spy\) show a stall; stopping", err), err[-4000:]
     # both ranks' stacks, read without their cooperation (the frozen one included)
     for rank, pid in enumerate(pids):
         block = err[err.index(f"CPU{rank} (rank {rank}, pid {pid}) Python stacks:"):]

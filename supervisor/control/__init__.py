@@ -14,6 +14,10 @@ welcome, in the order they join. Once authenticated, the messages are:
     beat                           both ways, every `Timing.beat` seconds (at most 2 s): this node is alive
     verdict <node> <0|1> <text>    anyone → everyone (relayed by node 0): <node>'s stall verdict, 1 when its evidence
                                    names a rank of its own (supervisor/diagnosis/verdicts.py gathers them)
+    progress <node> <age>          anyone → everyone (relayed): <node>'s ranks of a program that reports nothing last
+                                   made progress <age> s ago, every sample of the hang watchdog
+    finding <node> <kind> <text>   anyone → everyone (relayed): <node>'s ranks once no rank of any node made progress
+                                   for the hang timeout: quiet, waits or busy (supervisor/diagnosis/quiet.py)
     done                           client → server: this node's ranks all finished
     bye                            server → clients: the run is over; a closed connection now means nothing
 

@@ -22,8 +22,12 @@ from supervisor.control.wire import (
     LineReader,
     Session,
     Timing,
+    finding_message,
     parse_abort,
+    parse_finding,
+    parse_progress,
     parse_verdict,
+    progress_message,
 )
 from supervisor.group.worker import describe_exit
 from trainer.errors import USER_ERROR_EXIT_CODE
@@ -52,6 +56,8 @@ class Event:
 
 
 NodeVerdict = tuple[int, bool, str]  # node, whether its evidence names a rank of its own, its stall headline
+NodeFinding = tuple[int, str, str]  # node, its finding on its ranks when the group was silent (wire.FINDINGS), text
+REPORTS = ("progress ", "finding ")  # what the nodes tell each other of their ranks, for the hang watchdog
 
 
 def remote_failure(node: int, label: str, code: int) -> Event:
@@ -176,6 +182,8 @@ class ControlChannel(ABC):
         os.set_blocking(self.fd, False)
         self._events: list[Event] = []
         self._verdicts: list[NodeVerdict] = []
+        self._progress: dict[int, tuple[float, float]] = {}  # node → (when heard, monotonic; its age): the latest
+        self._findings: list[NodeFinding] = []
         self._lock = threading.Lock()
         self.stopping = False  # an abort went out or came in: closed connections are expected from now on
         self.closing = False
@@ -205,6 +213,43 @@ class ControlChannel(ABC):
             events, self._events = self._events, []
             verdicts, self._verdicts = self._verdicts, []
         return events, verdicts
+
+    def read_reports(self) -> tuple[dict[int, tuple[float, float]], list[NodeFinding]]:
+        """What the other nodes said of their ranks since the last call: each one's latest progress (when it was heard,
+        and how long before that its ranks last made progress), and their findings, in order."""
+        with self._lock:
+            progress, self._progress = self._progress, {}
+            findings, self._findings = self._findings, []
+        return progress, findings
+
+    def _report(self, peer: Peer, message: str) -> int | None:
+        """A `progress` or `finding` message (`REPORTS`), queued for the watcher: the node it speaks for, or None (and
+        a note) when it is not one to act on."""
+        kind = message.split(" ", 1)[0]
+        parsed = parse_progress(message, self.nnodes) if kind == "progress" else parse_finding(message, self.nnodes)
+        if isinstance(parsed, str):
+            self.notes.note("invalid", f"dropped a {kind} message from {peer.address}: {parsed}")
+            return None
+        with self._lock:
+            if len(parsed) == 2:
+                node, age = parsed
+                self._progress[node] = (time.monotonic(), age)
+            else:
+                self._findings.append(parsed)
+        os.write(self._events_w, b"p")
+        return parsed[0]
+
+    def progress(self, node: int, age: float) -> None:
+        """For every other node: this node's ranks last made progress `age` seconds ago."""
+        self._tell(progress_message(node, age))
+
+    def finding(self, node: int, kind: str, text: str) -> None:
+        """For every other node: this node's finding on its ranks after the group was silent for the hang timeout."""
+        self._tell(finding_message(node, kind, text))
+
+    @abstractmethod
+    def _tell(self, message: str) -> None:
+        """An authenticated message for every other node."""
 
     def _verdict_words(self, peer: Peer, message: str) -> NodeVerdict | None:
         parsed = parse_verdict(message, self.nnodes)

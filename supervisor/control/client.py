@@ -16,6 +16,7 @@ from collections.abc import Callable
 from supervisor.control.channel import (
     HELLO_TIMEOUT,
     RECV_BYTES,
+    REPORTS,
     RETRY_INTERVAL,
     ControlChannel,
     Event,
@@ -187,6 +188,8 @@ class ControlClient(ControlChannel):
         elif message.startswith("verdict "):
             if (verdict := self._verdict_words(server, message)) is not None:
                 self._verdict(verdict)
+        elif message.startswith(REPORTS):
+            self._report(server, message)
         elif message == "bye":
             self.bye = True
         elif message.startswith("abort "):
@@ -201,6 +204,9 @@ class ControlClient(ControlChannel):
 
     def verdict(self, node: int, named: bool, headline: str) -> None:
         self._send(verdict_message(node, named, headline))
+
+    def _tell(self, message: str) -> None:
+        self._send(message)
 
     def done(self) -> None:
         self._send("done")

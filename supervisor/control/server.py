@@ -18,6 +18,7 @@ from supervisor.control.channel import (
     HELLO_TIMEOUT,
     MAX_PENDING,
     RECV_BYTES,
+    REPORTS,
     SEND_TIMEOUT,
     ControlChannel,
     Peer,
@@ -288,6 +289,9 @@ class ControlServer(ControlChannel):
                 return
             self._broadcast(message, skip=peer)
             self._verdict(verdict)
+        elif message.startswith(REPORTS):  # a node speaks for itself; the others hear it through node 0
+            if message.split(" ", 2)[1] == str(peer.node) and self._report(peer, message) is not None:
+                self._broadcast(message, skip=peer)
         else:
             self.notes.note("unknown", f"dropped an unknown message from node {peer.node}: {shown(message)}")
 
@@ -347,6 +351,9 @@ class ControlServer(ControlChannel):
 
     def verdict(self, node: int, named: bool, headline: str) -> None:
         self._broadcast(verdict_message(node, named, headline))
+
+    def _tell(self, message: str) -> None:
+        self._broadcast(message)
 
     def done(self) -> None:
         """Node 0 says nothing: its `close` waits for the others."""

@@ -285,3 +285,58 @@ def parse_verdict(message: str, nnodes: int) -> tuple[int, bool, str] | str:
     if not (headline.isascii() and headline.isprintable()) or len(headline) > MAX_VERDICT:
         return "its headline is not printable text"
     return int(node_text), named == "1", headline
+
+
+# What a node's ranks showed when the whole group was silent for the hang timeout (supervisor/diagnosis/quiet.py); a
+# node whose ranks show a stall says so with its abort instead
+QUIET, WAITS, BUSY = "quiet", "waits", "busy"
+FINDINGS = (QUIET, WAITS, BUSY)
+MAX_AGE = 1e8  # seconds: a `progress` message's age, at most
+
+
+def node_of(text: str, nnodes: int) -> int | str:
+    """A message's node rank, or why it is refused."""
+    if not (text.isascii() and text.isdigit()) or int(text) >= nnodes:
+        return f"node {text[:20]!r} is not one of this run's {nnodes} nodes"
+    return int(text)
+
+
+def progress_message(node: int, age: float) -> str:
+    """A node's ranks last made progress (output, CPU time) `age` seconds ago: an age, not a time, since the nodes'
+    clocks differ."""
+    return f"progress {node} {min(max(age, 0.0), MAX_AGE):.1f}"
+
+
+def parse_progress(message: str, nnodes: int) -> tuple[int, float] | str:
+    """A ``progress <node> <age>`` message as (node, age), or why it is refused."""
+    words = message.split(" ")
+    if len(words) != 3:
+        return "a progress message needs a node and an age"
+    node = node_of(words[1], nnodes)
+    if isinstance(node, str):
+        return node
+    try:
+        age = float(words[2])
+    except ValueError:
+        return f"age {words[2][:20]!r} is not a number"
+    if not 0.0 <= age <= MAX_AGE:  # NaN fails both
+        return f"age {words[2][:20]!r} is not within 0-{MAX_AGE:g} s"
+    return node, age
+
+
+def finding_message(node: int, kind: str, text: str) -> str:
+    """A node's finding on its own ranks after the group was silent for the hang timeout, and its lines (ASCII)."""
+    return f"finding {node} {kind} {text.encode('ascii', 'replace').decode()[:MAX_VERDICT]}"
+
+
+def parse_finding(message: str, nnodes: int) -> tuple[int, str, str] | str:
+    """A ``finding <node> <kind> <text>`` message as (node, kind, text), or why it is refused."""
+    words = message.split(" ", 3)
+    if len(words) != 4 or words[2] not in FINDINGS:
+        return f"a finding needs a node, one of {', '.join(FINDINGS)}, and its text"
+    node = node_of(words[1], nnodes)
+    if isinstance(node, str):
+        return node
+    if not (words[3].isascii() and words[3].isprintable()) or len(words[3]) > MAX_VERDICT:
+        return "its text is not printable text"
+    return node, words[2], words[3]

@@ -98,20 +98,35 @@ def dump(pids: list[int]) -> dict[int, Stacks]:
     return found
 
 
-def read_stalled(ranks: dict[int, tuple[str, int]]) -> tuple[Verdict, dict[int, list[str]]]:
-    """A stalled group of a program that reports nothing: every rank's stacks read from outside (`dump`), and the
-    verdict on them (`culprit.find_culprit`: the ranks in their own code while the others wait in a collective).
-    `ranks`: rank → (label, pid). Returns the verdict and each rank's stack as lines."""
+@dataclass
+class RankRead:
+    """One rank of a group that made no progress: its stacks as py-spy read them, and whether its process is stopped."""
+
+    rank: int
+    label: str
+    pid: int
+    stacks: Stacks
+    stopped: bool
+
+    def evidence(self) -> RankEvidence:
+        return RankEvidence(self.rank, self.label, STOPPED if self.stopped else "while running", self.stacks.main)
+
+
+def read(ranks: dict[int, tuple[str, int]]) -> list[RankRead]:
+    """Every rank's stacks read from outside (`dump`) and its process state, by rank. `ranks`: rank → (label, pid)."""
     found = dump([pid for _, pid in ranks.values()])
-    evidence, lines, stopped = [], {}, []
-    for rank, (label, pid) in sorted(ranks.items()):
-        stacks = found[pid]
-        evidence.append(RankEvidence(rank, label, STOPPED if is_stopped(pid) else "while running", stacks.main))
-        lines[rank] = stacks.text()
-        if evidence[-1].when == STOPPED:
-            stopped.append(evidence[-1])
+    return [RankRead(rank, label, pid, found[pid], is_stopped(pid)) for rank, (label, pid) in sorted(ranks.items())]
+
+
+def verdict_on(ranks: list[RankRead], whole_group: bool) -> Verdict:
+    """The verdict on a stalled group of a program that reports nothing (`culprit.find_culprit`: the ranks in their
+    own code while the others wait in a collective), a stopped process first. `whole_group`: these are every rank of
+    the run (one node); on one of several nodes, a node whose ranks are all stopped names them, since the other
+    nodes' ranks run and wait for them."""
+    evidence = [r.evidence() for r in ranks]
+    stopped = [e for r, e in zip(ranks, evidence) if r.stopped]
     verdict = find_culprit(evidence)
-    if stopped and len(stopped) == len(evidence):  # stopped all alike (a job suspended): nobody is singled out
+    if stopped and len(stopped) == len(evidence) and whole_group:  # a job suspended: nobody is singled out
         verdict.culprits, verdict.waits, verdict.method = [], {}, "process state: every rank is stopped"
     elif stopped:
         # A stopped process cannot run, wherever its stack stands (even inside a collective it was stopped in):
@@ -119,7 +134,7 @@ def read_stalled(ranks: dict[int, tuple[str, int]]) -> tuple[Verdict, dict[int, 
         verdict.culprits, verdict.method = stopped, "process state"
         verdict.waits = {e.name: f"{frame.short()}" for e in evidence if e not in stopped and e.stack
                          and (frame := waiting_in(e.stack))}
-    return verdict, lines
+    return verdict
 
 
 def waits(pids: list[int]) -> dict[int, tuple[Frame | None, Frame | None]]:

@@ -6,9 +6,13 @@ Two rules, for the two kinds of rank program (`supervisor.group.liveness` says w
   (faulthandler, registered by the trainer, prints all Python thread stacks into its log) and a flight-recorder dump
   request; after a short pause (`DUMP_WAIT`) `supervisor.diagnosis.culprit` reads both and names the culprit.
 * **A program written for torchrun** reports nothing (until one of its ranks sends a progress record, as the
-  project's test programs do: then the first rule applies): its group is stalled when no rank has written output or used
-  CPU time for `--hang-timeout`. Its stacks are read from outside at once (`supervisor.diagnosis.stacks`, py-spy): it
-  installed no SIGUSR1 handler, and the signal would kill it. A frozen (SIGSTOPped) rank gives its stack too.
+  project's test programs do: then the first rule applies). When no rank of any node has written output or used CPU
+  time for `--hang-timeout` (each node tells the others when its ranks last did, `OtherNodes`), every rank's stacks
+  are read from outside (`supervisor.diagnosis.stacks`, py-spy): it installed no SIGUSR1 handler, and the signal
+  would kill it; a frozen (SIGSTOPped) rank gives its stack too. Quiet is not hung (`supervisor.diagnosis.quiet`): a
+  rank asleep or waiting for its own input in its own code, while the others wait for it, is said in one line and the
+  watch goes on, looking again one hang timeout later; the group is stalled when a rank is frozen or stuck, or every
+  rank waits for another (on several nodes: every node's finding, `supervisor.diagnosis.verdicts.NodeFindings`).
 
 Either way the stop that follows SIGKILLs at once the ranks that can no longer checkpoint (silent for half their
 allowance or more: a stalled rank, or one waiting for it); a rank still making progress gets SIGTERM and the grace
@@ -17,16 +21,22 @@ period.
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from supervisor.console import Console
-from supervisor.diagnosis import culprit, stacks
-from supervisor.group.liveness import RankState, output_size, sample_interval, tree_cpu_seconds
+from supervisor.diagnosis import culprit, quiet, stacks
+from supervisor.diagnosis.verdicts import NodeFindings
+from supervisor.group.liveness import OtherNodes, RankState, output_size, sample_interval, tree_cpu_seconds
 from supervisor.group.pump import Stream
 from supervisor.group.worker import Worker
 from supervisor.plan.spec import Plan
+
+if TYPE_CHECKING:
+    from supervisor.control.channel import ControlChannel, NodeFinding
 
 DUMP_WAIT = 1.0  # after SIGUSR1: time for faulthandler to write every thread's stack before the stop begins
 NOTHING_STALLED = "no rank of this node had stalled: each was making progress until the stop"
@@ -45,22 +55,42 @@ class Stall:
     kill_now: set[int] = field(default_factory=set)  # ranks to SIGKILL when the stop begins (after the pause)
     from_outside: bool = False  # a silent group, diagnosed at once from its stacks read from outside
     forced: bool = False  # not this node's watchdog: another node's stall, which this node's evidence must explain
+    named: bool = False  # the evidence names a rank of this node (not merely the one that tripped the watchdog)
+
+
+@dataclass
+class Look:
+    """This node's read of its ranks once the whole group was silent for the hang timeout, kept while the other nodes'
+    findings are awaited."""
+
+    at: float
+    silence: float
+    ranks: list[stacks.RankRead]
+    finding: quiet.Finding
+    due: float  # when a node not heard from no longer holds the decision up
 
 
 class HangWatchdog:
     """Owned by the watcher: it reads the ranks' states the watcher keeps, and never stops anything itself."""
 
     def __init__(self, plan: Plan, workers: list[Worker], states: dict[int, RankState], console: Console,
-                 tails: dict[int, Stream]) -> None:
+                 tails: dict[int, Stream], control: ControlChannel | None = None) -> None:
         self.plan, self.workers, self.states, self.console, self.tails = plan, workers, states, console, tails
+        self.control = control  # several nodes: their ranks' progress and findings cross it
         self.next_sample = time.monotonic()  # a program that reports nothing: when its ranks are sampled next
+        self.others = OtherNodes()
+        self.findings = NodeFindings(plan.nnodes)
+        self.look: Look | None = None
+        self.quiet_until = -math.inf  # after a look that found no stall: the next one comes a hang timeout later
+        self.progressed = time.monotonic()  # when this node's ranks last showed a sign of life, at the last sample
+        self.said = ""  # the quiet line last said on the console: said again only when it changes
 
     def deadline(self) -> float | None:
         """When `check` must run next; None with the watchdog off."""
         if self.plan.hang_timeout <= 0:
             return None
         if not self.reporting():
-            return self.next_sample
+            return self.next_sample if self.look is None else min(self.next_sample, self.look.due)
         now, console_time = time.monotonic(), self.console.writing_time()
         return min((now + self.allowance(w) - self.states[w.spec.rank].silence(now, console_time)
                     for w in self.workers if w.alive), default=None)
@@ -70,7 +100,16 @@ class HangWatchdog:
         return self.plan.trainer_entry or any(st.event is not None for st in self.states.values())
 
     def allowance(self, w: Worker) -> float:
+        if not self.reporting():
+            return self.plan.hang_timeout
         return self.states[w.spec.rank].allowance(self.plan.hang_timeout, self.plan.startup_timeout)
+
+    def hear(self, progress: dict[int, tuple[float, float]], findings: list[NodeFinding]) -> None:
+        """What the other nodes said of their ranks (supervisor/control/channel.py `read_reports`)."""
+        self.others.hear(progress)
+        now = time.monotonic()
+        for node, kind, text in findings:
+            self.findings.add(node, kind, text, now)
 
     def check(self, now: float) -> Stall | None:
         if self.plan.hang_timeout <= 0:
@@ -103,59 +142,140 @@ class HangWatchdog:
         (the verdicts of every node together name the culprit, supervisor/diagnosis/verdicts.py)."""
         live = [w for w in self.workers if w.alive]
         if not self.reporting():
-            stall = self.read_from_outside(live, 0.0)
+            look, self.look = self.look, None
+            if look is not None:  # read already, while no rank of any node made progress: before any rank was stopped
+                stall = self.read_from_outside(look.ranks, look.silence + time.monotonic() - look.at, whole_group=False)
+            else:
+                silence = self.sample(time.monotonic()) or 0.0
+                stall = self.spare_the_busy(self.read_from_outside(stacks.read(self.pids(live)), silence,
+                                                                   whole_group=False), time.monotonic())
             stall.forced = True
-            stall = self.spare_the_busy(stall, time.monotonic())
             stall.kill_now = set(stall.culprits)
             return stall
         for w in live:
             w.signal(signal.SIGUSR1)
             culprit.request_dump(culprit.recorder_pipe(self.plan.run_dir, w.label))
-        return Stall(why, None, 0.0, pause=DUMP_WAIT, forced=True)
+        now, console_time = time.monotonic(), self.console.writing_time()
+        silence = min((self.states[w.spec.rank].silence(now, console_time) for w in live), default=0.0)
+        return Stall(why, None, silence, pause=DUMP_WAIT, forced=True)
 
     def spare_the_busy(self, stall: Stall, now: float) -> Stall:
         """A forced stall names only this node's ranks that were silent for half their allowance: one still making
-        progress a moment ago is not what the other nodes wait for."""
+        progress a moment ago is not what the other nodes wait for. A node with no rank silent that long says so; one
+        whose silent ranks merely wait keeps its verdict (they name nobody)."""
         console_time = self.console.writing_time()
         by_rank = {w.spec.rank: w for w in self.workers}
-        stall.culprits = [r for r in stall.culprits
-                          if self.states[r].silence(now, console_time) >= self.allowance(by_rank[r]) / 2]
+        silent = {w.spec.rank for w in self.workers
+                  if w.alive and self.states[w.spec.rank].silence(now, console_time) >= self.allowance(w) / 2}
+        named, stall.culprits = stall.culprits, [r for r in stall.culprits if r in silent]
         stall.worker = by_rank[stall.culprits[0]] if len(stall.culprits) == 1 else None
-        if not stall.culprits:
+        stall.named = stall.named and bool(stall.culprits)
+        if not silent:
             stall.detail = NOTHING_STALLED
+        elif named and not stall.culprits:
+            stall.detail = culprit.Verdict([], method="the ranks it named were making progress").headline(stall.silence)
         return stall
 
     def check_silent_group(self, now: float) -> Stall | None:
-        """A program that reports nothing: every live rank sampled; stalled when none showed a sign of life for
-        `--hang-timeout`. Diagnosed at once: the stacks are read from outside."""
-        if now < self.next_sample:
+        """A program that reports nothing: every live rank sampled; when no rank of any node showed a sign of life for
+        `--hang-timeout`, this node's ranks are read (a `Look`) and the findings of every node decide."""
+        sampled = now >= self.next_sample
+        if sampled:
+            self.next_sample = now + sample_interval(self.plan.hang_timeout)
+            self.sample(now)
+        if self.look is not None:
+            return self.settle(now)
+        if not sampled or not any(w.alive for w in self.workers):
             return None
-        self.next_sample = now + sample_interval(self.plan.hang_timeout)
+        silence = self.silence(now)
+        if silence < self.plan.hang_timeout:
+            self.said = ""  # progress again: a later quiet rank is news
+            return None
+        if now < self.quiet_until:
+            return None
+        ranks = stacks.read(self.pids([w for w in self.workers if w.alive]))
+        finding = quiet.find(ranks, self.plan.node_rank if self.control is not None else None)
+        if finding.kind == quiet.STALLED:
+            return self.declare(ranks, silence)
+        # the other nodes look within two samples of this one (their ages lag a sample at most), and py-spy's time
+        wait = 2 * sample_interval(self.plan.hang_timeout) + stacks.DUMP_TIMEOUT
+        self.look = Look(now, silence, ranks, finding, now + wait)
+        self.findings.open(now - wait)
+        self.findings.add(self.plan.node_rank, finding.kind, finding.text, now)
+        if self.control is not None:
+            self.control.finding(self.plan.node_rank, finding.kind, finding.text)
+        return self.settle(now)
+
+    def sample(self, now: float) -> float | None:
+        """Every live rank's CPU time and output read; this node's silence (None with no rank alive), which the other
+        nodes hear."""
         console_time = self.console.writing_time()
         live = [w for w in self.workers if w.alive]
         for w in live:
             self.states[w.spec.rank].observe(tree_cpu_seconds(w.pid), output_size(self.plan.run_dir / w.spec.log_name),
                                              console_time)
-        silence = min((self.states[w.spec.rank].silence(now, console_time) for w in live), default=0.0)
-        if not live or silence < self.plan.hang_timeout:
+        if not live:
             return None
-        self.console.say(f"no rank has written output or used CPU time for {silence:.1f} s; reading every rank's "
-                         f"Python stacks from outside (py-spy), then stopping", style="bold red")
-        stall = self.read_from_outside(live, silence)
+        own = min(self.states[w.spec.rank].silence(now, console_time) for w in live)
+        self.progressed = now - own
+        if self.control is not None:
+            self.control.progress(self.plan.node_rank, own)
+        return own
+
+    def silence(self, now: float) -> float:
+        """Seconds since a rank of any node last showed a sign of life, as this node knows."""
+        return min(now - self.progressed, self.others.silence(now))
+
+    def settle(self, now: float) -> Stall | None:
+        """The look's outcome, once every node's finding is in (or it is due): a stall, or the watch goes on (a quiet
+        rank said in one line) and looks again a hang timeout later. Progress heard from another node meanwhile ends
+        the look as well."""
+        look = self.look
+        assert look is not None
+        outcome = self.findings.outcome(now >= look.due)
+        if outcome is None and self.silence(now) >= self.plan.hang_timeout:
+            return None
+        self.look = None
+        line = self.findings.quiet_line(look.finding.waiting) if outcome == quiet.QUIET else None
+        self.findings.close(now)
+        if outcome == quiet.STALLED:
+            return self.declare(look.ranks, look.silence + now - look.at)
+        self.quiet_until = now + self.plan.hang_timeout
+        if line is not None:
+            if line == self.said:
+                self.console.log(line)
+            else:
+                self.console.say(line, style="bold yellow")
+            self.said = line
+        return None
+
+    def declare(self, ranks: list[stacks.RankRead], silence: float) -> Stall:
+        """A stall, from the ranks' stacks read from outside: printed, with the headline. On several nodes the stop
+        waits `DUMP_WAIT` first, so that a node that has not read its ranks yet reads them before any rank is stopped
+        (a rank whose peer is killed leaves its collective with an error, in its own code)."""
+        self.console.say(f"no rank has written output or used CPU time for {silence:.1f} s and the stacks read from "
+                         f"outside (py-spy) show a stall; stopping", style="bold red")
+        stall = self.read_from_outside(ranks, silence, whole_group=self.control is None)
+        stall.pause = 0.0 if self.control is None else DUMP_WAIT
         self.console.say(stall.detail, style="bold red")
         return stall
 
-    def read_from_outside(self, live: list[Worker], silence: float) -> Stall:
-        """Every live rank's stacks read with py-spy, printed, and the verdict on them."""
-        verdict, dumps = stacks.read_stalled({w.spec.rank: (w.label, w.pid) for w in live})
-        for w in live:
-            self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) Python stacks:")
-            for line in dumps[w.spec.rank]:
+    @staticmethod
+    def pids(live: list[Worker]) -> dict[int, tuple[str, int]]:
+        return {w.spec.rank: (w.label, w.pid) for w in live}
+
+    def read_from_outside(self, ranks: list[stacks.RankRead], silence: float, whole_group: bool) -> Stall:
+        """Every live rank's stacks, read with py-spy, printed, and the verdict on them."""
+        verdict = stacks.verdict_on(ranks, whole_group)
+        for r in ranks:
+            self.console.say(f"{r.label} (rank {r.rank}, pid {r.pid}) Python stacks:")
+            for line in r.stacks.text():
                 self.console.say(f"  {line}")
-        by_rank = {w.spec.rank: w for w in live}
+        by_rank = {w.spec.rank: w for w in self.workers}
         named = [c.rank for c in verdict.culprits]
         return Stall(verdict.headline(silence), by_rank[named[0]] if len(named) == 1 else None, silence,
-                     culprits=named, evidence=verdict.lines, kill_now={w.spec.rank for w in live}, from_outside=True)
+                     culprits=named, evidence=verdict.lines, kill_now={r.rank for r in ranks}, from_outside=True,
+                     named=bool(named))
 
     def diagnose(self, stall: Stall, now: float) -> Stall:
         """When the stop begins: the trainer's stall after the dump pause, named from the stacks and flight records
@@ -175,6 +295,7 @@ class HangWatchdog:
                 culprit.load_recorder(culprit.recorder_pipe(self.plan.run_dir, w.label).with_suffix(".json"))))
         verdict = culprit.find_culprit(evidence)
         stall.detail, stall.evidence = verdict.headline(stall.silence), verdict.lines
+        stall.named = bool(verdict.culprits)
         by_rank = {w.spec.rank: w for w in self.workers}
         stall.worker = by_rank[verdict.culprits[0].rank] if len(verdict.culprits) == 1 else stall.worker
         stall.culprits = [c.rank for c in verdict.culprits] or ([] if stall.worker is None else [stall.worker.spec.rank])

@@ -8,7 +8,9 @@ a rank is active while it writes output (its log file grows) or uses CPU time (i
 DataLoader workers compute for it), sampled every few seconds (`sample_interval`). Its group is stalled when no rank
 has been active for `--hang-timeout`: a rank blocked in a collective uses no CPU while it waits, and a frozen rank
 (SIGSTOP, a deadlock) none at all; a rank that computes alone for a long time (preprocessing while the others wait in
-a barrier) keeps the whole group alive. No timeout runs from the start: a healthy program may run for weeks.
+a barrier) keeps the whole group alive. No timeout runs from the start: a healthy program may run for weeks. On
+several nodes the group is every node's ranks: each node tells the others when its ranks last showed a sign of life
+(`OtherNodes`), and a node whose own ranks are silent while another node's work waits with them.
 
 Either way, time the console spent blocked (a paused pager) is not silence: a rank waiting to write its output is
 not stalled.
@@ -16,9 +18,10 @@ not stalled.
 
 from __future__ import annotations
 
+import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -89,6 +92,25 @@ class RankState:
         if cpu_seconds - self.cpu_seconds >= CPU_FLOOR_S or output_bytes != self.output_bytes:
             self.last_seen, self.last_seen_wall, self.console_mark = time.monotonic(), time.time(), console_mark
         self.cpu_seconds, self.output_bytes = cpu_seconds, output_bytes
+
+
+@dataclass
+class OtherNodes:
+    """When the other nodes' ranks last showed a sign of life, as each said over the control channel: an age heard at
+    a moment of this node's clock (the nodes' clocks differ, their ages do not). A node not heard from yet counts for
+    nothing: this node's own ranks, silent since the group started, keep the group's silence from running ahead."""
+
+    last: dict[int, float] = field(default_factory=dict)  # node → monotonic time its ranks last showed a sign of life
+
+    def hear(self, progress: dict[int, tuple[float, float]]) -> None:
+        """Each node's latest message: when it was heard, and how many seconds before that its ranks last made
+        progress."""
+        for node, (heard, age) in progress.items():
+            self.last[node] = max(self.last.get(node, -math.inf), heard - age)
+
+    def silence(self, now: float) -> float:
+        """Seconds since any other node's ranks last made progress (infinite when none has said)."""
+        return now - max(self.last.values(), default=-math.inf)
 
 
 def sample_interval(hang_timeout: float) -> float:

@@ -89,7 +89,7 @@ class Watch:
         self.failures, self.gate = FailureRule(plan.run_dir, tails), FalloutGate(workers)
         self.suspect: Suspect | None = None  # a first error exit on a lost peer, waiting for the peer's own
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
-        self.hangs = HangWatchdog(plan, workers, self.states, console, tails)
+        self.hangs = HangWatchdog(plan, workers, self.states, console, tails, control)
         self.ladder = StopLadder(workers, self.states, plan.grace_period, console)
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
@@ -136,6 +136,7 @@ class Watch:
                 self.on_remote(event)
             for verdict in verdicts:
                 self.verdicts.add(*verdict)
+            self.hangs.hear(*self.control.read_reports())
         elif data[0] == "exit":
             if data[1].alive:
                 self.on_exit(data[1])
@@ -290,8 +291,8 @@ class Watch:
                     self.endings[rank] = STALLED
                 stalled = stall.kill_now
                 if self.control is not None and self.verdicts is not None:  # for the headline on every node
-                    self.control.verdict(self.plan.node_rank, bool(stall.culprits), stall.detail)
-                    self.verdicts.add(self.plan.node_rank, bool(stall.culprits), stall.detail)
+                    self.control.verdict(self.plan.node_rank, stall.named, stall.detail)
+                    self.verdicts.add(self.plan.node_rank, stall.named, stall.detail)
             self.ladder.terminate(stop, now, stalled)
         for w in self.ladder.climb(stop, now):
             self.endings[w.spec.rank] = STUCK
