@@ -30,7 +30,7 @@ VENV = ROOT / ".venv"
 STAMP = VENV / ".installed-pyproject-sha256"
 REQUIRED_MODULES = ("torch", "transformers", "datasets", "tokenizers", "numpy", "psutil", "rich", "filelock",
                     "pynvml", "safetensors", "matplotlib", "hostlist",
-                    "zstandard", "pyarrow")
+                    "zstandard", "pyarrow", "xxhash")
 TEST_MODULES = ("pytest",)
 PACKAGES = {"pynvml": "nvidia-ml-py", "hostlist": "python-hostlist"}  # where the pip package is named otherwise
 PROBE = "import importlib.util, sys; print(*(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"

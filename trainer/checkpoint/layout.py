@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-import xxhash  # installed with datasets, which the project requires
+import xxhash
 
 from trainer.config import Config
 from trainer.config.json_text import parse_json
