@@ -342,3 +342,25 @@ def test_a_stall_elsewhere_names_the_node_still_building_its_dataset(tmp_path):
     assert "node 2: CPU0 stalled; stopped this node's dataset preparation" in node1.stderr, node1.stderr[-3000:]
     assert "node 1: no rank of this node has started: it is still preparing its dataset (prepare_dataset.py, for " \
            in headline(node0), node0.stderr[-3000:]
+
+
+def test_a_supervisor_frozen_then_resumed_names_itself_not_its_peers(tmp_path):
+    """Node 1's supervisor alone is frozen (its rank trains on) for longer than --node-timeout: the others name node 1
+    and stop; once resumed, node 1 says that it was the one not running, instead of blaming node 0's silence or the
+    fallout its rank met meanwhile (its rank is stopped, not its failure)."""
+    nodes = joined(tmp_path, entry_args=dict.fromkeys(range(NODES), TRAINING))
+    training_until_step_3(nodes[2], 2)
+    os.kill(nodes[1].proc.pid, signal.SIGSTOP)
+    try:
+        for run in (nodes[0], nodes[2]):
+            run.wait(timeout=45)
+            assert run.returncode == LOST_CODE and "node 1 (127.0.0.2) stopped answering" in headline(run), \
+                run.stderr[-3000:]
+    finally:
+        os.kill(nodes[1].proc.pid, signal.SIGCONT)
+    run = nodes[1].wait(timeout=45)
+    assert run.returncode == LOST_CODE, run.stderr[-3000:]
+    assert re.search(r"run stopped after .*: this node's supervisor did not run for [\d.]+ s or more \(frozen: SIGSTOP, "
+                     r"or its host suspended\), longer than --node-timeout 3 s: the other nodes have taken node 1 for "
+                     r"lost", run.stderr), run.stderr[-3000:]
+    assert "stopped answering" not in run.stderr and "failed first" not in run.stderr, run.stderr[-3000:]

@@ -95,6 +95,24 @@ class RankState:
 
 
 @dataclass
+class OwnClock:
+    """This supervisor's own sleep, on several nodes: a wait that ends later than it was asked to by more than `limit`
+    (the node timeout) means the supervisor did not run at all meanwhile (SIGSTOP, its host suspended), and the other
+    nodes, which heard nothing from it, have taken this node for lost. Resumed, it says so, instead of blaming the
+    silence of the nodes it was not listening to, or the fallout its ranks met while it was away. The watcher's waits
+    last at most `PROBE` seconds, so that one frozen in any of them is noticed."""
+
+    PROBE = 1.0
+
+    limit: float
+
+    def frozen(self, asked_until: float, now: float) -> float | None:
+        """Seconds a wait asked to end at `asked_until` overran, when more than `limit`; else None."""
+        late = now - asked_until
+        return late if late > self.limit else None
+
+
+@dataclass
 class OtherNodes:
     """When the other nodes' ranks last showed a sign of life, as each said over the control channel: an age heard at
     a moment of this node's clock (the nodes' clocks differ, their ages do not). A node not heard from yet counts for

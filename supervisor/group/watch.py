@@ -20,6 +20,7 @@ control channel, a progress record), which share the stop under way; the rules t
 
 from __future__ import annotations
 
+import math
 import os
 import selectors
 import signal
@@ -33,7 +34,7 @@ from supervisor.diagnosis import stragglers
 from supervisor.diagnosis.verdicts import NodeVerdicts
 from supervisor.group.failure import PEER_EXIT_WAIT, FailureRule, FalloutGate, Suspect
 from supervisor.group.hangs import HangWatchdog
-from supervisor.group.liveness import RankState
+from supervisor.group.liveness import OwnClock, RankState
 from supervisor.group.pump import Pump, Stream
 from supervisor.group.reaper import Reaper
 from supervisor.group.signals import STOP_SIGNALS, SignalInbox
@@ -94,6 +95,7 @@ class Watch:
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
         self.verdicts = NodeVerdicts(plan.nnodes) if control is not None else None  # a stall's, across the nodes
+        self.clock = OwnClock(plan.node_timing.node_timeout) if control is not None else None
 
     # -- the loop --------------------------------------------------------------------------------------------------
 
@@ -108,8 +110,11 @@ class Watch:
         self.pump.gate = self.gate.wait
         try:
             while any(w.alive for w in self.workers) or self.awaiting_verdicts():
-                events = self.selector.select(self.timeout())
+                timeout = self.timeout()
+                asked_until = time.monotonic() + (timeout if timeout is not None else math.inf)
+                events = self.selector.select(timeout)
                 with self.gate:  # no rank's stderr reaches the console while events before it are being handled
+                    self.check_own_clock(asked_until)  # first: what came while this node was frozen is its fallout
                     for key, _ in events:
                         self.dispatch(key.data)
                     self.check_exits()
@@ -156,9 +161,22 @@ class Watch:
         if self.awaiting_verdicts():
             assert self.verdicts is not None
             deadlines.append(self.verdicts.deadline)
+        if self.clock is not None:
+            deadlines.append(time.monotonic() + OwnClock.PROBE)
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
+
+    def check_own_clock(self, asked_until: float) -> None:
+        if self.stop is None and self.clock is not None and \
+                (frozen := self.clock.frozen(asked_until, time.monotonic())) is not None:
+            timeout = self.plan.node_timing.node_timeout
+            why = (f"this node's supervisor did not run for {frozen:.1f} s or more (frozen: SIGSTOP, or its host "
+                   f"suspended), longer than --node-timeout {timeout:g} s: the other nodes have taken node "
+                   f"{self.plan.node_rank} for lost")
+            self.console.say(f"{why}; stopping this node's ranks", style="bold red")
+            self.failures.quiet_fallout(None)
+            self.begin_stop(Stop("remote", LOST_CODE, why, lost_node=self.plan.node_rank))
 
     # -- exits -----------------------------------------------------------------------------------------------------
 
