@@ -1,0 +1,189 @@
+"""Restart benchmark: training under repeated faults, the supervisor against torchrun --max-restarts, on the same trainer.
+
+    python bench/bench_restart.py [--steps 60] [--every 13] [--interval 10]
+
+Both launchers run `pretrain_main.py` on the debug preset, 2 CPU ranks on gloo, a checkpoint every `--interval` steps:
+``python -m supervisor --max-restarts F`` and ``torchrun --standalone --max-restarts F`` (the trainer by hand with
+``checkpoint.resume=auto``, so that each of torchrun's restarts resumes the latest checkpoint, and
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torchrun's default, its rendezvous store outlives a restart with the
+failed group's keys in it, and the restarted group's gloo connects to the dead ranks' addresses, failing or hanging
+until the trainer's `system.dist_timeout_s` (torch 2.13, every restart of this benchmark). The faults come from
+outside, the same way for both: each time rank 0 logs step `every`·i − 1 (0-based: `every`·i steps done) for the
+first time, rank 1 of the running group (the process whose environment says ``RANK=1`` and the group's
+``TORCHELASTIC_RESTART_COUNT``) gets SIGKILL. Each launcher also runs once without faults, for its final loss and its
+goodput without faults. Figures per run, from rank 0's step lines stamped as they arrive:
+
+  goodput          useful steps' time / wall time: the distinct steps × the median step time (consecutive lines of
+                   one group) over the launcher's whole run, start-up included
+  fault → step     seconds from the SIGKILL to rank 0's first step line after it (the restarted group's first step)
+  trained twice    step lines logged again after a restart: the steps between the resumed state and the fault
+  final loss       rank 0's mean loss over the ranks at the last step (`[all ranks] step N-1/N | mean loss`)
+
+The runs alternate launchers (supervisor, torchrun, supervisor, torchrun), so that the machine's other load falls on
+both alike; the ratios are the supervisor's figure over torchrun's in the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STEP = re.compile(rb"\[GPU 0\] Step \[(\d+)/(\d+)\]")
+FINAL = re.compile(rb"\[all ranks\] step (\d+)/(\d+) \| mean loss ([0-9.]+)")
+RUN_TIMEOUT = 900.0
+
+
+@dataclass
+class Run:
+    """What one launcher's run showed: rank 0's step lines and the faults, stamped (seconds since the start)."""
+
+    launcher: str
+    steps: list[tuple[float, int]] = field(default_factory=list)
+    kills: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    exit_code: int = 0
+    final_loss: float | None = None
+    tail: str = ""
+
+    def step_time(self) -> float:
+        """The median time between two consecutive steps of one group (no fault between them)."""
+        gaps = [t1 - t0 for (t0, s0), (t1, s1) in zip(self.steps, self.steps[1:])
+                if s1 == s0 + 1 and not any(t0 < k < t1 for k in self.kills)]
+        return statistics.median(gaps)
+
+    def distinct(self) -> int:
+        return len({s for _, s in self.steps})
+
+    def goodput(self) -> float:
+        return self.distinct() * self.step_time() / self.wall
+
+    def twice(self) -> int:
+        return len(self.steps) - self.distinct()
+
+    def fault_to_step(self) -> list[float]:
+        return [next(t for t, _ in self.steps if t > k) - k for k in self.kills]
+
+
+def trainer_flags(steps: int, interval: int, work: Path) -> list[str]:
+    return ["--debug", "--max-steps", str(steps), "--set", "system.device=cpu",
+            "--set", f"checkpoint.interval={interval}", "--set", f"checkpoint.dir={json.dumps(str(work / 'ckpt'))}",
+            "--set", f"data.cache_dir={json.dumps(str(work.parent / 'cache'))}", "--set", "logging.plot=false"]
+
+
+def command(launcher: str, flags: list[str], restarts: int, work: Path) -> list[str]:
+    if launcher == "supervisor":
+        return [sys.executable, "-m", "supervisor", "--nproc", "2", "--no-footer", "--max-restarts", str(restarts),
+                "--log-dir", str(work / "logs"), *flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", str(restarts), str(ROOT / "pretrain_main.py"), *flags,
+            "--set", "checkpoint.resume=auto", "--set", f"logging.run_dir={json.dumps(str(work / 'logs'))}"]
+
+
+def kill_rank_1(launcher_pid: int, group: int) -> bool:
+    """SIGKILL rank 1 of the running group (`group`: its restart count); False when it is not there (yet)."""
+    import psutil
+
+    found = False
+    for p in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        if env.get("RANK") == "1" and env.get("TORCHELASTIC_RESTART_COUNT") == str(group):
+            p.send_signal(signal.SIGKILL)
+            found = True
+    return found
+
+
+def run(launcher: str, steps: int, interval: int, every: int | None, work: Path) -> Run:
+    faults = [every * i for i in range(1, (steps - 1) // every + 1)] if every else []
+    work.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(work)}
+    if launcher == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    started = time.monotonic()
+    proc = subprocess.Popen(command(launcher, trainer_flags(steps, interval, work), len(faults), work), cwd=work,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    timer = threading.Timer(RUN_TIMEOUT, proc.kill)
+    timer.start()
+    result, tail = Run(launcher), []
+    for raw in proc.stdout:
+        now = time.monotonic() - started
+        tail = (tail + [raw.decode(errors="replace")])[-40:]
+        if (final := FINAL.search(raw)) and int(final[1]) == int(final[2]) - 1:
+            result.final_loss = float(final[3])
+        if not (m := STEP.search(raw)):
+            continue
+        step = int(m[1])
+        result.steps.append((now, step))
+        if faults and step == faults[0] - 1 and kill_rank_1(proc.pid, len(result.kills)):
+            result.kills.append(time.monotonic() - started)
+            faults.pop(0)
+    result.exit_code = proc.wait()
+    timer.cancel()
+    result.wall = time.monotonic() - started
+    result.tail = "".join(tail)
+    return result
+
+
+def prepare(work: Path) -> None:
+    """The debug preset's token cache, built once before any measured run."""
+    subprocess.run([sys.executable, str(ROOT / "prepare_dataset.py"), "--debug", "--set",
+                    f"data.cache_dir={json.dumps(str(work / 'cache'))}"], cwd=work, check=True,
+                   stdout=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(work)})
+
+
+def row(r: Run, clean: Run) -> str:
+    faults = r.fault_to_step()
+    each = f" ({', '.join(f'{v:.2f}' for v in faults)})" if faults else ""
+    mean = f"{statistics.mean(faults):.2f} s{each}" if faults else "—"
+    return (f"| {r.launcher} | {len(r.kills)} | {r.wall:.1f} s | {r.goodput():.2f} (without faults {clean.goodput():.2f})"
+            f" | {mean} | {r.twice()} | {r.final_loss} / {clean.final_loss} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
+    parser.add_argument("--every", type=int, default=13, help="rank 1 killed every N steps (default 13)")
+    parser.add_argument("--interval", type=int, default=10, help="checkpoint.interval (default 10)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp)
+        prepare(base)
+        runs: dict[tuple[str, bool], Run] = {}
+        for faulted in (False, True):
+            for launcher in ("supervisor", "torchrun"):
+                name = f"{launcher}-{'faults' if faulted else 'clean'}"
+                r = run(launcher, args.steps, args.interval, args.every if faulted else None, base / name)
+                if r.exit_code != 0 or (faulted and not r.kills):
+                    print(f"{name} failed (exit {r.exit_code}, {len(r.kills)} faults):\n{r.tail}", file=sys.stderr)
+                    return 1
+                runs[launcher, faulted] = r
+    ours, theirs = runs["supervisor", True], runs["torchrun", True]
+    print(f"debug preset, 2 CPU ranks (gloo), {args.steps} steps, a checkpoint every {args.interval} steps, rank 1 "
+          f"SIGKILLed when step {args.every}·i is reached\n")
+    print("| launcher | faults | wall | goodput | fault → next step (mean; each) | steps trained twice | final loss "
+          "(faults / without) |")
+    print("|---|---|---|---|---|---|---|")
+    for launcher in ("supervisor", "torchrun"):
+        print(row(runs[launcher, True], runs[launcher, False]))
+    print(f"\nsupervisor / torchrun: goodput {ours.goodput() / theirs.goodput():.2f}x, fault → next step "
+          f"{statistics.mean(ours.fault_to_step()) / statistics.mean(theirs.fault_to_step()):.2f}x, steps trained "
+          f"twice {ours.twice()} against {theirs.twice()}, wall {ours.wall / theirs.wall:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
