@@ -17,6 +17,9 @@ Under FSDP the forward gathers each layer's weights from every rank, so a rank w
 succeeds leaves that one waiting in the next gather: the supervisor's stall detection then ends the run. Compile
 failures are alike on every rank that runs the same software on the same kind of node, which is the case the vote
 covers without a stall (DDP covers both).
+
+Compiled graphs outlive the process in inductor's cache (`graph_cache` says how many a rank found there): the
+supervisor keeps it in the run folder, so a restarted group loads the graphs the first group compiled.
 """
 
 from __future__ import annotations
@@ -82,6 +85,17 @@ def verdict(causes: list[tuple[str, str | None]], setting: bool | str) -> str | 
                         f"fails (or false)")
     return (f"torch.compile failed on {where}: {why}; every rank trains eager instead (system.compile=auto; set it "
             f"to false to skip compiling, or true to stop on such a failure)")
+
+
+def graph_cache() -> str:
+    """Where the graphs compiled so far in this process came from: how many inductor loaded from its FX graph cache
+    (TORCHINDUCTOR_CACHE_DIR; the supervisor keeps it in the run folder, so that a restart finds what the first group
+    compiled) and how many it compiled."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return f"{hits} of {hits + misses} graphs from the cache in {cache_dir()}"
 
 
 def check(trial: Callable[[], None], cfg: Config, ctx: DistContext, model: torch.nn.Module,

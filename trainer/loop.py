@@ -414,7 +414,8 @@ class Trainer:
             first, seconds = trial
             extra = seconds - self.tokens_per_step / self.accum / tok_s  # a compiled micro-step's time
             self.log.info(f"torch.compile: the first forward and backward (step {first}) took {seconds:.1f} s, "
-                          f"{extra:.1f} s more than a compiled one (the compilation)")
+                          f"{extra:.1f} s more than a compiled one (the compilation); "
+                          f"{compile_check.graph_cache()}")
             self.compile_reported = True
         self.history.add(StepRecord(step=step, loss=global_loss, lr=out.lr, grad_norm=grad_norm, tokens_per_s=tok_s,
                                     val_loss=val_loss, peak_mem_gib=memory[0] / GiB if memory else None))

@@ -4,7 +4,8 @@ The rank environment is torchrun's, complete (RANK, LOCAL_RANK, WORLD_SIZE, LOCA
 GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), so a program written for torchrun runs unchanged,
 plus the project's own keys; see ARCHITECTURE.md, "Rank environment". A program launched with torchrun's command line
 keeps PYTHONPATH as the user set it and gets OMP_NUM_THREADS by torchrun's rule; the project's rank programs get the
-project's root first on PYTHONPATH (they import it) and the machine's cores shared out.
+project's root first on PYTHONPATH (they import it), the machine's cores shared out, and torch.compile's caches in the
+run folder (``compile-cache/``), so that a restart loads what the first group compiled.
 
 What a rank sees of the GPUs: the project's trainer sees its own GPU alone (``CUDA_VISIBLE_DEVICES=<its id>``: it
 uses ``cuda:0``, and nothing it does can touch another rank's card). A program written for torchrun selects
@@ -35,6 +36,9 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torch's @record writes an un
 ERRORS_DIR = "errors"
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle default
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per rank: a few steps' worth, enough to see who fell behind
+COMPILE_CACHE_DIR = "compile-cache"  # in the run folder: torch.compile's caches, shared by the ranks and every restart
+# the compiler caches the project's ranks keep there, each variable under its own folder, unless the user set it
+COMPILE_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,10 @@ class Plan:
         # single rank. A value set by hand wins either way.
         if not self.torchrun_contract:
             env.setdefault("OMP_NUM_THREADS", str(max(1, available_cores() // max(1, self.local_world_size))))
+            # compiled once per run: a restart's ranks (and every rank but the first to compile a graph) load
+            # inductor's graphs and Triton's kernels from the run folder instead of compiling them again
+            for variable, folder in COMPILE_CACHES.items():
+                env.setdefault(variable, str(self.run_dir / COMPILE_CACHE_DIR / folder))
         elif self.local_world_size > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         if self.nnodes == 1:  # gloo's own sockets stay on the machine (see supervisor/plan/rendezvous.py)
