@@ -26,8 +26,8 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 PAGE = ROOT / "BENCHMARKS.md"
-ORDER = ["cache", "supervisor", "training", "nan_guard", "dataloader", "diagnosis", "exclusion", "restart", "nodes",
-         "gpu"]
+ORDER = ["cache", "supervisor", "training", "nan_guard", "nan_root", "dataloader", "diagnosis", "exclusion", "restart",
+         "nodes", "gpu"]
 DEFAULT = [name for name in ORDER if name != "gpu"]  # what a machine without a GPU can measure
 SECTION = re.compile(r"^## bench_(\w+)\n.*?(?=^## bench_|\Z)", re.S | re.M)
 

@@ -35,6 +35,9 @@ WARMUP_NOTE = ("training.warmup_steps 2 (preset 'debug') does not fit a 2-step r
                "set training.warmup_steps to choose")
 NAN_REHEARSAL = ("bash run_training.sh --debug --set debug.inject_nan_step=3 --set debug.inject_nan_rank=1 "
                  "--set debug.inject_nan_module=model.layers.1.mlp")
+NAN_PRODUCTION = ("bash run_training.sh --debug --set debug.nan_localize=false --set debug.nan_dump=false "
+                  "--set training.nan_recompute=true --set debug.inject_nan_step=7 --set debug.inject_nan_rank=1 "
+                  "--set debug.inject_nan_module=model.layers.1.mlp")
 SAYS = {
     # "Debug a run": the log names the first module whose output went non-finite and every NaN gradient, writes the
     # dumps, and both ranks skip the step and train on
@@ -42,6 +45,14 @@ SAYS = {
                     "CPU1:First non-finite forward output: model.layers.1.mlp (LlamaMLP)",
                     "CPU1:Debug tensors saved: .checkpoints/debug/nan_debug_step_3.pkl",
                     "CPU0:WARNING | non-finite step 3 skipped (GPU 1 local loss non-finite)", "step 10/10, final loss"],
+    # "Debug a run", to the root: the step recomputed in the run is the model's numerics, and its replay (the run just
+    # trained is the newest folder) names the module, with the run's losses before it and the batch's documents
+    NAN_PRODUCTION: ["CPU0:WARNING | non-finite step 7 skipped (GPU 1 local loss non-finite)",
+                     "CPU1:WARNING | [GPU 1] reproducible: the model's numerics at step 7",
+                     "replay it with the NaN diagnostics on: bash run_training.sh --replay logs/"],
+    'bash run_training.sh --replay "$(ls -td logs/*/ | head -1)" --step 7': [
+        "from .checkpoints/step_000005 on 2 ranks", "CPU1:First non-finite forward output: model.layers.1.mlp (LlamaMLP)",
+        "CPU1:INFO | [GPU 1] step 7's batch on this rank: 4 samples of", "CPU1:INFO | [GPU 1] step 7 rank 1 micro-batch 0"],
     # "Short trial runs": the supervisor's console and rank 0's banner both give the shortened warm-up
     "bash run_training.sh --debug --max-steps 2": [f"supervisor: {WARMUP_NOTE}", f"CPU0:INFO | {WARMUP_NOTE}",
                                                    "CPU1:INFO | [GPU 1] Step [1/2]", "step 2/2, final loss"],

@@ -13,7 +13,8 @@ before it, and the leaves; `tests/test_house.py` checks it):
 * the rank's run, at the top of this folder — `loop` (the step loop), `compile_check` (the first compiled step,
   tried alone), `metrics` (log line, history, MFU),
   `run_dir` (the run folder), `wandb_run`, `rank_cli` (`pretrain_main.py`), `preflight` (a run's config checked
-  before anything starts: the supervisor's one call into the trainer).
+  before anything starts: the supervisor's one call into the trainer), `replay` (the config that replays a step of an
+  earlier run: `--replay RUN --step N`).
 
 Nothing here imports `supervisor`: the supervisor uses the run's description; the rank never needs the supervisor.
 """

@@ -8,7 +8,9 @@ Per optimizer step (the order the NaN guard relies on; `step` counts from 0, lik
     grad_norm = clip_grad_norm_(...)                      the pre-clip total norm, still on the device
     found_inf = guard.check(local_loss, grad_norm)        one tiny collective, no host read
     guard.step_optimizer(...); scheduler.step(); zero_grad; guard.after_step(...)
-    at log steps only: host reads for the log line, the averaged loss, tokens/s, MFU, guard.on_log lines
+    at log steps only: host reads for the log line, the averaged loss, tokens/s, MFU, guard.on_log lines (where a step
+        was non-finite, its recompute: training.nan_recompute, trainer.diagnosis.recompute); the loss-spike detector's
+        verdicts (also before an interval checkpoint), a rollback among them (training.spike_policy)
     every step: the stop flag all-reduced on the CPU control group, overlapped with the step (SIGTERM → checkpoint →
     exit 0 everywhere); a checkpoint written in the background that failed on this rank alone ends it here
 
@@ -23,6 +25,7 @@ which each part reads and the NaN guard and the checkpointer share; split up, ev
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import platform
@@ -34,17 +37,22 @@ from pathlib import Path
 import torch
 
 from trainer import compile_check
-from trainer.checkpoint import store
+from trainer.checkpoint import layout, store
 from trainer.checkpoint.manager import Checkpointer
 from trainer.config import Config, check_world_size
 from trainer.config.choices import compile_enabled
 from trainer.config.sizes import flops_per_token, human, tokens_per_step
-from trainer.data.batches import StepLoader
+from trainer.data.batches import StepLoader, data_step
 from trainer.data.cache import prepare
+from trainer.data.documents import DocumentIndex
 from trainer.data.training_data import TrainingData
 from trainer.diagnosis import flight_recorder, oom_report
 from trainer.diagnosis.faults import FaultInjector
 from trainer.diagnosis.nan_guard import NanGuard
+from trainer.diagnosis.nan_report import NonFiniteStep, shown_path
+from trainer.diagnosis.nan_verdict import SuspectDevice, Verdict, record_gpu_fault
+from trainer.diagnosis.recompute import KeptParameters
+from trainer.diagnosis.spikes import Spike, SpikeDetector
 from trainer.diagnosis.step_timer import StepTimer
 from trainer.errors import UserError
 from trainer.metrics import (
@@ -72,6 +80,7 @@ from trainer.model.distributed import (
     StopVote,
     agree_any,
     all_reduce_mean,
+    broadcast_object,
     gather_objects,
     gradient_sync,
     init_distributed,
@@ -82,7 +91,7 @@ from trainer.model.distributed import (
 from trainer.model.estimate import GiB, model_shape
 from trainer.model.loss import CausalLMLoss, choose_loss
 from trainer.model.optim import build_optimizer, build_scheduler, resolve_precision
-from trainer.progress import RENDEZVOUS_PHASE, ProgressReporter, device_label
+from trainer.progress import RENDEZVOUS_PHASE, ProgressReporter, device_label, gpu_id
 from trainer.run_dir import agree_run_dir
 from trainer.wandb_run import start_wandb
 
@@ -106,6 +115,7 @@ class Trainer:
         self.log = get_logger(cfg.logging.level)
         self.device = ctx.device
         self.total = cfg.training.max_steps
+        self.replay_step = cfg.training.replay_step  # a replay (trainer.replay) stops after this step
         self.accum = cfg.training.grad_accum_nums
         self.completed = 0  # optimizer steps done (the step index to run next)
         self.history: History | None = None
@@ -144,13 +154,18 @@ class Trainer:
         self.optimizer = build_optimizer(self.module, cfg)
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12) if self.precision.name == "fp16" else None
+        t = cfg.training
+        self.spikes = SpikeDetector(t.spike_threshold, t.spike_window) if t.spike_threshold > 0 else None
         self.checkpoints = Checkpointer(cfg, ctx, store.TrainState(self.module, self.optimizer, self.scheduler,
                                                                    self.scaler), self.data, self.log, progress,
-                                        fault=self.faults.during_checkpoint, stall=self.faults.stall_write)
+                                        fault=self.faults.during_checkpoint, stall=self.faults.stall_write,
+                                        loop_state=self.loop_state)
         self.guard = NanGuard(self.module, cfg, rank=ctx.rank, world_size=ctx.world_size, gpu_id=ctx.gpu_id,
                               device=self.device, run_dir=run_dir, checkpoint_dir=self.checkpoints.root)
+        self.kept = KeptParameters(self.params) if t.nan_recompute else None
+        if self.kept is not None:
+            self.guard.recheck = self.recheck
 
-        t = cfg.training
         self.sampler = self.data.sampler(cfg, ctx.world_size, ctx.rank)
         # read in this process (num_workers 0) or by worker processes from the first step fetched (the resume step)
         self.batches = StepLoader(self.sampler, self.total, t.num_workers, pin_memory=self.device.type == "cuda",
@@ -163,6 +178,8 @@ class Trainer:
 
         progress.phase("resume")
         self.completed = self.checkpoints.resume()
+        if (meta := self.checkpoints.resumed) is not None:
+            self.resume_loop_state(meta)
         self.checkpoints.prepare()  # staging buffers for background saves allocated now, not in the first save
 
     # -- set-up helpers ----------------------------------------------------------------------------------------------
@@ -177,6 +194,20 @@ class Trainer:
             num_kv_heads=s.num_kv_heads, ffn_hidden_size=s.ffn_hidden_size, vocab_size=s.vocab_size,
             tie_word_embeddings=s.tie_word_embeddings))
         return flops_per_token(shaped)
+
+    def loop_state(self) -> dict[str, list[float]]:
+        """What a checkpoint keeps of the loop beside the tensors: the spike detector's window."""
+        return {"spike_window": self.spikes.state()} if self.spikes is not None else {}
+
+    def resume_loop_state(self, meta: store.CheckpointMeta) -> None:
+        """The batches the checkpoint's run skipped (its config's `training.skip_batches`, beside this run's own) and
+        the spike detector's window, as they were when it was written."""
+        t = self.cfg.training
+        recorded = (meta.config.get("training") or {}).get("skip_batches") or {}
+        t.skip_batches = {**recorded, **(t.skip_batches or {})} or None
+        self.batches.end_step = data_step(self.total - 1, t.skip_batches) + 1
+        if self.spikes is not None:
+            self.spikes.restore(meta.loop.get("spike_window", []))
 
     def banner(self) -> None:
         labels = gather_objects(f"{device_label(self.device.type == 'cuda')} ({self.device_name})", self.ctx)
@@ -208,7 +239,7 @@ class Trainer:
     def fetch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's micro-batches of `step` ([accum, B, T+1]) on the host and on the device. On a GPU the host
         copy is pinned so the transfer is asynchronous: the CPU goes on queueing kernels meanwhile."""
-        host = self.batches.get(step)
+        host = self.batches.get(data_step(step, self.cfg.training.skip_batches))
         if self.device.type != "cuda":
             return host, host
         host = host.pin_memory()  # a no-op for a batch the loader's workers delivered already pinned
@@ -222,7 +253,8 @@ class Trainer:
         started = time.perf_counter()
 
         def trial() -> None:
-            batch = torch.from_numpy(self.sampler.get(step, 0)).to(self.device)
+            batch = torch.from_numpy(self.sampler.get(data_step(step, self.cfg.training.skip_batches), 0))
+            batch = batch.to(self.device)
             try:
                 with gradient_sync(self.model, enabled=False), self.attention_context():
                     with self.precision.autocast(self.device):
@@ -238,26 +270,13 @@ class Trainer:
 
     def train_step(self, step: int) -> StepOutput:
         self.timer.start()
-        self.faults.before_step(step)
+        self.faults.before_step(step, data_step(step, self.cfg.training.skip_batches))
         host, batches = self.fetch(step)
         self.guard.start_step(step, host.flatten(0, 1))
-        loss_sum = torch.zeros((), device=self.device)
-        for m in range(self.accum):
-            with gradient_sync(self.model, enabled=m == self.accum - 1), self.attention_context():
-                with self.precision.autocast(self.device):
-                    loss = self.model(batches[m])
-                if m == self.accum - 1:
-                    self.timer.ready()
-                scaled = loss / self.accum
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            loss_sum += loss.detach()
-        local_loss = loss_sum / self.accum
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # clip and check the true gradients
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.training.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
-            grad_norm = grad_norm.full_tensor()
+        local_loss, grad_norm = self.forward_backward(batches)
         found_inf = self.guard.check(local_loss, grad_norm)
+        if self.kept is not None:
+            self.kept.keep(found_inf, step)  # the parameters before a non-finite step, for its recompute
         lr = self.scheduler.get_last_lr()[0]
         self.guard.step_optimizer(self.optimizer, found_inf, scaler=self.scaler)
         self.scheduler.step()
@@ -267,6 +286,72 @@ class Trainer:
                               lambda path: self.checkpoints.save_to(path, self.completed))
         self.timer.end()
         return StepOutput(local_loss, grad_norm, lr)
+
+    def forward_backward(self, batches: torch.Tensor, recompute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's micro-batches of a step forward and backward (gradients synchronised on the last one): the
+        local loss averaged over them and the pre-clip total gradient norm, on the device. A `recompute` is not timed
+        and not loss-scaled (the scaler's state belongs to the steps)."""
+        scaler = self.scaler if not recompute else None
+        loss_sum = torch.zeros((), device=self.device)
+        for m in range(self.accum):
+            with gradient_sync(self.model, enabled=m == self.accum - 1), self.attention_context():
+                with self.precision.autocast(self.device):
+                    loss = self.faults.scale_loss(self.model(batches[m]))
+                if m == self.accum - 1 and not recompute:
+                    self.timer.ready()
+                scaled = loss / self.accum
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            loss_sum += loss.detach()
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)  # clip and check the true gradients
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.training.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a replicated DTensor
+            grad_norm = grad_norm.full_tensor()
+        return loss_sum / self.accum, grad_norm
+
+    def recheck(self, events: list[NonFiniteStep]) -> list[str]:
+        """The NaN guard read non-finite `events` (every rank, at the same point): recompute the one whose parameters
+        are held, from them and its batch, and judge it (`trainer.diagnosis.nan_verdict`); the lines to log. A rank
+        whose local loss was non-finite judges its own; where only the gradient norm was, rank 0 judges the norm."""
+        assert self.kept is not None
+        held = self.kept.held_step()
+        self.kept.release()
+        event = next((e for e in events if e.step == held), None)
+        lines = []
+        if self.ctx.is_main and (others := [e.step for e in events if e is not event]):
+            lines.append(f"WARNING | non-finite step{'s' * (len(others) > 1)} {', '.join(map(str, others))} not "
+                         f"recomputed: one set of parameters is kept, the first non-finite step's since the last verdict")
+        if event is None:
+            return lines
+        loss, grad_norm = self.recompute(event.step)
+        if event.loss_ranks and self.ctx.rank not in event.loss_ranks or not event.loss_ranks and not self.ctx.is_main:
+            return lines
+        label = device_label(self.device.type == "cuda")
+        verdict = Verdict(event.step, label, not math.isfinite(loss if event.loss_ranks else grad_norm), loss,
+                          grad_norm, named=bool(event.loss_ranks))
+        line = verdict.line(Path(shown_path(self.run_dir)))
+        if verdict.reproduced or not verdict.named:
+            return [*lines, f"WARNING | [GPU {self.ctx.gpu_id}] {line}"]
+        if (gpu := gpu_id()) is not None:
+            self.log.warning(f"[GPU {self.ctx.gpu_id}] {label} recorded as suspect in "
+                             f"{shown_path(record_gpu_fault(self.run_dir, gpu, line))}")
+        raise SuspectDevice(line)
+
+    def recompute(self, step: int) -> tuple[float, float]:
+        """Step `step` again from the held parameters and its own batch, with the same gradient synchronisation (a
+        collective: every rank recomputes); the local loss and the gradient norm, read on the host."""
+        assert self.kept is not None
+        where = data_step(step, self.cfg.training.skip_batches)
+        batches = torch.from_numpy(self.sampler.get_step(where)).to(self.device)
+        before = self.faults.step, self.faults.data_step
+        self.faults.step, self.faults.data_step = step, where  # an injected NaN fires again, a `corrupt` does not
+        try:
+            with self.kept.swapped():
+                loss, grad_norm = self.forward_backward(batches, recompute=True)
+            return float(loss.item()), float(grad_norm.item())
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.faults.step, self.faults.data_step = before
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -322,7 +407,7 @@ class Trainer:
                     self.history.close()
 
     def train(self) -> str:
-        """The step loop; returns "completed" or "stopped"."""
+        """The step loop; returns "completed", "stopped" or (a replay, after its step) "replayed"."""
         cfg = self.cfg
         self.progress.phase("training")
         if self.completed >= self.total and self.ctx.is_main:
@@ -335,13 +420,19 @@ class Trainer:
         eta = EtaClock(self.completed, self.total, started)
         throughput = Throughput(self.tokens_per_step, self.completed, started)
         vote = StopVote(self.ctx)
-        for step in range(self.completed, self.total):
+        end = self.total if self.replay_step is None else self.replay_step + 1
+        while (step := self.completed) < end:  # (a rollback moves `completed` back)
             if self.iteration(step, vote, eta, throughput):
                 self.log.info(f"[GPU {self.ctx.gpu_id}] stopping after step {step}: a stop was requested (SIGTERM)")
+                self.judge_losses()  # the window the checkpoint keeps, complete
                 self.checkpoints.save(self.completed)
                 self.checkpoints.finish()
                 self.progress.stopped(self.completed, self.total, self.stop.signal)
                 return "stopped"
+        if self.replay_step is not None:
+            self.say_documents(self.replay_step)
+            self.progress.done(self.completed, self.total)
+            return "replayed"
         self.checkpoints.save(self.completed)
         self.checkpoints.finish()
         if cfg.checkpoint.save_final:
@@ -363,14 +454,98 @@ class Trainer:
             val_losses = self.evaluate()
         now = time.perf_counter()
         eta_s = eta.update(self.completed, now)
-        if step % cfg.logging.log_interval == 0 or last or val_losses:
+        logged = step % cfg.logging.log_interval == 0 or last or bool(val_losses) or step == self.replay_step
+        if logged:
             self.report(step, out, val_losses, throughput.update(self.completed, now), eta_s)
         else:
             self.progress.step(self.completed, self.total, eta_s=eta_s, **self.step_times())
-        if cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last:
+        saving = cfg.checkpoint.interval and self.completed % cfg.checkpoint.interval == 0 and not last
+        rolled_back = (logged or saving) and self.judge_losses()  # before a save: the window it keeps, complete
+        if saving and not rolled_back:
             self.checkpoints.save(self.completed)
         self.checkpoints.poll()
         return vote.result() and not last
+
+    def judge_losses(self) -> bool:
+        """The spike detector judges the steps' losses the NaN guard has read (it reads what it has not yet, on every
+        rank alike); each spike is said, and with `training.spike_policy=rollback` the first one rolls the run back.
+        True when it did."""
+        if self.spikes is None:
+            return False
+        self.guard.drain()
+        for step, loss in self.guard.take_losses():
+            if (spike := self.spikes.observe(step, loss)) is not None and self.on_spike(spike):
+                return True
+        return False
+
+    def on_spike(self, spike: Spike) -> bool:
+        """Say `spike` with its batch's documents (rank 0: `spike_step_<n>.txt` in the run folder), roll back where the
+        policy says so, record it in the history. True when the run went back."""
+        t = self.cfg.training
+        if self.ctx.is_main:
+            samples = DocumentIndex(self.data).step(self.sampler, data_step(spike.step, t.skip_batches))
+            path = self.run_dir / f"spike_step_{spike.step}.txt"
+            path.write_text("".join(f"{sample.line()}\n" for sample in samples))
+            first = samples[0].documents[0].describe() if samples and samples[0].documents else "none"
+            self.log.warning(f"{spike.line(t.spike_threshold)}; its batch's {len(samples)} samples and their "
+                             f"documents in {shown_path(path)} (the first: {first})")
+        record: dict[str, object] = {"step": spike.step, "loss": spike.loss, "mean": spike.mean, "std": spike.std,
+                                     "policy": t.spike_policy}
+        if t.spike_policy == "rollback":
+            record.update(self.roll_back(spike))
+        if self.history is not None:
+            self.history.spikes.append(record)
+        return "resumed_from" in record
+
+    def roll_back(self, spike: Spike) -> dict[str, int]:
+        """Back to the newest checkpoint at or before `spike` (rank 0 finds it, every rank loads it), skipping
+        `training.spike_skip` batches around the spike from there on (recorded in `training.skip_batches`); the
+        checkpoints after it, the history's steps from it and the steps the guard read belong to a trajectory the run
+        left. What the history records of it; nothing where no checkpoint precedes the spike."""
+        t = self.cfg.training
+        self.checkpoints.wait()  # a save of the trajectory left behind, published or failed first
+        root = self.checkpoints.root
+        before = [p for p in layout.list_checkpoints(root) if (layout.step_of(p) or 0) <= spike.step]
+        target: Path | None = broadcast_object(before[-1] if self.ctx.is_main and before else None, self.ctx)
+        if target is None:
+            if self.ctx.is_main:
+                self.log.warning(f"no checkpoint at or before step {spike.step} in {root}: not rolled back")
+            return {}
+        back = layout.step_of(target) or 0
+        skip_from = max(back, spike.step - t.spike_skip // 2)
+        skips = dict(t.skip_batches or {})
+        skips[str(skip_from)] = skips.get(str(skip_from), 0) + t.spike_skip
+        t.skip_batches = skips
+        if self.ctx.is_main:
+            for later in layout.list_checkpoints(root):
+                if (layout.step_of(later) or 0) > back:
+                    store.remove(later)
+        _, meta = self.checkpoints.load_intact(target)
+        if self.spikes is not None:
+            self.spikes.restore(meta.loop.get("spike_window", []))
+        self.checkpoints.last_saved = back
+        self.completed = back
+        self.batches.end_step = data_step(self.total - 1, skips) + 1
+        self.guard.forget()
+        if self.kept is not None:
+            self.kept.release()
+        if self.history is not None:
+            self.history.rewind(back)
+        if self.ctx.is_main:
+            self.log.warning(f"rolled back to {target} (step {back}), skipping {t.spike_skip} batches: from step "
+                             f"{skip_from} on, each step trains on the batch {t.spike_skip} steps further on "
+                             f"(training.skip_batches {json.dumps(skips)})")
+        return {"resumed_from": back, "skip_from": skip_from, "skip_count": t.spike_skip}
+
+    def say_documents(self, step: int) -> None:
+        """What this rank's share of `step`'s batch holds: each sample's tokens in the cache and its documents."""
+        where = data_step(step, self.cfg.training.skip_batches)
+        samples = DocumentIndex(self.data).step(self.sampler, where, self.ctx.rank)
+        moved = f" (the batch of step {where}: batches skipped before it)" if where != step else ""
+        self.log.info(f"[GPU {self.ctx.gpu_id}] step {step}'s batch on this rank{moved}: {len(samples)} samples of "
+                      f"{self.data.path}")
+        for sample in samples:
+            self.log.info(f"[GPU {self.ctx.gpu_id}] step {step} {sample.line()}")
 
     def step_times(self) -> dict[str, float | None]:
         ready_s, step_s = self.timer.take()

@@ -152,7 +152,8 @@ class History:
 
     `checkpoints`: the checkpoint writer's records (dataclasses: step, size, how long training was blocked, how long
     the write took), a list it appends to as each save is published, kept in the JSON under "checkpoints";
-    `resume_load_s`: how long loading the checkpoint resumed from took, in the JSON's "run" (a resumed run only)."""
+    `resume_load_s`: how long loading the checkpoint resumed from took, in the JSON's "run" (a resumed run only);
+    `spikes`: each loss spike and what it did (a rollback: the step it went back to, the batches it skipped)."""
 
     def __init__(self, run_dir: Path, run_info: dict[str, Any], tensorboard: bool = False, plot: bool = True,
                  wandb_run: Any = None, checkpoints: list[Any] | None = None,
@@ -162,6 +163,7 @@ class History:
         self.checkpoints = [] if checkpoints is None else checkpoints
         self.writes_plot = plot
         self.records: list[StepRecord] = []
+        self.spikes: list[dict[str, Any]] = []  # the loss spikes and what each did (`trainer.diagnosis.spikes`)
         self.wandb_run = wandb_run
         self.status = "running"
         self.writer = None
@@ -175,10 +177,16 @@ class History:
         records before it from the history the earlier group saved, so that training_history.json and its plot show
         the run's whole curve, not the last group's part of it."""
         try:
-            steps = json.loads((self.run_dir / HISTORY_JSON).read_text())["steps"]
-            self.records = [StepRecord(**r) for r in steps if r["step"] < step] + self.records
-        except (OSError, ValueError, KeyError, TypeError):
+            earlier = json.loads((self.run_dir / HISTORY_JSON).read_text())
+            self.records = [StepRecord(**r) for r in earlier["steps"] if r["step"] < step] + self.records
+            # a spike the resumed state already holds the outcome of (a rollback: its checkpoint is older)
+            self.spikes = [s for s in earlier.get("spikes", []) if s.get("resumed_from", s["step"]) < step] + self.spikes
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return  # none (a resume into a new folder) or unreadable: this group's records only
+
+    def rewind(self, step: int) -> None:
+        """A rollback to the checkpoint at `step`: the records from it on belong to a trajectory the run left."""
+        self.records = [r for r in self.records if r.step < step]
 
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
@@ -196,7 +204,7 @@ class History:
         finished run does not fail for want of its history."""
         self.status = status
         data = {"run": {**self.run_info, "status": status}, "steps": [asdict(r) for r in self.records],
-                "checkpoints": [asdict(r) for r in list(self.checkpoints)]}
+                "checkpoints": [asdict(r) for r in list(self.checkpoints)], "spikes": self.spikes}
         tmp = self.run_dir / (HISTORY_JSON + ".tmp")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)

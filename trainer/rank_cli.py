@@ -112,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
             check_resume(cfg, info.key, info.vocab_size)
             cache = info.path
         from trainer.diagnosis.nan_guard import NonFiniteError
+        from trainer.diagnosis.nan_verdict import SuspectDevice
         from trainer.loop import OutOfMemory, train
 
         try:
             return train(cfg, run_dir, cache=cache)
         except NonFiniteError as e:  # the guard already printed its report and wrote its dumps
             print(f"ERROR | training stopped: {e}", flush=True)
+            return FAILURE_EXIT_CODE
+        except SuspectDevice as e:  # on stderr: the supervisor's evidence of a GPU fault (supervisor.diagnosis)
+            print(f"ERROR | training stopped: {e}", file=sys.stderr, flush=True)
             return FAILURE_EXIT_CODE
         except OutOfMemory as e:  # one line here; the traceback is in the report file
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -8,7 +8,9 @@ GPU fault, per GPU of the failed group:
   pending, or a clock-throttle reason that only hardware asserts has come into force (`HARDWARE_THROTTLE`). What was
   already so at the preflight explains nothing about this failure (the preflight warned about it then).
 * The failing rank's last stderr lines: a CUDA error that means the device itself is gone or its memory broken
-  (`DEVICE_GONE`), as opposed to the errors a program causes (an illegal address, a device-side assert).
+  (`DEVICE_GONE`), as opposed to the errors a program causes (an illegal address, a device-side assert); or the
+  trainer's verdict on a non-finite step that did not reproduce when the rank recomputed it (`NOT_REPRODUCED`,
+  `trainer.diagnosis.nan_verdict`): the device computed a wrong result once.
 
 Anything else is a program fault: a Python exception, a NaN the guard gave up on, an out-of-memory exit (99, always a
 program fault: the GPU did what it was asked), a user error, a signal. Without NVML (nvidia-smi only) only the error
@@ -21,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 
 from supervisor.gpus.preflight import Health
+from trainer.diagnosis.nan_verdict import NOT_REPRODUCED
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.errors import USER_ERROR_EXIT_CODE
 
@@ -75,9 +78,10 @@ def nvml_evidence(before: Health | None, after: Health) -> list[str]:
 
 
 def text_evidence(stderr_tail: str) -> str | None:
-    """The failing rank's line naming a device-gone CUDA error, if any (its last such line)."""
+    """The failing rank's line naming a device-gone CUDA error or a step that did not reproduce, if any (its last
+    such line)."""
     for line in reversed(stderr_tail.splitlines()):
-        if any(message.lower() in line.lower() for message in DEVICE_GONE):
+        if any(message.lower() in line.lower() for message in (*DEVICE_GONE, NOT_REPRODUCED)):
             return f"its error: {RANK_PREFIX.sub('', line).strip()[:160]}"
     return None
 

@@ -41,6 +41,7 @@ from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError, exit_without_teardown
 from trainer.preflight import check_run
+from trainer.replay import from_flags as replay_from_flags
 
 DEFAULT_CPU_RANKS = 2
 MAX_NPROC = 1024  # ranks on one node: more is a typo, and would be planned (and spawned) one by one
@@ -64,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--entry", metavar="SCRIPT",
                         help=f"the rank program (default: the project's {TRAINER_ENTRY}); arguments after `--` "
                              f"go to it, the resolved config's path is in $SUPERVISOR_RUN_CONFIG")
+    launch.add_argument("--replay", metavar="RUN",
+                        help="replay a step of an earlier run (its run folder): its config and checkpoints, the same "
+                             "ranks (--nproc 1 folds them onto one), up to --step with the NaN diagnostics on")
+    launch.add_argument("--step", type=int, metavar="N", help="the step --replay replays, as the log lines count it")
     launch.add_argument("--no-prepare", action="store_true",
                         help="do not build the token cache before starting ranks (skipped anyway for another --entry)")
     launch.add_argument("--log-dir", default=str(RUNS_DIR), metavar="DIR",
@@ -342,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         args, entry_args, launch, notes = read_command_line(sys.argv[1:] if argv is None else argv)
         node_layout(args, notes)
         check_flags(args)  # the supervisor's own flags first: a bad one is refused even beside --print-config
-        cfg = handle_inspection_flags(args)
+        replay = replay_from_flags(args)
+        cfg = handle_inspection_flags(args) if replay is None else replay.config
         if cfg is None:
             return 0
         if args.dry_run:
@@ -350,7 +356,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run_report(cfg, discovery.detected(), args.nproc), flush=True)
             return 0
+        if replay is not None:
+            args.nproc = replay.world_size
         plan = make_plan(args, cfg, entry_args, notes, launch)
+        if replay is not None:
+            replay.place(plan.run_dir)
         console = Console(footer=plan.footer)
         with run_folder_writes(plan.run_dir):
             console.open_log(plan.run_dir / "supervisor.log")

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -74,13 +74,16 @@ class Checkpointer:
     def __init__(self, cfg: Config, ctx: DistContext, state: store.TrainState, cache: TrainingData,
                  log: logging.Logger, progress: ProgressReporter,
                  fault: Callable[[int, str], None] = lambda step, phase: None,
-                 stall: Callable[[int, threading.Event], None] = lambda step, awaited: None) -> None:
+                 stall: Callable[[int, threading.Event], None] = lambda step, awaited: None,
+                 loop_state: Callable[[], dict[str, Any]] = dict) -> None:
         """`fault(step, phase)`: called as a save reaches each phase (`staging`, `checkpoint`: written, `publishing`),
         with the step it follows (the fault injector's `debug.inject_fault_during`). `stall(step, awaited)`: called
         on the writer thread before a background write begins, with the event set once training waits for it (the
-        fault injector's `debug.inject_write_stall_step`)."""
+        fault injector's `debug.inject_write_stall_step`). `loop_state()`: what the loop keeps in each checkpoint's meta
+        beside the tensors (`store.CheckpointMeta.loop`); `resumed` is the meta of the checkpoint a resume loaded."""
         self.cfg, self.ctx, self.state, self.cache, self.log, self.progress = cfg, ctx, state, cache, log, progress
-        self.fault, self.stall = fault, stall
+        self.fault, self.stall, self.loop_state = fault, stall, loop_state
+        self.resumed: store.CheckpointMeta | None = None
         self.root = Path(cfg.checkpoint.dir)
         self.last_saved: int | None = None
         self.superseded: list[Path] = []  # a finished earlier run's checkpoints, removed at this run's first save
@@ -96,7 +99,8 @@ class Checkpointer:
         return store.CheckpointMeta(
             step=step, format=self.state.format, cache_key=self.cache.key, world_size=self.ctx.world_size,
             data=store.data_position(self.cfg, self.ctx.world_size),
-            model_shapes=store.shape_signature(self.state.model), config=self.cfg.to_dict(), split=split)
+            model_shapes=store.shape_signature(self.state.model), config=self.cfg.to_dict(), split=split,
+            loop=self.loop_state())
 
     def splits(self, background: bool) -> bool:
         """Whether a save is split (`store.replicated_share`): a full-format one written in the background by several
@@ -121,6 +125,7 @@ class Checkpointer:
                               f"instead: --resume auto with a larger --max-steps)")
             return 0
         path, meta = self.load_intact(path)
+        self.resumed = meta
         if path.resolve() == layout.step_path(self.root, meta.step).resolve():
             self.last_saved = meta.step  # already on disk where this run saves: no need to write it again
         if self.ctx.is_main:

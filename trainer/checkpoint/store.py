@@ -113,6 +113,9 @@ class CheckpointMeta:
     # recorded in meta.json once every rank's files are written; empty in state.pt's copy, in a `.pt` file, and in
     # checkpoints written before files were recorded (those load unverified)
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the loop's own state beyond the tensors (the loss-spike detector's window, trainer.diagnosis.spikes); empty in
+    # checkpoints written before it existed
+    loop: dict[str, Any] = field(default_factory=dict)
 
     @property
     def in_dcp(self) -> bool:

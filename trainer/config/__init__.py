@@ -12,6 +12,9 @@ result to the run folder; ranks read that file and never re-resolve. This packag
 
 Imports only `trainer.errors` and `trainer.progress`. No torch: the supervisor and `prepare_dataset.py` must start
 fast.
+
+Length: every key's field with its one-line reason, and the cross-key rules that read several sections at once; the
+rules split off would import every dataclass back.
 """
 
 from __future__ import annotations
@@ -103,6 +106,17 @@ class TrainingConfig:
     loss: str = "auto"  # auto | chunked | liger | full: how the lm_head and the cross-entropy are computed
     eval_interval: int = 0  # 0: no validation
     eval_steps: int = 10
+    # a non-finite step recomputed once from a copy of the parameters kept before it (one more copy of the weights in
+    # device memory): the same result is the model's numerics, a finite one the GPU's (trainer.diagnosis.recompute)
+    nan_recompute: bool = False
+    spike_threshold: float = 0.0  # a loss spike: above mean + threshold × std of the last spike_window steps; 0: off
+    spike_window: int = 50
+    spike_policy: str = "log"  # log | rollback (to the last checkpoint before the spike, skipping spike_skip batches)
+    spike_skip: int = 10
+    # batches skipped: from loop step (a string key, as JSON has them) on, that many batches later (rollbacks record
+    # theirs here; the batch order is a function of the config and these alone)
+    skip_batches: dict[str, int] | None = None
+    replay_step: int | None = None  # set by --replay: train up to this step, run it with the NaN diagnostics, stop
 
 
 @dataclass
@@ -135,7 +149,7 @@ class DebugConfig:
     inject_nan_step: int | None = None
     inject_nan_rank: int = 0
     inject_nan_module: str | None = None
-    inject_fault: str | None = None  # raise | exit | sigkill | segv | hang | slow | oom | gpu_lost
+    inject_fault: str | None = None  # raise | exit | sigkill | segv | hang | slow | oom | gpu_lost | corrupt
     inject_fault_step: int | None = None
     inject_fault_rank: int = 0
     inject_fault_restart: int | None = None  # fire only in this group (0: the first, n: the n-th restart); None: all
@@ -146,6 +160,8 @@ class DebugConfig:
     # the checkpoint after this step, written in the background on inject_fault_rank, begins only once training waits
     # for it (the next save, a stop, the end of the run, a failure): a write still in flight then, whatever the timing
     inject_write_stall_step: int | None = None
+    inject_spike_step: int | None = None  # the batch of this step (as the run first meets it) has its loss scaled
+    inject_spike_scale: float = 10.0
 
 
 @dataclass
@@ -198,7 +214,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.gradient_checkpointing": ("none", "selective", "full"),
     "model.attention_backend": ("auto", "flash", "efficient", "cudnn", "math"),
     "logging.level": ("DEBUG", "INFO", "WARNING"),
-    "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang", "slow", "oom", "gpu_lost"),
+    "training.spike_policy": ("log", "rollback"),
+    "debug.inject_fault": ("raise", "exit", "sigkill", "segv", "hang", "slow", "oom", "gpu_lost", "corrupt"),
     "debug.inject_fault_during": ("step", "staging", "checkpoint", "publishing"),
 }
 
@@ -345,6 +362,7 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise UserError(message)
     check_mixture(d)
+    check_root_hunting(cfg)
     check_injection(cfg.debug, t.max_steps, cfg.checkpoint.interval)
 
 
@@ -370,6 +388,27 @@ def check_mixture(d: DataConfig) -> None:
                         f"their ratios matter: scale them down, e.g. to shares that sum to 1")
 
 
+def check_root_hunting(cfg: Config) -> None:
+    """The keys that hunt a NaN or a loss spike to its root: a replayed step inside the run, a recompute on a
+    strategy whose step one rank can redo alone, a rollback that has checkpoints to go back to, skips that name
+    steps."""
+    t = cfg.training
+    if t.replay_step is not None and t.replay_step >= t.max_steps:
+        raise UserError(f"training.replay_step {t.replay_step} is never reached (the run's steps are "
+                        f"0-{t.max_steps - 1})")
+    if t.nan_recompute and t.strategy != "ddp":
+        raise UserError("training.nan_recompute redoes a step on one rank alone, which FSDP2's sharded parameters "
+                        "cannot (every rank takes part in each layer); use training.strategy=ddp, or leave "
+                        "nan_recompute off")
+    if t.spike_policy == "rollback" and not (t.spike_threshold > 0 and cfg.checkpoint.interval > 0):
+        raise UserError("training.spike_policy rollback goes back to the last checkpoint before a spike: it needs "
+                        "training.spike_threshold above 0 and checkpoint.interval above 0")
+    for start, count in (t.skip_batches or {}).items():
+        if not (start.isascii() and start.isdigit()) or count < 1:
+            raise UserError(f"training.skip_batches maps a step to the batches skipped from it, e.g. "
+                            f"""{{"120": 10}}; got {start!r}: {count}""")
+
+
 def check_injection(d: DebugConfig, max_steps: int | None = None, interval: int = 0) -> None:
     """Fault injection set half-way, or aimed where it can never fire. Torch-free, so the supervisor finds these
     before it builds or starts anything; `trainer.diagnosis.faults.FaultInjector` runs the same checks on what it is given.
@@ -386,11 +425,12 @@ def check_injection(d: DebugConfig, max_steps: int | None = None, interval: int 
         raise UserError(f"debug.inject_fault_during {d.inject_fault_during} says when a fault fires, and no fault is "
                         f"set; add --set debug.inject_fault=sigkill --set debug.inject_fault_step=3 (for example), or "
                         f"leave inject_fault_during at step")
-    if in_a_save and d.inject_fault == "oom":
-        raise UserError("debug.inject_fault oom fires in a step's forward pass, never inside a checkpoint save; leave "
-                        "debug.inject_fault_during at step")
+    if in_a_save and d.inject_fault in ("oom", "corrupt"):
+        raise UserError(f"debug.inject_fault {d.inject_fault} fires in a step's forward pass, never inside a "
+                        f"checkpoint save; leave debug.inject_fault_during at step")
     for step_key, rank_key in (("inject_nan_step", "inject_nan_rank"), ("inject_fault_step", "inject_fault_rank"),
-                               ("inject_write_stall_step", "inject_fault_rank")):
+                               ("inject_write_stall_step", "inject_fault_rank"),
+                               ("inject_spike_step", "inject_fault_rank")):  # (a spike's batch is every rank's)
         step, rank = getattr(d, step_key), getattr(d, rank_key)
         if rank < 0:
             raise UserError(f"debug.{rank_key} must be 0 or more, got {rank}")

@@ -91,6 +91,10 @@ BOUNDS: dict[str, Bound] = {
     "training.max_grad_norm": POSITIVE_FLOAT,
     "training.eval_interval": NON_NEGATIVE,
     "training.eval_steps": POSITIVE,
+    "training.spike_threshold": Bound(0),  # 0: no detector
+    "training.spike_window": Bound(2, 100_000),  # a standard deviation needs two losses; a window is kept per step
+    "training.spike_skip": POSITIVE,
+    "training.replay_step": NON_NEGATIVE,
     "checkpoint.interval": NON_NEGATIVE,
     "checkpoint.keep": POSITIVE,
     "logging.log_interval": POSITIVE,
@@ -103,6 +107,8 @@ BOUNDS: dict[str, Bound] = {
     "debug.inject_fault_code": Bound(0, 255),  # an exit status
     "debug.inject_fault_delay_s": Bound(0, 86400, low_open=True),
     "debug.inject_write_stall_step": NON_NEGATIVE,
+    "debug.inject_spike_step": NON_NEGATIVE,
+    "debug.inject_spike_scale": Bound(0, 1e6, low_open=True),
 }
 # Folders, files and names where an empty string would quietly mean the working folder or nothing at all.
 NON_EMPTY = ("data.source", "data.cache_dir", "data.tokenizer", "data.text_field", "data.split", "checkpoint.dir",

@@ -15,5 +15,6 @@ supervisor (or `prepare_dataset.py`), the reading half in every rank.
 * `mixture` — weighted mixtures of sources: which source each sample comes from, the record naming their caches;
 * `batches` — deterministic, rank-sharded batches straight from the memory map (of one cache, or of a mixture's);
 * `training_data` — what a rank trains on: a cache or a mixture's caches, with their samplers and reports;
+* `documents` — which documents of the corpus a step's batch holds (offsets, first characters);
 * `prepare_cli` — the command line of `prepare_dataset.py`.
 """

@@ -13,6 +13,8 @@ share them: the ranks only split the step's G samples, rank r taking the contigu
 micro-step m the B samples at m·B in it (`positions`). Rank by rank, micro-step by micro-step, the slices are the
 global batch in order; 4 ranks × accumulation 3 read the same 12 micro-batches as 3 ranks × 4, or one process × 12.
 A resumed run continues exactly where it stopped, on another world size too when G stays (`supervisor.gpus.exclusion`).
+Skipped batches (`training.skip_batches`, recorded by a loss spike's rollback): loop step s trains on the batch of
+step `data_step(s)`, s moved on by every skip recorded at or before it, so the order stays a function of the config.
 
 Reading ahead (`training.num_workers`). `StepLoader` hands the loop one step's micro-batches at a time. With 0 workers
 it reads them in the calling thread; with N it runs a torch DataLoader over `StepBatches`, a map-style dataset whose
@@ -40,6 +42,12 @@ from trainer.data.mixture import Schedule
 from trainer.errors import UserError
 
 U64 = np.uint64
+
+
+def data_step(step: int, skips: dict[str, int] | None) -> int:
+    """The step whose batch loop step `step` trains on: `training.skip_batches` maps a loop step to the batches
+    skipped from it on."""
+    return step + sum(count for start, count in (skips or {}).items() if step >= int(start))
 
 
 def mix(x: np.ndarray) -> np.ndarray:
@@ -131,6 +139,10 @@ class BatchSampler:
             windows[here] = self.order(int(epoch))(index[here])
         return windows
 
+    def sources_of(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, window) of each global sample: one cache's windows, all from source 0."""
+        return np.zeros(len(samples), dtype=np.int64), self.windows_of(samples)
+
     def order(self, epoch: int) -> WindowOrder:
         if epoch not in self._orders:
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}  # keep it tiny
@@ -200,13 +212,21 @@ class MixtureSampler(BatchSampler):
                         for i, tokens in enumerate(streams)]
 
     def get(self, step: int, micro_step: int) -> np.ndarray:
-        source, index = self.schedule.locate(self.positions(step, micro_step))
+        source, windows = self.sources_of(self.positions(step, micro_step))
         batch = np.empty((len(source), self.context_length + 1), dtype=np.int64)
         for i in np.unique(source):
             here = source == i
-            stream = self.streams[i]
-            batch[here] = stream.read(stream.windows_of(index[here]))
+            batch[here] = self.streams[i].read(windows[here])
         return batch
+
+    def sources_of(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, window in that source's stream) of each global sample, as the schedule assigns them."""
+        source, index = self.schedule.locate(samples)
+        windows = np.empty_like(index)
+        for i in np.unique(source):
+            here = source == i
+            windows[here] = self.streams[i].windows_of(index[here])
+        return source, windows
 
     def check_files(self) -> None:
         for stream in self.streams:

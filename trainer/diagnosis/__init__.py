@@ -4,6 +4,10 @@
 
 * `nan_guard` — skip non-finite steps without a host synchronisation; in debug mode, find the first module that made
   one (`nan_report`: the report and the dump files);
+* `recompute` — a non-finite step recomputed once, in the run, from the parameters kept before it; `nan_verdict` — the
+  verdict, the model's numerics or the device's (its words, the suspect GPU's `gpu_fault.json`; torch-free: the
+  supervisor reads it);
+* `spikes` — the loss-spike detector (its window, its rule);
 * `host_sync` — counting device→host synchronisations (the guard's cost, measured);
 * `oom_report` — what a rank that ran out of memory leaves for the supervisor;
 * `flight_recorder` — dumping PyTorch's record of collectives when the supervisor asks, at a stall;

@@ -23,7 +23,14 @@ Two kinds, both off by default and set with ``--set debug.<key>=<value>``:
   hook on the model in that step (as the caching allocator would), so the out-of-memory report runs on CPU ranks too.
   ``gpu_lost`` rehearses a GPU fault: the rank dies with the CUDA error a broken device gives, and its GPU reads as
   lost in the fake NVML state from then on (``SUPERVISOR_FAKE_GPU_STATE``, `fake_gpu_state`), so the supervisor's
-  diagnosis and exclusion run on CPU ranks that pretend to be GPUs.
+  diagnosis and exclusion run on CPU ranks that pretend to be GPUs. ``corrupt`` rehearses a device that computes a
+  wrong result once: the input embeddings' output of that step on that rank is multiplied by NaN the first time only,
+  so the step is non-finite and its recompute (``training.nan_recompute``) is not.
+
+A loss spike: ``inject_spike_step`` multiplies the loss of that step's batch by ``inject_spike_scale`` on every rank,
+forward and backward alike. The step is the batch's (`trainer.data.batches.data_step`): the run meets it at that
+loop step unless batches were skipped before it, and a rollback that skips it never meets it again, as with a bad
+batch of the corpus.
 
 A third rehearses a slow disk at its worst: ``inject_write_stall_step`` holds the checkpoint after that step, written
 in the background on ``inject_fault_rank``, before it writes anything, until training waits for it (the next save, a
@@ -86,9 +93,12 @@ class FaultInjector:
         this_group = debug.inject_fault_restart in (None, restart_count())
         self.fault_on = (debug.inject_fault is not None or debug.inject_fault_step is not None) and this_group
         self.stall_on = debug.inject_write_stall_step is not None and this_group
+        self.spike_on = debug.inject_spike_step is not None
         check_injection(debug)  # the config's own validation ran it too; a DebugConfig built by hand may not have
-        self.enabled = self.nan_on or self.fault_on or self.stall_on
+        self.enabled = self.nan_on or self.fault_on or self.stall_on or self.spike_on
         self.hook: torch.utils.hooks.RemovableHandle | None = None
+        self.data_step: int | None = None  # the batch of the step under way (after skipped batches)
+        self.corrupted = False  # `corrupt` fires once
 
     def describe(self) -> str | None:
         """The banner line that makes a run with injection on say so; None when off."""
@@ -111,12 +121,16 @@ class FaultInjector:
         if self.stall_on:
             parts.append(f"the checkpoint write after step {d.inject_write_stall_step} stalls on rank "
                          f"{d.inject_fault_rank} until training waits for it")
+        if self.spike_on:
+            parts.append(f"the loss of step {d.inject_spike_step}'s batch × {d.inject_spike_scale:g} on every rank")
         return "fault injection ON: " + "; ".join(parts)
 
     def attach(self, model: torch.nn.Module) -> None:
         """Hook the named module of the *unwrapped* model (before DDP/FSDP, whose wrappers change the names)."""
         if self.fault_on and self.debug.inject_fault == "oom" and self.rank == self.debug.inject_fault_rank:
             model.register_forward_pre_hook(self._raise_oom)
+        if self.fault_on and self.debug.inject_fault == "corrupt" and self.rank == self.debug.inject_fault_rank:
+            model.get_input_embeddings().register_forward_hook(self._corrupt_once)
         if not self.nan_on:
             return
         name = self.debug.inject_nan_module
@@ -135,6 +149,18 @@ class FaultInjector:
                 and self.rank == self.debug.inject_nan_rank):
             return poison(output)
         return None
+
+    def _corrupt_once(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if module.training and self.step == self.debug.inject_fault_step and not self.corrupted:
+            self.corrupted = True
+            return poison(output)
+        return None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss, multiplied by `inject_spike_scale` when this is the spike's batch."""
+        if self.spike_on and self.data_step == self.debug.inject_spike_step:
+            return loss * self.debug.inject_spike_scale
+        return loss
 
     def _raise_oom(self, module: torch.nn.Module, args: Any) -> None:
         if module.training and self.step == self.debug.inject_fault_step and self.debug.inject_fault_during == "step":
@@ -156,9 +182,11 @@ class FaultInjector:
             return f"while {during} the checkpoint after step {step}"
         return f"at step {step}"
 
-    def before_step(self, step: int) -> None:
-        """Record the step for the NaN hook; fire a step fault when this is its step and rank."""
+    def before_step(self, step: int, data_step: int | None = None) -> None:
+        """Record the step for the NaN hook (and its batch's, `data_step`, for the spike); fire a step fault when this
+        is its step and rank."""
         self.step = step
+        self.data_step = step if data_step is None else data_step
         d = self.debug
         if (self.fault_on and d.inject_fault == "slow" and self.rank == d.inject_fault_rank
                 and step >= (d.inject_fault_step or 0)):

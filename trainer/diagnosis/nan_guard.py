@@ -1,8 +1,9 @@
 """The NaN/Inf guard: skip non-finite optimizer steps without stalling the GPU, and find where a NaN was born.
 
 Production mode (every preset)
-    ``check`` turns the local loss and the pre-clip gradient norm into device-side flags, all-gathers them (one tiny
-    collective, no host read), so every rank holds the same ``found_inf``. ``step_optimizer`` hands ``found_inf`` to
+    ``check`` turns the local loss and the pre-clip gradient norm into device-side flags, all-gathers them with the
+    local loss itself (one tiny collective, no host read), so every rank holds the same ``found_inf``, and at the next
+    log step the same mean loss of every step (``take_losses``: what the loss-spike detector judges). ``step_optimizer`` hands ``found_inf`` to
     a fused optimizer (the ``optimizer.found_inf`` attribute that ``torch.amp.GradScaler`` uses with optimizers whose
     ``_step_supports_amp_scaling`` is set, e.g. ``AdamW(fused=True)``): the kernel leaves weights, ``exp_avg``,
     ``exp_avg_sq`` and ``step`` untouched when it is 1 — the skip costs no host synchronisation. A non-fused optimizer
@@ -10,7 +11,8 @@ Production mode (every preset)
     stay on the device until the next log step, where the loop syncs anyway: ``on_log`` reads them all in one transfer,
     returns a line per skipped step naming the GPU(s) whose local loss was non-finite, and raises ``NonFiniteError``
     (every rank at the same log step, since the flags are identical everywhere) once ``debug.max_nonfinite_steps``
-    consecutive steps were non-finite, after a dump. In production the gradients of a skipped step are already freed
+    consecutive steps were non-finite, after a dump. Before that, ``recheck`` (the loop's recompute of a non-finite
+    step, `trainer.diagnosis.recompute`) is handed the non-finite steps just read, on every rank alike. In production the gradients of a skipped step are already freed
     by then, so that dump holds the weights, the batch and a resumable checkpoint: resume from it with ``--debug`` to
     localise the NaN.
 
@@ -75,6 +77,7 @@ from trainer.diagnosis.nan_report import (
 
 FLAG_LOSS, FLAG_NORM, FLAG_LOCAL_GRAD = 0, 1, 2  # the per-rank flags check() gathers
 FLAGS_PER_RANK = 3
+GATHERED_PER_RANK = FLAGS_PER_RANK + 1  # the flags, then the rank's local loss
 STAT_FIELDS = ("min", "max", "mean", "nan", "inf", "numel")  # tensor_stats' layout
 LOCAL_GRADIENTS = "local, before the all-reduce and clipping"
 SHARDED_GRADIENTS = "this rank's shards, after the reduce-scatter (FSDP2)"
@@ -139,7 +142,7 @@ def tensor_stats(tensors: list[torch.Tensor]) -> torch.Tensor:
 class StepRecord:
     """One optimizer step as the device saw it; read back to the host in batches."""
     step: int
-    values: torch.Tensor  # gathered flags (world × 3), then overflow, local loss, grad norm
+    values: torch.Tensor  # gathered flags and local losses (world × 4), then overflow, local loss, grad norm
     batch: torch.Tensor | None
 
 
@@ -174,7 +177,13 @@ class NanGuard:
         self.pending: list[StepRecord] = []
         self.step = 0
         self.batch: torch.Tensor | None = None
-        self.flags: torch.Tensor | None = None  # this step's gathered flags (world × 3), set by check()
+        self.flags: torch.Tensor | None = None  # this step's gathered flags and losses (world × 4), set by check()
+        self.keeps_losses = cfg.training.spike_threshold > 0  # for the spike detector
+        self.losses: list[tuple[int, float]] = []  # (step, mean loss over the ranks) of each step read, for take_losses
+        # the loop's recompute of the non-finite steps read (every rank calls it at the same point), and those
+        # read since it last ran
+        self.recheck: Callable[[list[NonFiniteStep]], list[str]] | None = None
+        self.unjudged: list[NonFiniteStep] = []
         self.loss_value = self.norm_value = torch.zeros((), device=self.device)
         self.no_local_grad_flag = torch.zeros((), dtype=torch.float32, device=self.device)
         self.save_checkpoint: Callable[[Path], Any] | None = None
@@ -253,11 +262,11 @@ class NanGuard:
         if self.debug_mode:
             local_grad_flag = torch.tensor(float(self.local_gradients_nonfinite()), device=self.device)
         local = torch.stack([(~torch.isfinite(local_loss)).float(), (~torch.isfinite(grad_norm)).float(),
-                             local_grad_flag])
+                             local_grad_flag, local_loss.float()])
         self.flags = self.gather(local)
         self.loss_value = local_loss.float()
         self.norm_value = grad_norm.float()
-        return self.flags.amax()
+        return self.flags[:, :FLAGS_PER_RANK].amax()
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         if not self.distributed:
@@ -329,6 +338,7 @@ class NanGuard:
         for event in self.drain():
             if not event.overflow:
                 self.report(event, stopping=self.stop is not None)
+        self.judge()
         self.raise_if_stopped()
 
     def on_log(self, step: int) -> list[str]:
@@ -337,14 +347,34 @@ class NanGuard:
         self.drain()
         if self.stop is not None and self.stop.step not in self.dumped_steps:
             self.report(self.stop, stopping=True, state_step=step)
+        self.judge()
         self.raise_if_stopped()
         lines, self.log_lines = self.log_lines, []
         return lines
 
+    def forget(self) -> None:
+        """A rollback: the steps read and not yet judged, and their losses, belong to a trajectory the run left."""
+        self.unjudged.clear()
+        self.losses.clear()
+
+    def take_losses(self) -> list[tuple[int, float]]:
+        """(step, mean local loss over the ranks) of every step read since the last call, identical on every rank."""
+        losses, self.losses = self.losses, []
+        return losses
+
+    def judge(self) -> None:
+        """Hand the non-finite steps read since the last call (overflows aside) to `recheck`, if the loop set one; its
+        lines join the log's."""
+        bad, self.unjudged = self.unjudged, []
+        if self.recheck is not None and bad:
+            self.log_lines += self.recheck(bad)
+
     # -- host side --------------------------------------------------------------------------------------------------
 
     def drain(self) -> list[NonFiniteStep]:
-        """Read every pending record with one host transfer and update the counters; the non-finite steps."""
+        """Read every pending record with one host transfer and update the counters; the non-finite steps. The loop
+        also calls it before a checkpoint is saved (the losses for the spike detector); the steps read then are
+        judged and logged at the next log step."""
         if not self.pending:
             return []
         rows = np.asarray(torch.stack([r.values for r in self.pending]).tolist(), dtype=np.float64)
@@ -356,6 +386,8 @@ class NanGuard:
                 self.consecutive, self.streak_start = 0, None
                 continue
             events.append(event)
+            if not event.overflow:
+                self.unjudged.append(event)
             self.skipped_steps += 1
             if event.overflow:
                 self.consecutive, self.streak_start = 0, None
@@ -369,9 +401,12 @@ class NanGuard:
         return events
 
     def decode(self, record: StepRecord, row: np.ndarray) -> NonFiniteStep | None:
-        n = self.world_size * FLAGS_PER_RANK
-        flags = row[:n].reshape(self.world_size, FLAGS_PER_RANK)
+        n = self.world_size * GATHERED_PER_RANK
+        gathered = row[:n].reshape(self.world_size, GATHERED_PER_RANK)
+        flags = gathered[:, :FLAGS_PER_RANK]
         overflow, loss, norm = row[n:]
+        if self.keeps_losses:
+            self.losses.append((record.step, float(gathered[:, FLAGS_PER_RANK].mean())))
         if not flags.any():
             return None
         return NonFiniteStep(step=record.step, loss_ranks=[int(r) for r in np.flatnonzero(flags[:, FLAG_LOSS])],

@@ -1,0 +1,143 @@
+"""Replaying one step of an earlier run: `--replay <run folder> --step N` (`supervisor.launch.cli`).
+
+The replay reads the run's own resolved config (`config.json`, or the last restart's `config.restart<n>.json`), takes
+the newest intact checkpoint of that run at or before step N (a checkpoint `step_<c>` holds the state before step
+index c), and starts as many ranks as ran the step (`training_history.json` says how many; else the checkpoint).
+The ranks resume from it, train the same batches up to step N (the batch order is a function of the config, its
+`training.skip_batches` included: the skips the run recorded are taken from its history), run step N with the NaN
+diagnostics of debug mode on (the first non-finite module, every NaN gradient, the dumps), say which documents step
+N's batch holds, and stop (`training.replay_step`, read by `trainer.loop`). N is the step as the log lines count it.
+
+Bit-exact: with the same number of ranks on the same kind of device the replayed steps print the losses the run
+printed. `--nproc M` folds the run's W ranks onto M (the accumulation raised by W/M, the same global batch and
+batches): the sums over ranks become sums over micro-batches, so the losses agree to rounding only.
+
+The replay writes into a run folder of its own (its checkpoints, dumps and reports under it); the original run's
+folder and checkpoints are only read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.checkpoint.layout import META_FILE, damage, list_checkpoints, step_of
+from trainer.config import Config
+from trainer.errors import UserError
+from trainer.metrics import HISTORY_JSON
+from trainer.rank_cli import resolving_flags
+
+REPLAY_CHECKPOINTS = "checkpoints"  # the replay's own checkpoint folder, inside its run folder
+RESTART_CONFIG = re.compile(r"config\.restart(\d+)\.json")
+
+
+@dataclass
+class Replay:
+    """What `--replay RUN --step N` starts: the config the ranks get, how many, from which checkpoint."""
+
+    source: Path  # the original run's folder
+    step: int
+    config: Config
+    world_size: int  # the ranks that ran the step
+    checkpoint: Path | None  # None: from step 0, as the run began
+    notes: list[str] = field(default_factory=list)
+
+    def place(self, run_dir: Path) -> None:
+        """The replay's own run folder is known: its checkpoints (the NaN dump's among them) go inside it."""
+        self.config.checkpoint.dir = str(run_dir / REPLAY_CHECKPOINTS)
+
+
+def from_flags(args: argparse.Namespace) -> Replay | None:
+    """`--replay RUN --step N [--nproc M]` from the supervisor's command line; None without --replay."""
+    if args.replay is None:
+        if args.step is not None:
+            raise UserError("--step N names the step --replay RUN replays; add --replay <run folder>")
+        return None
+    if args.step is None:
+        raise UserError(f"--replay {args.replay} needs the step to replay: --step N (as the log lines count it)")
+    if flags := resolving_flags(args):
+        raise UserError(f"--replay runs the run's own config as it was; drop {', '.join(dict.fromkeys(flags))}")
+    return plan(Path(args.replay), args.step, args.nproc, Path(args.log_dir))
+
+
+def plan(source: Path, step: int, nproc: int | None, log_dir: Path) -> Replay:
+    """The replay of `step` of the run in `source` on `nproc` ranks (None: as many as ran it). Its checkpoint folder
+    is `log_dir` until its run folder is made there (`Replay.place`): the checks before the run touch no folder of
+    the original's."""
+    cfg = run_config(source)
+    if not 0 <= step < cfg.training.max_steps:
+        raise UserError(f"--step {step} is not a step of {source} (its steps are 0-{cfg.training.max_steps - 1})")
+    checkpoint = start_checkpoint(cfg, step)
+    world_size = ranks_that_ran(source, checkpoint) or nproc
+    if world_size is None:
+        raise UserError(f"--replay {source}: neither its {HISTORY_JSON} nor a checkpoint says how many ranks it ran "
+                        f"on; give --nproc N")
+    replay = Replay(source, step, copy.deepcopy(cfg), world_size, checkpoint)
+    t = replay.config.training
+    t.replay_step = step
+    t.spike_policy = "log"  # a replay says a spike; going back is the run's decision, recorded already
+    t.nan_recompute = False  # the diagnostics show the step itself
+    t.skip_batches = {**(cfg.training.skip_batches or {}), **recorded_skips(source)} or None
+    if nproc is not None and nproc != world_size:
+        micro_batches = t.grad_accum_nums * world_size
+        if micro_batches % nproc:
+            raise UserError(f"--nproc {nproc}: the run's {micro_batches} micro-batches per step (accumulation "
+                            f"{t.grad_accum_nums} on {world_size} ranks) do not divide among {nproc} ranks")
+        t.grad_accum_nums = micro_batches // nproc
+        replay.notes.append(f"--nproc {nproc}: the run's {world_size} ranks folded onto {nproc} (accumulation "
+                            f"{t.grad_accum_nums}): the same batches, losses equal to rounding, not bit-exact")
+        replay.world_size = nproc
+    c, d, log = replay.config.checkpoint, replay.config.debug, replay.config.logging
+    c.resume = str(checkpoint) if checkpoint is not None else None
+    c.dir = str(log_dir)
+    c.interval, c.save_final = 0, False  # nothing to keep but what the diagnostics dump
+    d.nan_localize = d.nan_dump = True
+    log.wandb = False  # a replay is no run of the project to chart
+    start = f"from {checkpoint}" if checkpoint is not None else "from step 0 (no checkpoint of the run at or before it)"
+    replay.notes.insert(0, f"replay of step {step} of {source}: {start} on {replay.world_size} rank"
+                           f"{'s' * (replay.world_size != 1)}, with the NaN diagnostics on; then it stops")
+    replay.config.notes = [*cfg.notes, *replay.notes]
+    return replay
+
+
+def run_config(source: Path) -> Config:
+    """The resolved config the run's last group read: config.json, or its last restart's."""
+    if not (source / "config.json").is_file():
+        raise UserError(f"--replay {source}: no config.json there; name a run folder (logs/<run-id>/)")
+    restarts = sorted((int(m.group(1)), p) for p in source.iterdir() if (m := RESTART_CONFIG.fullmatch(p.name)))
+    return Config.load(restarts[-1][1] if restarts else source / "config.json")
+
+
+def start_checkpoint(cfg: Config, step: int) -> Path | None:
+    """The run's newest intact checkpoint at or before `step`; where it has none, what the run itself began from (a
+    checkpoint it was told to resume, or step 0)."""
+    found = [p for p in list_checkpoints(Path(cfg.checkpoint.dir)) if (step_of(p) or 0) <= step and damage(p) is None]
+    if found:
+        return found[-1]
+    spec = cfg.checkpoint.resume
+    return Path(spec) if spec not in (None, "auto") else None
+
+
+def ranks_that_ran(source: Path, checkpoint: Path | None) -> int | None:
+    """How many ranks the run's last group had (its history says), else those that wrote the checkpoint; None when
+    neither says."""
+    for path in (source / HISTORY_JSON, checkpoint / META_FILE if checkpoint is not None else None):
+        try:
+            raw = json.loads(path.read_text()) if path is not None else {}
+            return int(raw["run"]["world_size"] if "run" in raw else raw["world_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def recorded_skips(source: Path) -> dict[str, int]:
+    """The batches the run's rollbacks skipped (`training_history.json`'s spikes), as `training.skip_batches`."""
+    try:
+        spikes = json.loads((source / HISTORY_JSON).read_text()).get("spikes", [])
+        return {str(s["skip_from"]): int(s["skip_count"]) for s in spikes if s.get("skip_count")}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
