@@ -48,8 +48,9 @@ def test_user_error_is_not_restarted(tmp_path):
 ])
 def test_a_trainer_restart_resumes_only_this_runs_checkpoints(tmp_path: Path, token_cache_dir: Path,
                                                               fault_step: int, resumes: str | None) -> None:
-    """The folder holds a finished earlier run (planted). A restart after this run's first checkpoint resumes it; one
-    before any restarts as the run first started: the earlier run's step_000010 is not this run's to resume."""
+    """The folder holds a finished earlier run (planted). A restart after this run's first checkpoint resumes it (the
+    state after step 3 in the node's memory first); one before any restarts as the run first started: the earlier
+    run's step_000010 is not this run's to resume."""
     planted = tmp_path / "ckpt" / "step_000010"
     planted.mkdir(parents=True)
     (planted / "meta.json").write_text(json.dumps({"config": {"training": {"max_steps": 10}}}))
@@ -64,7 +65,7 @@ def test_a_trainer_restart_resumes_only_this_runs_checkpoints(tmp_path: Path, to
     assert proc.returncode == 3, proc.stderr[-3000:]  # the fault fires again after the restart
     (run_dir,) = (tmp_path / "logs").iterdir()
     assert json.loads((run_dir / "config.restart1.json").read_text())["checkpoint"]["resume"] == resumes
-    said = ("the ranks resume from this run's latest checkpoint" if resumes else
-            "no checkpoint of this run yet: the ranks start again as the first time")
+    said = ("the ranks resume from step 3 in this node's memory (from this run's latest checkpoint if that copy fails "
+            "their checks)" if resumes else "no checkpoint of this run yet: the ranks start again as the first time")
     assert f"restart 1 of 1 after CPU0 (rank 0) failed: exit 3; {said}" in proc.stdout + proc.stderr
     assert planted.exists() == (resumes is None)  # superseded at this run's first save

@@ -2,22 +2,32 @@
 
 * compiled once per run: torch.compile's caches are in the run folder (`compile-cache/`), so the restarted group's
   first compiled step loads its graphs from inductor's cache instead of compiling them (the rank's log says how many);
+* resumed from memory: the ranks' snapshot of the latest state in the node's shared memory is what a restart loads (no
+  step trained twice, the same final loss as without the fault), and nothing of the run is left in /dev/shm, a
+  SIGKILL of the supervisor included (its sentinel removes the folder);
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from rank_scripts.harness import clean_env
+import psutil
+
+from rank_scripts.harness import clean_env, start, survivors
 from rank_support import TINY, merged, set_flags
 
 from supervisor.plan.spec import COMPILE_CACHE_DIR, Plan, RankSpec
+from trainer.checkpoint.layout import MEMORY_DIR_ENV
 
 
 def supervise(tmp_path: Path, layer: dict, *flags: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    tmp_path.mkdir(exist_ok=True)
     return subprocess.run([sys.executable, "-m", "supervisor", "--debug", "--no-footer", "--log-dir",
                            str(tmp_path / "logs"), *flags, *set_flags(layer)], cwd=tmp_path, env=clean_env(),
                           capture_output=True, check=False, text=True, timeout=timeout)
@@ -48,3 +58,74 @@ def test_a_restart_loads_the_compiled_graphs_from_the_run_folder(tmp_path: Path,
     assert [(step, folder) for step, _, _, folder in said] == [("0", str(cache)), ("2", str(cache))], proc.stdout
     (_, first_hits, _, _), (_, hits, graphs, _) = said
     assert first_hits == "0" and int(graphs) > 0 and hits == graphs
+
+
+def final_loss(output: str) -> str:
+    (loss,) = re.findall(r"^supervisor: run finished in .*, final loss (\S+);", output, re.M)
+    return loss
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    return [int(s) for s in re.findall(r"\[GPU 0\] Step \[(\d+)/", (run_dir / "cpu0.log").read_text())]
+
+
+def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir: Path) -> None:
+    """Rank 1 SIGKILLed at the start of step 5, the last checkpoint step 3's: the restarted group loads the state after
+    five steps from this node's memory, trains no step twice, and ends on the loss of the same run without the
+    fault; the run leaves nothing in /dev/shm."""
+    base = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 8},
+                         "checkpoint": {"interval": 3, "memory_interval": 1,
+                                        "async_save": False}})  # step 3's checkpoint complete before the fault
+    clean = supervise(tmp_path / "clean", merged(base, {"checkpoint": {"dir": str(tmp_path / "clean" / "ckpt")}}),
+                      "--nproc", "2")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    fault = {"inject_fault": "sigkill", "inject_fault_step": 5, "inject_fault_rank": 1, "inject_fault_restart": 0}
+    proc = supervise(tmp_path / "fault", merged(base, {"checkpoint": {"dir": str(tmp_path / "fault" / "ckpt")},
+                                                       "debug": fault}), "--nproc", "2", "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = (tmp_path / "fault" / "logs").iterdir()
+    memory = f"/dev/shm/gpu-pretrain-{run_dir.name}-"
+    assert ("failed: SIGKILL (137); the ranks resume from step 5 in this node's memory (from this run's latest "
+            "checkpoint if that copy fails their checks)") in proc.stderr
+    assert re.search(rf"resumed from the memory copy in {memory}\w+ at step 5 \(checked and loaded in [\d.]+ s; on "
+                     rf"disk: \S+step_000003\)", proc.stdout), proc.stdout[-3000:]
+    assert steps_logged(run_dir) == list(range(8))
+    assert final_loss(proc.stderr) == final_loss(clean.stderr)
+    assert not list(Path("/dev/shm").glob(f"gpu-pretrain-{run_dir.name}-*"))
+
+
+def rank_environments(supervisor: int) -> dict[int, dict[str, str]]:
+    """The environment of each of the supervisor's children that is a rank, by pid."""
+    found = {}
+    for child in psutil.Process(supervisor).children():
+        try:
+            env = child.environ()
+        except psutil.Error:  # gone, or a zombie
+            continue
+        if "RANK" in env:
+            found[child.pid] = env
+    return found
+
+
+def test_a_killed_supervisor_leaves_nothing_in_shared_memory(tmp_path: Path, token_cache_dir: Path) -> None:
+    """SIGKILL to the supervisor while its ranks snapshot every step: the sentinel kills the ranks and removes the
+    memory folder."""
+    layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 100_000},
+                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory_interval": 1}})
+    run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", *set_flags(layer), entry=None)
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline and run.proc.poll() is None, run.err_path.read_text()[-2000:]
+        ranks = rank_environments(run.proc.pid)
+        folders = {env[MEMORY_DIR_ENV] for env in ranks.values()}
+        if len(folders) == 1 and len(list(Path(*folders).glob("local*.json"))) == 2:
+            break
+        time.sleep(0.05)
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait()
+    assert survivors(list(ranks)) == []
+    (folder,) = map(Path, folders)
+    deadline = time.monotonic() + 10
+    while folder.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not folder.exists()

@@ -463,6 +463,7 @@ class Trainer:
         rolled_back = (logged or saving) and self.judge_losses()  # before a save: the window it keeps, complete
         if saving and not rolled_back:
             self.checkpoints.save(self.completed)
+        self.checkpoints.snapshot(self.completed)
         self.checkpoints.poll()
         return vote.result() and not last
 

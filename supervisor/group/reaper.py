@@ -8,6 +8,11 @@ groups exist (``+pgid`` / ``-pgid``). The pipe's write end lives only in the sup
 for any reason the kernel closes it, the sentinel reads end-of-file and SIGKILLs every group it still knows.
 A clean exit says ``exit`` first and nothing is killed.
 
+The same sentinel removes what the supervisor keeps in the node's shared memory (/dev/shm: the ranks' memory copy of
+the latest state, `trainer.checkpoint.memory`): the supervisor makes each such folder (`shared_folder`) and names it
+to the sentinel (a line holding its absolute path), which removes it when the supervisor dies or exits cleanly,
+after killing what it kills; no exit path leaves it taking the node's memory.
+
 A descendant that left its rank's process group (``setsid``, a double-forked daemon) is out of reach of ``killpg``,
 and with the supervisor gone it is re-parented to init, so no tree leads to it either. Such processes still carry
 the run's environment, so the sentinel finally kills every process of ours whose environment holds
@@ -17,9 +22,12 @@ the run's environment, so the sentinel finally kills every process of ours whose
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+from pathlib import Path
 
 TOKEN_ENV = "SUPERVISOR_RUN_TOKEN"
+SHARED_MEMORY = Path("/dev/shm")  # tmpfs on Linux: files there live in memory, and outlive the process that wrote them
 
 
 class Reaper:
@@ -47,6 +55,17 @@ class Reaper:
 
     def forget(self, pgid: int) -> None:
         self._send(f"-{pgid}")
+
+    def shared_folder(self, name: str) -> Path | None:
+        """A new folder ``/dev/shm/<name>-<token>`` (private to this user) that the sentinel removes on every exit path;
+        None where the node has no shared memory to make it in."""
+        path = SHARED_MEMORY / f"{name}-{self.token[:8]}"
+        try:
+            path.mkdir(mode=0o700)
+        except OSError:
+            return None
+        self._send(str(path))
+        return path
 
     def sweep(self, wait: float) -> None:
         """Kill every process still below the supervisor but this sentinel: children that left their rank's process
@@ -90,6 +109,7 @@ def sentinel(read_end: int, marker: bytes) -> None:
     os.closerange(3, read_end)
     os.closerange(read_end + 1, max(os.sysconf("SC_OPEN_MAX"), read_end + 2))
     groups: set[int] = set()
+    folders: list[bytes] = []
     pending = b""
     while True:
         try:
@@ -103,16 +123,25 @@ def sentinel(read_end: int, marker: bytes) -> None:
                 except OSError:
                     pass
             kill_marked(marker)
+            remove(folders)
             return
         pending += data
         *lines, pending = pending.split(b"\n")
         for line in lines:
             if line == b"exit":
+                remove(folders)
                 return
             if line[:1] == b"+":
                 groups.add(int(line[1:]))
             elif line[:1] == b"-":
                 groups.discard(int(line[1:]))
+            elif line[:1] == b"/":
+                folders.append(line)
+
+
+def remove(folders: list[bytes]) -> None:
+    for folder in folders:
+        shutil.rmtree(os.fsdecode(folder), ignore_errors=True)
 
 
 def kill_marked(marker: bytes) -> None:

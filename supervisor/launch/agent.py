@@ -17,7 +17,9 @@ Restarts (``--max-restarts N``): after a failure or a hang, and once every proce
 starts again with a config that says ``checkpoint.resume=auto`` (``config.restart<n>.json`` beside
 ``config.json``), so the ranks continue from the run's latest checkpoint; until the run has saved one, the group
 starts again as it first did (an earlier run's checkpoints in the folder are not this run's to resume). A user error
-(exit 2) and an interrupt are never restarted. Per-rank logs continue in the same files, after a marker line.
+(exit 2) and an interrupt are never restarted. Per-rank logs continue in the same files, after a marker line. The
+trainer's ranks also keep the latest state in this node's shared memory (a folder the sentinel removes on every exit
+path), which a restart loads first: the restart's line says from which step.
 A program launched with torchrun's command line is restarted as torchrun restarts it: after any failure or hang,
 exit 2 included (2 means a user error only to programs of this project), with ``TORCHELASTIC_RESTART_COUNT`` telling
 it which attempt it is; where it keeps its checkpoints is its own business, and the messages do not speak of them.
@@ -26,6 +28,9 @@ After a failure on GPUs, `supervisor.diagnosis.gpu_fault` says whether a GPU or 
 supervisor.log, the report); a restart after a GPU fault leaves that GPU out (`supervisor.gpus.exclusion`), or stops when
 too few GPUs would be left. A run that ends on a GPU fault records the node in ``<run>/gpu_fault.json``, for a job
 script that leaves the node out of its next allocation.
+
+Length: one run's steps in their order (the data, each group, each restart's decisions: resume point, layout,
+exclusion; the report), which share the run's plan, config and sentinel; each step's rules live in the rooms below.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ from supervisor.group.worker import Worker, become_subreaper, die_with_parent
 from supervisor.plan.rendezvous import PortReservation, check_port_free
 from supervisor.plan.spec import Plan, node_ranks
 from supervisor.report.summary import failure_report, success_report
-from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints
+from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints, memory_step
 from trainer.config import PROJECT_ROOT, Config
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
@@ -98,6 +103,9 @@ class Launcher:
         started = time.monotonic()
         try:
             become_subreaper()
+            if self.plan.trainer_entry:  # the ranks' memory copy of the latest state, which the sentinel removes
+                memory = reaper.shared_folder(f"gpu-pretrain-{self.plan.run_dir.name}")
+                self.plan = replace(self.plan, memory_dir=memory)
             if self.plan.nnodes > 1:  # before the dataset: the nodes join (and are heard from) while each builds
                 from supervisor.control.endpoint import open_channel
 
@@ -147,8 +155,7 @@ class Launcher:
                 saved = self.checkpoints() != before or not self.plan.trainer_entry
                 config = self.write_config(restarts, "auto" if saved else self.cfg.checkpoint.resume)
                 if not self.plan.torchrun_contract:
-                    resumes = ("the ranks resume from this run's latest checkpoint" if saved else
-                               "no checkpoint of this run yet: the ranks start again as the first time")
+                    resumes = self.resumes(saved)
                 else:
                     resumes = f"the ranks start again with TORCHELASTIC_RESTART_COUNT={restarts}"
                 self.console.say(f"restart {restarts} of {self.plan.max_restarts} after {result.stop.detail}; "
@@ -292,6 +299,17 @@ class Launcher:
         self.console.say(f"{why}; stopped this node's dataset preparation (prepare_dataset.py, pid {proc.pid}, after "
                          f"{elapsed:.1f} s): no rank was started; exit code {code}", style="bold red")
         return code
+
+    def resumes(self, saved: bool) -> str:
+        """Where the trainer's restarted ranks take the run up: the node's memory copy of the latest state, if one is
+        there, else (or where that copy fails their checks) this run's latest checkpoint, or step 0 before one."""
+        memory = memory_step(self.plan.memory_dir) if self.plan.memory_dir is not None else None
+        if memory is None:
+            return ("the ranks resume from this run's latest checkpoint" if saved else
+                    "no checkpoint of this run yet: the ranks start again as the first time")
+        disk = "this run's latest checkpoint" if saved else "step 0 (no checkpoint of this run yet)"
+        return (f"the ranks resume from step {memory} in this node's memory (from {disk} if that copy fails their "
+                f"checks)")
 
     def restartable(self, result: GroupResult) -> bool:
         """The project's rule (`GroupResult.restartable`: not after a user error), or torchrun's for a program

@@ -26,6 +26,7 @@ from supervisor.control.wire import SECRET_ENV, Timing
 from supervisor.diagnosis.culprit import recorder_pipe
 from supervisor.gpus.preflight import Health
 from supervisor.plan.rendezvous import loopback_interface
+from trainer.checkpoint.layout import MEMORY_DIR_ENV
 from trainer.config import PROJECT_ROOT
 from trainer.diagnosis.flight_recorder import PIPE_ENV
 from trainer.progress import RESTART_COUNT_ENV
@@ -97,6 +98,9 @@ class Plan:
     # torchrun's --local-ranks-filter: the local ranks whose lines reach the console (None: every rank's); the log
     # files keep every rank's
     console_ranks: frozenset[int] | None = None
+    # the trainer's ranks keep their memory copy of the latest state here (under /dev/shm; the supervisor's sentinel
+    # removes it on every exit path): a restart on this node loads it first
+    memory_dir: Path | None = None
 
     @property
     def trainer_entry(self) -> bool:
@@ -178,6 +182,9 @@ class Plan:
         if config_path is not None:
             env[RUN_CONFIG_ENV] = str(config_path)
         env.pop(ERROR_FILE_ENV, None)
+        env.pop(MEMORY_DIR_ENV, None)
+        if self.memory_dir is not None:
+            env[MEMORY_DIR_ENV] = str(self.memory_dir)
         if (error_file := self.error_file(spec, restart)) is not None:
             env[ERROR_FILE_ENV] = str(error_file)
         # The project's ranks get the cores shared out, so their thread pools do not oversubscribe the machine; a

@@ -41,10 +41,38 @@ STRATEGY_OF_FORMAT = {FULL: "ddp", SHARDED: "fsdp"}
 CHECKSUM = "xxh3_64"  # what meta.json records of each file beside its size: tens of GB/s on one core, so a file is
 #                       checked at the speed of the disk it is read from (it finds damage, not tampering)
 READ_CHUNK = 8 << 20
+# The folder of the node's memory copy of the latest state (trainer.checkpoint.memory), under /dev/shm: the supervisor
+# makes it new for each run, names it to the ranks and removes it on every exit path
+MEMORY_DIR_ENV = "SUPERVISOR_MEMORY_DIR"
+MEMORY_PREFIX = "local"  # each rank's copy there is named after its local rank
 # The model keys that decide the parameters' shapes (vocab_size aside: None means the tokenizer's). A model started
 # from `name_or_path` takes its shape from there, whatever the other keys say.
 SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
               "tie_word_embeddings")
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def memory_file(folder: Path, local_rank: int, suffix: str) -> Path:
+    """A rank's memory copy (trainer.checkpoint.memory): `local<i>.bin` (its tensors), `local<i>.json` (its header)."""
+    return folder / f"{MEMORY_PREFIX}{local_rank}.{suffix}"
+
+
+def memory_step(folder: Path) -> int | None:
+    """The step of the node's memory copy as its headers say it; None where there is none, or they disagree. What the
+    supervisor says a restart's ranks will load first (they check the copy before they trust it)."""
+    steps = set()
+    for header in folder.glob(f"{MEMORY_PREFIX}*.json"):
+        try:
+            steps.add(json.loads(header.read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return steps.pop() if len(steps) == 1 else None
 
 
 def check_checkpoint_dir(cfg: Config) -> None:

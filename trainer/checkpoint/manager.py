@@ -26,7 +26,8 @@ import psutil
 
 from trainer.checkpoint import layout, store
 from trainer.checkpoint.background import BackgroundWrite, HostStager
-from trainer.checkpoint.layout import FULL, SHARDED
+from trainer.checkpoint.layout import FULL, SHARDED, human_bytes
+from trainer.checkpoint.memory import MemoryCopy
 from trainer.config import Config
 from trainer.errors import UserError
 from trainer.model.distributed import DistContext, agree_any, broadcast_object
@@ -36,13 +37,6 @@ if TYPE_CHECKING:  # the type alone: the cache module imports tokenizers and num
     from trainer.data.training_data import TrainingData
 
 STAGING_SHARE = 0.5  # checkpoint.async_save=auto stages only when the copy takes at most this share of free memory
-
-
-def human_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass
@@ -92,6 +86,7 @@ class Checkpointer:
         self.in_flight: BackgroundWrite | None = None
         self.saved: list[SaveRecord] = []  # appended by the writer as each save is published (rank 0)
         self.load_s: float | None = None  # how long the resume's load took
+        self.memory = MemoryCopy(cfg, ctx, state, cache.key, log)  # the latest state in the node's shared memory
         # the final model's tokenizer, held from the start: the token cache may be removed while the run trains
         self.tokenizer_json = cache.tokenizer_path.read_text() if cfg.checkpoint.save_final and ctx.is_main else ""
 
@@ -115,6 +110,14 @@ class Checkpointer:
             for note in passed_over:
                 self.log.warning(note)
         path = broadcast_object(path, self.ctx)  # one decision for every rank
+        started = time.perf_counter()
+        if (meta := self.memory.restore(layout.step_of(path) if path is not None else None)) is not None:
+            self.load_s = time.perf_counter() - started
+            self.resumed = meta
+            if self.ctx.is_main:
+                self.log.info(f"resumed from the memory copy in {self.memory.folder} at step {meta.step} (checked and "
+                              f"loaded in {self.load_s:.2f} s; on disk: {path or 'no checkpoint yet'})")
+            return meta.step
         if path is None:
             if self.cfg.checkpoint.resume == "auto" and self.ctx.is_main:
                 self.log.info(f"no checkpoint in {self.root}; starting from step 0")
@@ -159,6 +162,7 @@ class Checkpointer:
                     problem = str(e)
                 else:
                     self.load_s = time.perf_counter() - started
+                    self.memory.forget()  # the live state is the disk's now, not the trajectory the memory copy holds
                     for damaged in passed:
                         self.log.warning(layout.passed_over(damaged, path))
                     return path, meta
@@ -333,6 +337,11 @@ class Checkpointer:
         why = f"still being written after {limit:g} s" if in_flight.error is None else store.one_line(in_flight.error)
         self.log.warning(f"{who}: {in_flight.name} was not published ({why}); the latest checkpoint is "
                          f"{latest if latest is not None else 'none (a resume starts from step 0)'}")
+
+    def snapshot(self, step: int) -> None:
+        """After `step` completed steps: the node's memory copy, when `checkpoint.memory_interval` says one is due."""
+        if self.memory.due(step):
+            self.memory.snapshot(step, self.meta(step))
 
     def poll(self) -> None:
         """At a step boundary: raise this rank's own failure in the write in flight (see `background`)."""

@@ -127,6 +127,9 @@ class CheckpointConfig:
     resume: str | None = None  # None | "auto" | a checkpoint path
     save_final: bool = True
     async_save: bool | str = "auto"  # auto (in the background where the staged copy fits in host memory) | true | false
+    # a snapshot of the latest state in the node's shared memory every N steps (0: none), which a restart on the node
+    # loads first; auto: every step where it costs under 2 % of the step time (trainer.checkpoint.memory)
+    memory_interval: int | str = "auto"
 
 
 @dataclass
@@ -323,11 +326,15 @@ def checkpointing_policy(value: bool | str) -> str:
 
 def normalise_switches(cfg: Config) -> None:
     """`model.gradient_checkpointing` was a boolean: true/false become the policy they always meant (full/none).
-    `system.compile` and `checkpoint.async_save` stay a boolean or "auto"."""
+    `system.compile` and `checkpoint.async_save` stay a boolean or "auto", `checkpoint.memory_interval` a step count
+    or "auto"."""
     cfg.model.gradient_checkpointing = checkpointing_policy(cfg.model.gradient_checkpointing)
     for key, value in (("system.compile", cfg.system.compile), ("checkpoint.async_save", cfg.checkpoint.async_save)):
         if not isinstance(value, bool) and value != "auto":
             raise UserError(f"{key} must be auto, true or false, got '{value}'")
+    if isinstance(interval := cfg.checkpoint.memory_interval, str) and interval != "auto":
+        raise UserError(f"checkpoint.memory_interval must be auto or a number of steps (0: no memory snapshots), got "
+                        f"'{interval}'")
 
 
 def validate(cfg: Config) -> None:

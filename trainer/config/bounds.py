@@ -97,6 +97,7 @@ BOUNDS: dict[str, Bound] = {
     "training.replay_step": NON_NEGATIVE,
     "checkpoint.interval": NON_NEGATIVE,
     "checkpoint.keep": POSITIVE,
+    "checkpoint.memory_interval": NON_NEGATIVE,  # or "auto" (trainer.config.normalise_switches)
     "logging.log_interval": POSITIVE,
     "debug.max_nonfinite_steps": POSITIVE,
     "debug.inject_nan_step": NON_NEGATIVE,
@@ -124,7 +125,7 @@ def check_bounds(cfg: Config) -> None:
     """Every numeric key within its `BOUNDS` (finite, for a float); no folder, file or name left empty."""
     for dotted, bound in BOUNDS.items():
         value = value_of(cfg, dotted)
-        if value is not None and (refusal := bound.refusal(value)):
+        if isinstance(value, (int, float)) and (refusal := bound.refusal(value)):  # (a word, "auto": its own check)
             raise UserError(f"{dotted} {refusal}, got {shown(value) if isinstance(value, int) else f'{value:g}'}")
     for dotted in NON_EMPTY:
         value = value_of(cfg, dotted)

@@ -1,0 +1,401 @@
+"""The latest state in the node's shared memory: a snapshot every `checkpoint.memory_interval` steps that a rank's death
+does not take with it, which a restart on the same node loads at memory speed; the disk checkpoints stay the fallback.
+
+Where: the folder the supervisor names in ``SUPERVISOR_MEMORY_DIR`` (under /dev/shm). The supervisor owns it: it makes
+it new for each run, so whatever it holds is this run's, and removes it on every exit path, its sentinel included
+when the supervisor itself is killed (`supervisor.group.reaper`). A run without it (by hand, under torchrun) takes no
+snapshots: nothing would remove them.
+
+What: one copy per rank, `local<i>.bin` (the tensors: allocated once with `posix_fallocate`, so a full /dev/shm is
+an error at the start rather than a SIGBUS later, then rewritten in place) and `local<i>.json` (the header: the
+step, the checkpoint meta, each tensor's name, dtype, shape and offset, the state beside the tensors (scheduler,
+gradient scaler, the optimizer's hyperparameters, the rank's RNGs) and an xxh3-64 checksum of it all). A snapshot
+removes the header before it rewrites the tensors and publishes the new one (rename) after, so a rank killed during
+a snapshot leaves a copy without a header: damaged, never taken for a complete one. DDP's state, which every rank
+holds whole, is split among the node's ranks by bytes (`store.balanced_share`, by local rank): each node keeps one
+whole copy, each rank its share of it; FSDP2's shards are each rank's own.
+
+Restoring (collective, `restore`): the ranks check the copies they need (headers, sizes, checksums: each rank
+checksums its share of the node's copies), that they are of one step and of this run's model, data and format, and
+agree; then each copies the tensors into its live model and optimizer state in place. Anything wrong on any rank: every
+rank resumes from disk, rank 0 saying why in one line.
+
+Cost: the copy of the rank's share, its checksum and the header, on the training thread (on a GPU the copy waits for
+the step's kernels). `checkpoint.memory_interval=auto` times the first snapshots against the steps and keeps the cost
+under `COST_SHARE` of the step time: a snapshot every step where that holds, else every few steps, alike on every rank.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import logging
+import math
+import mmap
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.tensor import DTensor
+
+from trainer.checkpoint import store
+from trainer.checkpoint.layout import FULL, MEMORY_DIR_ENV, human_bytes, memory_file
+from trainer.config import Config
+from trainer.model.distributed import DistContext, agree_any, gather_objects
+from trainer.progress import restart_count
+
+COST_SHARE = 0.02  # `auto`: a snapshot may cost this share of the step time
+TIMED = 5  # `auto`: snapshots timed (after the first, which allocates) before the interval is decided
+ALIGN = 64  # each tensor's offset in the copy: any dtype's view of it is aligned
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a copy: where it lies in `local<i>.bin`."""
+
+    name: str  # `model/<key>` or `optim/<parameter>/<state key>`
+    dtype: str  # torch's name without the module: float32, bfloat16, ...
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def local_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a sharded parameter's (or its optimizer state's) local shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def live_tensors(state: store.TrainState) -> dict[str, torch.Tensor]:
+    """Every tensor of the live model and optimizer state by name, as the tensors training updates in place (taken
+    anew at each snapshot: a rollback or a resume replaces the optimizer's)."""
+    tensors = {f"model/{key}": local_view(value) for key, value in state.model.state_dict().items()}
+    names = {id(p): name for name, p in state.model.named_parameters()}
+    for param, values in state.optimizer.state.items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{names[id(param)]}/{key}"] = local_view(value)
+    return tensors
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def plan_layout(tensors: dict[str, torch.Tensor]) -> list[Entry]:
+    entries, offset = [], 0
+    for name, tensor in tensors.items():
+        entries.append(Entry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset,
+                             nbytes(tensor)))
+        offset += -(-nbytes(tensor) // ALIGN) * ALIGN
+    return entries
+
+
+def view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
+    return buffer[entry.offset:entry.offset + entry.nbytes].view(getattr(torch, entry.dtype)).view(entry.shape)
+
+
+def encode(obj: Any) -> str:
+    out = io.BytesIO()
+    torch.save(obj, out)
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def decode(text: str) -> Any:
+    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=True)
+
+
+class MemoryCopy:
+    """This rank's copy of the latest state in the node's shared memory, and the restore from the node's copies.
+    Every rank holds one; `snapshot` and `restore` are called by every rank at the same steps."""
+
+    def __init__(self, cfg: Config, ctx: DistContext, state: store.TrainState, cache_key: str,
+                 log: logging.Logger) -> None:
+        self.cfg, self.ctx, self.state, self.cache_key, self.log = cfg, ctx, state, cache_key, log
+        folder = os.environ.get(MEMORY_DIR_ENV)
+        setting = cfg.checkpoint.memory_interval
+        self.folder = Path(folder) if folder and setting != 0 else None
+        self.interval: int | None = setting if isinstance(setting, int) else None  # None: `auto`, not yet decided
+        self.local_rank = ctx.env.local_rank
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.entries: list[Entry] = []
+        self.listed: list[dict[str, Any]] = []  # the entries as the header lists them
+        self.shares: dict[tuple[tuple[str, int], ...], set[str]] = {}  # `share`'s split, by the tensors' names and sizes
+        self.buffer: torch.Tensor | None = None  # the mapped `local<i>.bin`, as bytes
+        self.mapped: mmap.mmap | None = None
+        self.timed: list[tuple[float, float]] = []  # `auto`: (start, seconds) of each snapshot so far
+
+    def path(self, local_rank: int, suffix: str) -> Path:
+        assert self.folder is not None
+        return memory_file(self.folder, local_rank, suffix)
+
+    # -- snapshots ---------------------------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        return self.folder is not None and (self.interval is None or step % self.interval == 0)
+
+    def snapshot(self, step: int, meta: store.CheckpointMeta) -> None:
+        """The state after `step` completed steps, copied into this rank's copy, when one is due (collective the first
+        time, when the copies are allocated, and once more under `auto`, when the interval is decided)."""
+        if not self.due(step):
+            return
+        started = time.perf_counter()
+        tensors = self.share(live_tensors(self.state))
+        if not self.ready(tensors):
+            return
+        header = self.path(self.local_rank, "json")
+        try:
+            header.unlink(missing_ok=True)  # until the new one is published, this copy is damaged, never complete
+            assert self.buffer is not None and self.mapped is not None
+            with torch.no_grad():
+                for entry in self.entries:
+                    view(self.buffer, entry).copy_(tensors[entry.name])
+            extra = encode(self.beside_tensors())
+            digest = xxhash.xxh3_64(memoryview(self.mapped)[:self.size])
+            digest.update(extra.encode())
+            tmp = header.with_suffix(".tmp")
+            tmp.write_text(json.dumps({
+                "step": step, "rank": self.ctx.rank, "world_size": self.ctx.world_size,
+                "local_world_size": self.local_world, "format": self.state.format, "bytes": self.size,
+                "entries": self.listed, "meta": vars(meta), "extra": extra,
+                "xxh3_64": digest.hexdigest()}))
+            tmp.rename(header)
+        except OSError as e:  # the supervisor removed the folder (the run is ending), or it is full
+            self.log.warning(f"[GPU {self.ctx.gpu_id}] memory snapshots stopped: {e.strerror or e} in {self.folder}; "
+                             f"a restart resumes from the disk checkpoints")
+            self.release()
+            return
+        self.decide(started, time.perf_counter() - started)
+
+    def share(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of the node's copy: its share of a state every rank holds whole (DDP), else all of it."""
+        if self.state.format != FULL or self.local_world == 1:
+            return tensors
+        sizes = tuple((name, nbytes(t)) for name, t in tensors.items())
+        if (mine := self.shares.get(sizes)) is None:
+            mine = self.shares[sizes] = store.balanced_share(dict(sizes), self.local_rank, self.local_world)
+        return {name: t for name, t in tensors.items() if name in mine}
+
+    @property
+    def size(self) -> int:
+        return self.entries[-1].offset + self.entries[-1].nbytes if self.entries else 0
+
+    def ready(self, tensors: dict[str, torch.Tensor]) -> bool:
+        """The copy allocated for these tensors: at the first snapshot (every rank agrees: a node's copy without one
+        rank's share is no copy) or when they changed. False where it could not be (snapshots are then off)."""
+        entries = plan_layout(tensors)
+        if [(e.name, e.dtype, e.shape) for e in entries] == [(e.name, e.dtype, e.shape) for e in self.entries]:
+            return True
+        first = not self.entries
+        self.release()
+        self.entries, self.listed = entries, [asdict(e) for e in entries]
+        problem = self.allocate()
+        if first and agree_any(problem is not None, self.ctx):
+            if self.ctx.is_main:
+                self.log.warning(f"memory snapshots off: {problem or 'another rank could not allocate its copy'}; a "
+                                 f"restart resumes from the disk checkpoints")
+            self.release()
+            self.folder = None
+            return False
+        if problem is not None:
+            self.log.warning(f"[GPU {self.ctx.gpu_id}] memory snapshots stopped: {problem}")
+            self.release()
+            self.folder = None
+            return False
+        if first and self.ctx.is_main:
+            self.log.info(f"memory snapshots in {self.folder}: {human_bytes(self.size)} per rank "
+                          f"(checkpoint.memory_interval={self.cfg.checkpoint.memory_interval})")
+        return True
+
+    def allocate(self) -> str | None:
+        """Map `local<i>.bin` at this copy's size, its pages reserved; the problem, said, where they cannot be."""
+        path = self.path(self.local_rank, "bin")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, self.size)
+                os.posix_fallocate(fd, 0, self.size)
+                self.mapped = mmap.mmap(fd, self.size)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize if path.parent.is_dir() else 0
+            return (f"a copy of {human_bytes(self.size)} per rank does not fit in {path.parent} "
+                    f"({e.strerror or e}; {human_bytes(free)} free)")
+        self.buffer = torch.frombuffer(self.mapped, dtype=torch.uint8)
+        return None
+
+    def release(self) -> None:
+        self.buffer = None
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
+        self.entries = []
+
+    def beside_tensors(self) -> dict[str, Any]:
+        """What a restore needs beside the tensors: the schedule, the gradient scaler, the optimizer's hyperparameters,
+        this rank's RNGs."""
+        state = self.state
+        return {"scheduler": state.scheduler.state_dict(),
+                "scaler": state.scaler.state_dict() if state.scaler is not None else None,
+                "param_groups": [{k: v for k, v in group.items() if k != "params"}
+                                 for group in state.optimizer.param_groups],
+                "rng": store.rng_state(self.ctx.device)}
+
+    def decide(self, started: float, seconds: float) -> None:
+        """`auto`: after the first snapshots, the interval that keeps their cost under `COST_SHARE` of the step time,
+        agreed on every rank (the largest wins: the copies of one node must be of the same step)."""
+        if self.interval is not None:
+            return
+        self.timed.append((started, seconds))
+        if len(self.timed) < TIMED + 1:
+            return
+        timed = self.timed[1:]
+        cost = statistics.median(s for _, s in timed)
+        step = statistics.median(b - a for (a, _), (b, _) in zip(self.timed, self.timed[1:])) - cost
+        mine = max(1, math.ceil(cost / (COST_SHARE * step))) if step > 0 else 1
+        self.interval = max(gather_objects(mine, self.ctx))
+        if self.ctx.is_main:
+            every = "every step" if self.interval == 1 else f"every {self.interval} steps"
+            self.log.info(f"memory snapshots {every}: {cost * 1000:.1f} ms each, {cost / step:.1%} of a "
+                          f"{step * 1000:.0f} ms step (checkpoint.memory_interval=auto keeps it under "
+                          f"{COST_SHARE:.0%})")
+
+    def forget(self) -> None:
+        """The live state was just loaded from disk: this rank's copy no longer holds its trajectory."""
+        if self.folder is not None:
+            self.path(self.local_rank, "json").unlink(missing_ok=True)
+
+    # -- restoring ---------------------------------------------------------------------------------------------------
+
+    def restore(self, disk_step: int | None) -> store.CheckpointMeta | None:
+        """Collective: the state of the node's copies loaded into the live model and optimizer, when every rank has an
+        intact copy of one step, of this run, not older than the checkpoint on disk a resume would take (`disk_step`);
+        its meta, or None (rank 0 says why in one line where a copy was there, or a restart expected one)."""
+        if self.folder is None:
+            return None
+        store.prime_optimizer(self.state)  # its state's tensors exist, to be named, checked and copied into
+        live = live_tensors(self.state)
+        try:
+            problem, headers = self.check(live)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            problem, headers = f"{self.folder} cannot be read ({type(e).__name__}: {e})", {}
+        steps = {h["step"] for h in headers.values()}
+        if problem is None and len(steps) > 1:
+            problem = f"its copies are of different steps ({', '.join(map(str, sorted(steps)))})"
+        gathered = gather_objects((problem, min(steps) if steps else None, bool(headers)), self.ctx)
+        problem = next((p for p, _, _ in gathered if p is not None), None)
+        found = {s for _, s, _ in gathered if s is not None}
+        if problem is None and len(found) > 1:
+            problem = f"the ranks' copies are of different steps ({', '.join(map(str, sorted(found)))})"
+        step = found.pop() if problem is None and len(found) == 1 else None
+        if problem is None and step is None:  # nowhere a copy: a first start, or no snapshot yet
+            if restart_count() > 0 and self.ctx.is_main:
+                self.log.info(f"no memory copy in {self.folder} (no snapshot was taken before the failure)")
+            return None
+        if problem is None and disk_step is not None and step < disk_step:
+            problem = f"its step {step} is older than the checkpoint on disk (step {disk_step})"
+        if problem is not None:
+            if self.ctx.is_main:
+                self.log.warning(f"the memory copy in {self.folder} is not used: {problem}; resuming from disk")
+            return None
+        self.load(live, headers)
+        return store.CheckpointMeta.from_dict(next(iter(headers.values()))["meta"])
+
+    def needed(self) -> list[int]:
+        """The local ranks whose copies this rank loads: the node's whole copy of a replicated state, else its own."""
+        if self.state.format != FULL:
+            return [self.local_rank]
+        written = json.loads(self.path(0, "json").read_text())["local_world_size"] if self.path(0, "json").exists() \
+            else self.local_world
+        return list(range(written))
+
+    def check(self, live: dict[str, torch.Tensor]) -> tuple[str | None, dict[int, dict[str, Any]]]:
+        """This rank's findings on the copies it needs: the first problem, said, and their headers (none at all where
+        the folder holds no copy of them). Each copy's checksum is checked by one rank of the node."""
+        assert self.folder is not None
+        needed = self.needed()
+        present = [i for i in needed if self.path(i, "json").exists()]
+        if not present and not any(self.path(i, "bin").exists() for i in needed):
+            return None, {}
+        headers: dict[int, dict[str, Any]] = {}
+        for i in needed:
+            header = self.path(i, "json")
+            if not header.exists():
+                return (f"{header} is missing (it is written once a snapshot is complete: the rank died during one, "
+                        f"or the copy was removed)"), headers
+            headers[i] = json.loads(header.read_text())
+        here = store.data_position(self.cfg, self.ctx.world_size)
+        names: set[str] = set()
+        for i, header in headers.items():
+            meta = store.CheckpointMeta.from_dict(header["meta"])
+            if (problem := self.misfit(i, header, meta, here, live)) is not None:
+                return problem, headers
+            names.update(e["name"] for e in header["entries"])
+            if (i % self.local_world == self.local_rank or self.state.format != FULL) and \
+                    (problem := self.damage(i, header)) is not None:
+                return problem, headers
+        if missing := sorted(set(live) - names):
+            return f"the copies hold no {missing[0]} ({len(missing)} tensors missing)", headers
+        return None, headers
+
+    def misfit(self, i: int, header: dict[str, Any], meta: store.CheckpointMeta, here: dict[str, int],
+               live: dict[str, torch.Tensor]) -> str | None:
+        """Why local rank `i`'s copy is not of this run's model, data, format and ranks, said; None where it is."""
+        where = self.path(i, "json")
+        if meta.cache_key != self.cache_key:
+            return f"{where} is of another dataset"
+        if meta.model_shapes != store.shape_signature(self.state.model) or header["format"] != self.state.format:
+            return f"{where} is of another model or format"
+        if store.sample_order(meta.data) != store.sample_order(here):
+            return f"{where} is of another sample order ({meta.data})"
+        if self.state.format != FULL and (header["rank"] != self.ctx.rank
+                                          or header["world_size"] != self.ctx.world_size):
+            return f"{where} holds rank {header['rank']} of {header['world_size']}'s shards"
+        for e in header["entries"]:
+            tensor = live.get(e["name"])
+            if tensor is None or list(tensor.shape) != e["shape"] or str(tensor.dtype) != f"torch.{e['dtype']}":
+                return f"{where}: {e['name']} does not fit this model's state"
+        return None
+
+    def damage(self, i: int, header: dict[str, Any]) -> str | None:
+        """Local rank `i`'s tensors against its header: the size, then the checksum (every byte read once)."""
+        path = self.path(i, "bin")
+        size = path.stat().st_size if path.exists() else None
+        if size is None or size < header["bytes"]:
+            return f"{path} is {size or 0:,} bytes, its header needs {header['bytes']:,}"
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), header["bytes"], access=mmap.ACCESS_READ) as data:
+            digest = xxhash.xxh3_64(data)
+        digest.update(header["extra"].encode())
+        if digest.hexdigest() != header["xxh3_64"]:
+            return f"{path} has checksum {digest.hexdigest()}, its header recorded {header['xxh3_64']}"
+        return None
+
+    def load(self, live: dict[str, torch.Tensor], headers: dict[int, dict[str, Any]]) -> None:
+        """Copy the checked copies into the live state in place, then what lies beside the tensors (the RNGs only on
+        the rank that wrote them, in a world of the same size)."""
+        with torch.no_grad():
+            for i, header in headers.items():
+                entries = [Entry(e["name"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"])
+                           for e in header["entries"]]
+                with open(self.path(i, "bin"), "rb") as f, \
+                        mmap.mmap(f.fileno(), header["bytes"], access=mmap.ACCESS_COPY) as data:
+                    buffer = torch.frombuffer(data, dtype=torch.uint8)
+                    for entry in entries:
+                        live[entry.name].copy_(view(buffer, entry))
+                    del buffer
+        own = headers.get(self.local_rank) or next(iter(headers.values()))
+        extra = decode(own["extra"])
+        state = self.state
+        state.scheduler.load_state_dict(extra["scheduler"])
+        if state.scaler is not None and extra["scaler"]:
+            state.scaler.load_state_dict(extra["scaler"])
+        for group, saved in zip(state.optimizer.param_groups, extra["param_groups"]):
+            group.update(saved)
+        if own["rank"] == self.ctx.rank and own["world_size"] == self.ctx.world_size:
+            store.set_rng_state(extra["rng"], self.ctx.device)
