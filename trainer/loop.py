@@ -160,7 +160,10 @@ class Trainer:
                                                                    self.scaler), self.data, self.log, progress,
                                         fault=self.faults.during_checkpoint, stall=self.faults.stall_write,
                                         loop_state=self.loop_state)
-        self.guard = NanGuard(self.module, cfg, rank=ctx.rank, world_size=ctx.world_size, gpu_id=ctx.gpu_id,
+        # a replay: the NaN diagnostics on, the `auto` choices they would change left as the run made them
+        diagnosed = cfg if self.replay_step is None else replace(
+            cfg, debug=replace(cfg.debug, nan_localize=True, nan_dump=True))
+        self.guard = NanGuard(self.module, diagnosed, rank=ctx.rank, world_size=ctx.world_size, gpu_id=ctx.gpu_id,
                               device=self.device, run_dir=run_dir, checkpoint_dir=self.checkpoints.root)
         self.kept = KeptParameters(self.params) if t.nan_recompute else None
         if self.kept is not None:

@@ -7,9 +7,11 @@ The ranks resume from it, train the same batches up to step N (the batch order i
 `training.skip_batches` included: the skips the run recorded are taken from its history), run step N with the NaN
 diagnostics of debug mode on (the first non-finite module, every NaN gradient, the dumps), say which documents step
 N's batch holds, and stop (`training.replay_step`, read by `trainer.loop`). N is the step as the log lines count it.
+The config keeps the run's `debug` keys: the loop turns the diagnostics on for a replay itself, so that the `auto`
+choices they would change (`trainer.config.choices`: compiled layers, the loss path) stay the run's.
 
 Bit-exact: with the same number of ranks on the same kind of device the replayed steps print the losses the run
-printed. `--nproc M` folds the run's W ranks onto M (the accumulation raised by W/M, the same global batch and
+printed (checked on CPU ranks, compiled layers included: the hooks are traced into them). `--nproc M` folds the run's W ranks onto M (the accumulation raised by W/M, the same global batch and
 batches): the sums over ranks become sums over micro-batches, so the losses agree to rounding only.
 
 The replay writes into a run folder of its own (its checkpoints, dumps and reports under it); the original run's
@@ -91,12 +93,11 @@ def plan(source: Path, step: int, nproc: int | None, log_dir: Path) -> Replay:
         replay.notes.append(f"--nproc {nproc}: the run's {world_size} ranks folded onto {nproc} (accumulation "
                             f"{t.grad_accum_nums}): the same batches, losses equal to rounding, not bit-exact")
         replay.world_size = nproc
-    c, d, log = replay.config.checkpoint, replay.config.debug, replay.config.logging
+    c = replay.config.checkpoint
     c.resume = str(checkpoint) if checkpoint is not None else None
     c.dir = str(log_dir)
     c.interval, c.save_final = 0, False  # nothing to keep but what the diagnostics dump
-    d.nan_localize = d.nan_dump = True
-    log.wandb = False  # a replay is no run of the project to chart
+    replay.config.logging.wandb = False  # a replay is no run of the project to chart
     start = f"from {checkpoint}" if checkpoint is not None else "from step 0 (no checkpoint of the run at or before it)"
     replay.notes.insert(0, f"replay of step {step} of {source}: {start} on {replay.world_size} rank"
                            f"{'s' * (replay.world_size != 1)}, with the NaN diagnostics on; then it stops")
