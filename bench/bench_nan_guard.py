@@ -6,8 +6,8 @@ figure on a busy machine), and the guard's own calls timed alone. Each step foll
 every `--log-interval` steps both do the loop's log-step host reads (loss and grad norm), and the guarded one also
 calls `on_log`. Host synchronisations are counted with `trainer.diagnosis.host_sync.HostSyncCounter` (a TorchDispatchMode
 counting `aten._local_scalar_dense` — item/bool/float — plus wrapped `Tensor.tolist`/`Tensor.cpu`) around whole steps.
-A debug-mode row shows what localisation costs. Single process: the multi-rank guard adds one all-gather of 3 float32
-per rank per step, which this does not time.
+A debug-mode row shows what localisation costs. Single process: the multi-rank guard adds one all-gather of 4 float32
+per rank per step (3 flags and the local loss), which this does not time.
 
     .venv/bin/python bench/bench_nan_guard.py [--steps 60] [--log-interval 10]
 """
