@@ -53,7 +53,7 @@ def test_python_without_the_dependencies_is_refused_before_anything_starts(tmp_p
     out = run_bootstrap({"PYTHON": str(bare)})
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr == (f"error: PYTHON={bare}: {bare} lacks torch, transformers, datasets, tokenizers, numpy, psutil, "
-                          f"rich, filelock, nvidia-ml-py, safetensors, matplotlib, python-hostlist, zstandard, pyarrow; "
+                          f"rich, filelock, nvidia-ml-py, safetensors, matplotlib, python-hostlist, zstandard, pyarrow, xxhash; "
                           f"install them with "
                           f"{bare} -m pip install -e '{ROOT}', or leave PYTHON and VIRTUAL_ENV unset to use the "
                           f"project's own environment\n")
