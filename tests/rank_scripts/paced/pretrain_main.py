@@ -25,9 +25,9 @@ if __name__ == "__main__":
     PACE = float(os.environ["PACED_STEP_S"])
     before_step = FaultInjector.before_step
 
-    def paced(self: FaultInjector, step: int) -> None:
+    def paced(self: FaultInjector, step: int, data_step: int | None = None) -> None:
         time.sleep(PACE)
-        before_step(self, step)
+        before_step(self, step, data_step)
 
     FaultInjector.before_step = paced  # type: ignore[method-assign]
     main = str(Path(__file__).resolve().parents[3] / "pretrain_main.py")
