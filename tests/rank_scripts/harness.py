@@ -24,7 +24,10 @@ SEAM_KEYS = ("SUPERVISOR_FAKE_GPUS", "SUPERVISOR_FAKE_GPU_STATE", "CUDA_VISIBLE_
              "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SUPERVISOR_PROGRESS_FD", "SLURM_JOB_ID",
              "SLURM_NNODES", "SLURM_JOB_NUM_NODES", "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_NTASKS",
              "SLURMD_NODENAME", "SLURM_RESTART_COUNT", "SUPERVISOR_CONTROL_SECRET", "SUPERVISOR_CONTROL_SECRET_FILE",
-             "SUPERVISOR_NODE_EXCLUSION")
+             "SUPERVISOR_NODE_EXCLUSION",
+             # inductor writes its cache folder into the environment of a process that compiled (this test process,
+             # after an in-process compile): a supervisor started with it would keep it instead of the run folder's
+             "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 CONTROL_SECRET = "a-test-secret-of-the-control-channel"  # what two node supervisors of a test share
 
 _started: list["Run"] = []
