@@ -1,4 +1,4 @@
-"""Restart benchmark: training under repeated faults, the supervisor against torchrun --max-restarts, on the same trainer.
+"""Restart benchmark: training under repeated faults, the supervisor against torchrun --max-restarts, one trainer.
 
     python bench/bench_restart.py [--steps 60] [--every 13] [--interval 10]
 
@@ -20,7 +20,10 @@ goodput without faults. Figures per run, from rank 0's step lines stamped as the
   final loss       rank 0's mean loss over the ranks at the last step (`[all ranks] step N-1/N | mean loss`)
 
 The runs alternate launchers (supervisor, torchrun, supervisor, torchrun), so that the machine's other load falls on
-both alike; the ratios are the supervisor's figure over torchrun's in the same command.
+both alike; the ratios are the supervisor's figure over torchrun's in the same command. The supervisor's restarts run
+on standby ranks (started once each group trains, importing at the lowest priority): with faults a few seconds of
+training apart on a busy machine they are still importing at the fault, which its supervisor.log and restart lines
+say (`--keep DIR` keeps every run's logs).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,8 +153,8 @@ def row(r: Run, clean: Run) -> str:
     faults = r.fault_to_step()
     each = f" ({', '.join(f'{v:.2f}' for v in faults)})" if faults else ""
     mean = f"{statistics.mean(faults):.2f} s{each}" if faults else "—"
-    return (f"| {r.launcher} | {len(r.kills)} | {r.wall:.1f} s | {r.goodput():.2f} (without faults {clean.goodput():.2f})"
-            f" | {mean} | {r.twice()} | {r.final_loss} / {clean.final_loss} |")
+    return (f"| {r.launcher} | {len(r.kills)} | {r.wall:.1f} s | {r.goodput():.2f} (without faults "
+            f"{clean.goodput():.2f}) | {mean} | {r.twice()} | {r.final_loss} / {clean.final_loss} |")
 
 
 def main() -> int:
@@ -158,9 +162,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
     parser.add_argument("--every", type=int, default=13, help="rank 1 killed every N steps (default 13)")
     parser.add_argument("--interval", type=int, default=10, help="checkpoint.interval (default 10)")
+    parser.add_argument("--keep", metavar="DIR", help="run in DIR (a new folder) and keep the runs' logs there")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() if args.keep is None else nullcontext(args.keep) as tmp:
         base = Path(tmp)
+        base.mkdir(exist_ok=True)
         prepare(base)
         runs: dict[tuple[str, bool], Run] = {}
         for faulted in (False, True):

@@ -162,7 +162,8 @@ def test_min_gpus_is_checked_before_anything_starts(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # The same training on fewer GPUs
 
-MICRO_BATCH, STEPS, FAULT_STEP, INTERVAL = 2, 6, 3, 2  # resumed from step_000002, the fault's step run again
+# DDP resumes at step 3 from the node's memory; FSDP2 from step_000002, the fault's step run again
+MICRO_BATCH, STEPS, FAULT_STEP, INTERVAL = 2, 6, 3, 2
 # Losses agree to float summation order only: the gradients of the same 12 (or 4) micro-batches are summed in another
 # order (a gloo all-reduce over 4 or 3 ranks after 3 or 4 local accumulations, against one process accumulating them
 # all), which moves float32 sums by about 1e-7 relative per step; AdamW and 6 steps keep that far below 1e-5. Measured:
@@ -206,8 +207,9 @@ def test_a_lost_gpu_is_left_out_and_training_goes_on_the_same(tmp_path: Path, to
                                                               one_thread: None, gpus: int, accum: int,
                                                               strategy: str) -> None:
     """GPU 1 of `gpus` is lost at step 3; the run restarts without it, with the accumulation raised so the global batch
-    stays, resumes step_000002 (DDP's full state, or FSDP2's shards resharded by DCP) and finishes with the losses of
-    the uninterrupted run, step for step (training_history.json keeps the first group's steps across the restart)."""
+    stays, resumes (DDP: the state three steps in from the node's memory, which holds it whole; FSDP2: step_000002's
+    shards resharded by DCP) and finishes with the losses of the uninterrupted run, step for step
+    (training_history.json keeps the first group's steps across the restart)."""
     global_accum = gpus * accum
     expected = reference_losses(tmp_path, token_cache_dir, global_accum)
     proc = losing_run(tmp_path, token_cache_dir, gpus, accum, strategy)
@@ -217,7 +219,10 @@ def test_a_lost_gpu_is_left_out_and_training_goes_on_the_same(tmp_path: Path, to
     ranks = "1 rank" if gpus == 2 else f"{gpus - 1} ranks"
     assert "GPU fault: GPU 1 (NVML: lost, its error: RuntimeError: CUDA error: uncorrectable ECC error" in out
     assert f"the global batch stays {global_accum * MICRO_BATCH} sequences: accumulation {new_accum} on {ranks}" in out
-    assert f"the ranks resume from this run's latest checkpoint; on {gpus_phrase(left)}" in out
+    # DDP's state is whole in the node's memory, whatever the ranks; FSDP2's shards there are of 4 ranks, not 3
+    memory = "step 3 in this node's memory (from this run's latest checkpoint if that copy fails their checks)"
+    resumes = memory if strategy == "ddp" else "this run's latest checkpoint"
+    assert f"the ranks resume from {resumes}; on {gpus_phrase(left)}" in out
     assert f"resumed on {gpus - 1} × {new_accum}: the same global batch, the same batches" in out
     (run_dir,) = (tmp_path / "logs").iterdir()
     assert json.loads((run_dir / "config.restart1.json").read_text())["training"]["grad_accum_nums"] == new_accum

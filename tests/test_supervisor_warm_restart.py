@@ -3,8 +3,10 @@
 * compiled once per run: torch.compile's caches are in the run folder (`compile-cache/`), so the restarted group's
   first compiled step loads its graphs from inductor's cache instead of compiling them (the rank's log says how many);
 * resumed from memory: the ranks' snapshot of the latest state in the node's shared memory is what a restart loads (no
-  step trained twice, the same final loss as without the fault), and nothing of the run is left in /dev/shm, a
-  SIGKILL of the supervisor included (its sentinel removes the folder);
+  step trained twice, the same final loss as without the fault), and nothing of the run is left in /dev/shm;
+* no import after the fault: the restarted group's ranks are the standby processes that imported what a rank needs
+  while the group before trained; a SIGKILL of the supervisor then leaves no rank, no standby and no memory folder
+  (its sentinel).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
-from rank_scripts.harness import clean_env, start, survivors
+from rank_scripts.harness import Run, clean_env, start, survivors
 from rank_support import TINY, merged, set_flags
 
 from supervisor.plan.spec import COMPILE_CACHE_DIR, Plan, RankSpec
@@ -43,10 +46,11 @@ def test_compile_caches_live_in_the_run_folder_unless_set(tmp_path: Path, monkey
 
 
 def test_a_restart_loads_the_compiled_graphs_from_the_run_folder(tmp_path: Path, token_cache_dir: Path) -> None:
-    """One compiled CPU rank (inductor's C++ kernels), a fault after step 2's checkpoint: the first group compiles
-    every graph, the restarted group's first compiled step finds each of them in the run folder's cache."""
+    """One compiled CPU rank (inductor's C++ kernels), a fault at step 3: the first group compiles every graph, the
+    restarted group's first compiled step (step 3, from the node's memory) finds each of them in the run folder's
+    cache."""
     layer = merged(TINY, {"system": {"compile": True}, "data": {"cache_dir": str(token_cache_dir)},
-                          "training": {"max_steps": 4},
+                          "training": {"max_steps": 5},
                           "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": 2, "async_save": False},
                           "debug": {"inject_fault": "exit", "inject_fault_step": 3, "inject_fault_restart": 0}})
     proc = supervise(tmp_path, layer, "--nproc", "1", "--max-restarts", "1")
@@ -55,7 +59,7 @@ def test_a_restart_loads_the_compiled_graphs_from_the_run_folder(tmp_path: Path,
     cache = run_dir / COMPILE_CACHE_DIR / "inductor"
     said = re.findall(r"torch\.compile: the first forward and backward \(step (\d)\).*; (\d+) of (\d+) graphs from the "
                       r"cache in (\S+)", proc.stdout)
-    assert [(step, folder) for step, _, _, folder in said] == [("0", str(cache)), ("2", str(cache))], proc.stdout
+    assert [(step, folder) for step, _, _, folder in said] == [("0", str(cache)), ("3", str(cache))], proc.stdout
     (_, first_hits, _, _), (_, hits, graphs, _) = said
     assert first_hits == "0" and int(graphs) > 0 and hits == graphs
 
@@ -94,8 +98,8 @@ def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir
     assert not list(Path("/dev/shm").glob(f"gpu-pretrain-{run_dir.name}-*"))
 
 
-def rank_environments(supervisor: int) -> dict[int, dict[str, str]]:
-    """The environment of each of the supervisor's children that is a rank, by pid."""
+def children_environments(supervisor: int) -> dict[int, dict[str, str]]:
+    """The environment each of the supervisor's children was started with (a rank's, a standby's), by pid."""
     found = {}
     for child in psutil.Process(supervisor).children():
         try:
@@ -107,24 +111,41 @@ def rank_environments(supervisor: int) -> dict[int, dict[str, str]]:
     return found
 
 
-def test_a_killed_supervisor_leaves_nothing_in_shared_memory(tmp_path: Path, token_cache_dir: Path) -> None:
-    """SIGKILL to the supervisor while its ranks snapshot every step: the sentinel kills the ranks and removes the
-    memory folder."""
+def wait_until(condition: Callable[[], object], run: Run, what: str, timeout: float = 120) -> None:
+    """Poll `condition` while the supervisor runs, never a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline and run.proc.poll() is None, \
+            f"never {what}: {run.err_path.read_text()[-2000:]}"
+        time.sleep(0.05)
+
+
+def test_a_restart_on_standby_ranks_then_the_supervisor_killed(tmp_path: Path, token_cache_dir: Path) -> None:
+    """Once the standby ranks of restart 1 have imported what a rank needs, rank 1 is SIGKILLed: the restarted group's
+    ranks are those standby processes (no import after the fault, the restart's line says so) and train on from the
+    node's memory. Then SIGKILL to the supervisor: its sentinel kills every rank and standby, and removes the memory
+    folder."""
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 100_000},
                           "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory_interval": 1}})
-    run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", *set_flags(layer), entry=None)
-    deadline = time.monotonic() + 120
-    while True:
-        assert time.monotonic() < deadline and run.proc.poll() is None, run.err_path.read_text()[-2000:]
-        ranks = rank_environments(run.proc.pid)
-        folders = {env[MEMORY_DIR_ENV] for env in ranks.values()}
-        if len(folders) == 1 and len(list(Path(*folders).glob("local*.json"))) == 2:
-            break
-        time.sleep(0.05)
+    run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", "2", *set_flags(layer),
+                entry=None)
+    wait_until(lambda: list(run.log_dir.glob("*/supervisor.log")) and "standby ranks for restart 1 ready" in
+               next(run.log_dir.glob("*/supervisor.log")).read_text(), run, "had its standby ranks ready")
+    ranks = children_environments(run.proc.pid)
+    standbys = {pid for pid, env in ranks.items() if env["SUPERVISOR_RESTART_COUNT"] == "1"}
+    (rank_1,) = [pid for pid, env in ranks.items() if env["RANK"] == "1" and env["SUPERVISOR_RESTART_COUNT"] == "0"]
+    os.kill(rank_1, signal.SIGKILL)
+    run.wait_for_stderr("restart 1 of 2 after CPU1 (rank 1) failed: SIGKILL (137); the ranks resume from step ")
+    wait_until(lambda: "----- restart 1 of 2 -----" in (log := (run.run_dir() / "cpu0.log").read_text()) and
+               "Step [" in log.split("----- restart 1 of 2 -----")[1], run, "trained after the restart")
+    assert "; on 2 standby ranks, whose imports were done before the fault" in run.err_path.read_text()
+    assert len(standbys) == 2 and standbys <= set(children_environments(run.proc.pid))  # they are the ranks now
+    assert "resumed from the memory copy in " in (run.run_dir() / "cpu0.log").read_text()
+    everything = [p.pid for p in psutil.Process(run.proc.pid).children(recursive=True)]
+    (folder,) = {Path(env[MEMORY_DIR_ENV]) for env in ranks.values()}
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()
-    assert survivors(list(ranks)) == []
-    (folder,) = map(Path, folders)
+    assert survivors(everything) == []
     deadline = time.monotonic() + 10
     while folder.exists() and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -91,7 +91,7 @@ from trainer.model.distributed import (
 from trainer.model.estimate import GiB, model_shape
 from trainer.model.loss import CausalLMLoss, choose_loss
 from trainer.model.optim import build_optimizer, build_scheduler, resolve_precision
-from trainer.progress import RENDEZVOUS_PHASE, ProgressReporter, device_label, gpu_id
+from trainer.progress import RENDEZVOUS_PHASE, ProgressReporter, device_label, gpu_id, restart_may_follow
 from trainer.run_dir import agree_run_dir
 from trainer.wandb_run import start_wandb
 
@@ -406,7 +406,9 @@ class Trainer:
             finally:  # a worker found dead while closing must not cost the run its history
                 if self.history is not None:
                     self.history.run_info["sources"] = self.data.history(self.sampler, self.completed)
-                    self.history.save(status)
+                    # a failed group that a restart may follow does not draw the plot (a second of matplotlib
+                    # before the supervisor can restart): the group that ends the run draws the whole curve
+                    self.history.save(status, plot=status != "failed" or not restart_may_follow())
                     self.history.close()
 
     def train(self) -> str:

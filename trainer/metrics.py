@@ -198,10 +198,10 @@ class History:
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=record.step)
 
-    def save(self, status: str) -> None:
-        """Write the JSON and the plot if asked for (atomically; called at the end and when the run fails). What
-        cannot be written (a full disk) is a warning: the run's result is its checkpoints and final model, and a
-        finished run does not fail for want of its history."""
+    def save(self, status: str, plot: bool = True) -> None:
+        """Write the JSON and the plot if asked for (atomically; called at the end and when the run fails; `plot`
+        False leaves the plot to a later save). What cannot be written (a full disk) is a warning: the run's result is
+        its checkpoints and final model, and a finished run does not fail for want of its history."""
         self.status = status
         data = {"run": {**self.run_info, "status": status}, "steps": [asdict(r) for r in self.records],
                 "checkpoints": [asdict(r) for r in list(self.checkpoints)], "spikes": self.spikes}
@@ -214,7 +214,7 @@ class History:
             with suppress(OSError):  # a folder gone or a file in its way: no temporary file either
                 tmp.unlink(missing_ok=True)
             self.cannot_write(self.run_dir / HISTORY_JSON, e)
-        if self.writes_plot:
+        if self.writes_plot and plot:
             try:
                 self.plot(self.run_dir / HISTORY_PNG)
             except Exception as e:  # whatever matplotlib raises on a write that fails: the plot is a convenience

@@ -104,6 +104,13 @@ def restart_count() -> int:
     return int(os.environ.get(RESTART_COUNT_ENV) or 0)
 
 
+def restart_may_follow() -> bool:
+    """Whether a failure of this group may be followed by a restart: the launcher (the supervisor, or torchrun) has
+    restarts left (`TORCHELASTIC_RESTART_COUNT` below `TORCHELASTIC_MAX_RESTARTS`)."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    return restarts < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+
+
 def device_label(uses_cuda: bool) -> str:
     """``GPU3`` for the rank on physical GPU 3; ``CPU<local rank>`` for a CPU rank."""
     local_rank = os.environ.get("LOCAL_RANK", "0")

@@ -33,6 +33,7 @@ SHARED_MEMORY = Path("/dev/shm")  # tmpfs on Linux: files there live in memory, 
 class Reaper:
     def __init__(self) -> None:
         self.token = os.urandom(16).hex()  # every rank's environment carries it (see Plan.rank_env's caller)
+        self.kept: set[int] = set()  # children that outlive a group: the next group's standby ranks
         read_end, self.fd = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the sentinel
@@ -68,15 +69,21 @@ class Reaper:
         return path
 
     def sweep(self, wait: float) -> None:
-        """Kill every process still below the supervisor but this sentinel: children that left their rank's process
-        group, and orphans re-parented to the supervisor (a child subreaper). Then reap them (`wait` seconds at most),
-        so none is left even as a zombie."""
-        if direct_children() == {self.pid}:
+        """Kill every process still below the supervisor but this sentinel and the kept ones (standby ranks, with
+        their descendants): children that left their rank's process group, and orphans re-parented to the supervisor
+        (a child subreaper). Then reap them (`wait` seconds at most), so none is left even as a zombie."""
+        if direct_children() == {self.pid, *self.kept}:
             return  # the common case, known without walking the process table
         import psutil
 
+        spared = {self.pid, *self.kept}
+        for pid in self.kept:
+            try:
+                spared |= {child.pid for child in psutil.Process(pid).children(recursive=True)}
+            except psutil.Error:
+                continue  # gone: its descendants, if any, are orphans to sweep
         try:
-            leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid != self.pid]
+            leftovers = [p for p in psutil.Process().children(recursive=True) if p.pid not in spared]
         except psutil.Error:
             return
         for p in leftovers:

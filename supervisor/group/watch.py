@@ -26,6 +26,7 @@ import selectors
 import signal
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
@@ -79,8 +80,12 @@ class GroupResult:
 
 class Watch:
     def __init__(self, plan: Plan, workers: list[Worker], pump: Pump, tails: dict[int, Stream], console: Console,
-                 signals: SignalInbox, reaper: Reaper, control: ControlChannel | None = None) -> None:
+                 signals: SignalInbox, reaper: Reaper, control: ControlChannel | None = None,
+                 on_training: Callable[[], None] | None = None) -> None:
+        """`on_training`: called once, when every rank has reported a step (the agent starts the next group's standby
+        ranks then, not during this group's start-up)."""
         self.plan, self.workers, self.pump, self.tails = plan, workers, pump, tails
+        self.on_training = on_training
         self.console, self.signals, self.reaper, self.control = console, signals, reaper, control
         now, wall = time.monotonic(), time.time()
         self.states = {w.spec.rank: RankState(now, wall, console.writing_time()) for w in workers}
@@ -392,3 +397,6 @@ class Watch:
                 self.straggler_history.append(found)
                 if failure := stragglers.record(self.plan.run_dir, self.straggler_history):
                     self.console.say(failure, style="yellow")
+        if self.on_training is not None and self.stop is None and all(s.event == "step" for s in self.states.values()):
+            on_training, self.on_training = self.on_training, None
+            on_training()

@@ -26,7 +26,7 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from supervisor.plan.spec import RankSpec
@@ -88,6 +88,7 @@ class Worker:
     term_sent_at: float | None = None
     killed: bool = False  # its group got SIGKILL from us
     pidfd: int | None = None  # readable once the rank has exited; None where the kernel has no pidfd_open
+    env: dict[str, str] = field(default_factory=dict)  # the environment it was started with
 
     @property
     def pid(self) -> int:
@@ -102,8 +103,10 @@ class Worker:
         return self.exit_code is None
 
     @classmethod
-    def spawn(cls, spec: RankSpec, argv: list[str], env: dict[str, str], stdin: bool = False) -> "Worker":
-        """`stdin`: the rank reads the supervisor's stdin, else /dev/null."""
+    def spawn(cls, spec: RankSpec, argv: list[str], env: dict[str, str], stdin: bool = False,
+              keep_fds: tuple[int, ...] = ()) -> "Worker":
+        """`stdin`: the rank reads the supervisor's stdin, else /dev/null; `keep_fds`: more descriptors it inherits
+        (a standby's socket, `supervisor.group.standby`)."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         prog_r, prog_w = os.pipe()
@@ -113,7 +116,7 @@ class Worker:
         env = {**env, PROGRESS_FD_ENV: str(prog_w)}
         try:
             process = subprocess.Popen(argv, env=env, stdin=None if stdin else subprocess.DEVNULL, stdout=out_w,
-                                       stderr=err_w, pass_fds=(prog_w,), start_new_session=True,
+                                       stderr=err_w, pass_fds=(prog_w, *keep_fds), start_new_session=True,
                                        preexec_fn=die_with_parent(os.getpid()))
         except BaseException:
             for fd in (out_r, err_r, prog_r):
@@ -126,7 +129,7 @@ class Worker:
             pidfd: int | None = os.pidfd_open(process.pid)
         except (AttributeError, OSError):
             pidfd = None
-        return cls(spec, process, out_r, err_r, prog_r, time.monotonic(), pidfd=pidfd)
+        return cls(spec, process, out_r, err_r, prog_r, time.monotonic(), pidfd=pidfd, env=env)
 
     def has_exited(self) -> bool:
         """True once the rank is a zombie; does not reap it."""

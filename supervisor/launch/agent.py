@@ -57,6 +57,7 @@ from supervisor.gpus.exclusion import Exclusion
 from supervisor.group.pump import Pump, Stream
 from supervisor.group.reaper import TOKEN_ENV, Reaper
 from supervisor.group.signals import Interrupted, SignalInbox, interruptible
+from supervisor.group.standby import Standbys
 from supervisor.group.watch import GroupResult, Watch
 from supervisor.group.worker import Worker, become_subreaper, die_with_parent
 from supervisor.plan.rendezvous import PortReservation, check_port_free
@@ -89,6 +90,7 @@ class Launcher:
         self.plan, self.cfg, self.console = plan, cfg, console
         self.exclusions: list[Exclusion] = []
         self.verdict: gpu_fault.Verdict | None = None  # the last failure's diagnosis (GPU runs only)
+        self.standbys: Standbys | None = None  # the next group's ranks, started while this one trains
         self.footer: Any = None  # supervisor.report.footer.Footer, in terminal mode only (rich loads only then)
         if console.terminal:
             from supervisor.report.footer import Footer
@@ -158,8 +160,9 @@ class Launcher:
                     resumes = self.resumes(saved)
                 else:
                     resumes = f"the ranks start again with TORCHELASTIC_RESTART_COUNT={restarts}"
+                warm = self.standbys.summary(result.stop.at) if self.standbys is not None and not layout else ""
                 self.console.say(f"restart {restarts} of {self.plan.max_restarts} after {result.stop.detail}; "
-                                 f"{resumes}{layout}", style="bold yellow")
+                                 f"{resumes}{layout}{warm}", style="bold yellow")
             self.console.stop_footer()
             if result.exit_code != 0 and self.verdict is not None and self.verdict.gpu_fault:
                 self.record(exclusion.NodeFault.here(self.verdict.faulty), "the GPU fault", "leave this node out")
@@ -172,6 +175,8 @@ class Launcher:
             return result.exit_code
         finally:
             self.console.stop_footer()
+            if self.standbys is not None:
+                self.standbys.close()
             if control is not None:
                 control.close(wait=self.plan.grace_period)
             if signals is not None:
@@ -303,7 +308,7 @@ class Launcher:
     def resumes(self, saved: bool) -> str:
         """Where the trainer's restarted ranks take the run up: the node's memory copy of the latest state, if one is
         there, else (or where that copy fails their checks) this run's latest checkpoint, or step 0 before one."""
-        memory = memory_step(self.plan.memory_dir) if self.plan.memory_dir is not None else None
+        memory = memory_step(self.plan.memory_dir, self.plan.world_size) if self.plan.memory_dir is not None else None
         if memory is None:
             return ("the ranks resume from this run's latest checkpoint" if saved else
                     "no checkpoint of this run yet: the ranks start again as the first time")
@@ -377,10 +382,21 @@ class Launcher:
             return None
         cfg = copy.deepcopy(self.cfg)
         cfg.checkpoint.resume = resume
-        path = self.plan.run_dir / ("config.json" if restart == 0 else f"config.restart{restart}.json")
+        path = self.config_path(restart)
         with run_folder_writes(self.plan.run_dir):
             cfg.save(path)
         return path
+
+    def config_path(self, restart: int) -> Path:
+        return self.plan.run_dir / ("config.json" if restart == 0 else f"config.restart{restart}.json")
+
+    def start_standbys(self, restart: int, reaper: Reaper) -> None:
+        """The standby ranks of group `restart` (`supervisor.group.standby`), once the group before it trains; where
+        the machine cannot give them (no descriptors left), that restart spawns its ranks as ever."""
+        try:
+            self.standbys = Standbys(self.plan, restart, self.config_path(restart), reaper, self.console)
+        except OSError as e:
+            self.console.log(f"no standby ranks for restart {restart} ({e.strerror or e}): it spawns its ranks")
 
     def run_group(self, config_path: Path | None, restart: int, signals: SignalInbox, reaper: Reaper,
                   control: ControlChannel | None) -> GroupResult:
@@ -404,7 +420,8 @@ class Launcher:
                 env = {**plan.rank_env(spec, master_port, config_path, restart), TOKEN_ENV: reaper.token}
                 argv = plan.argv(config_path)
                 try:
-                    worker = Worker.spawn(spec, argv, env, stdin=spec.rank == 0)
+                    worker = (self.standbys.take(spec, env, argv) if self.standbys is not None else None) or \
+                        Worker.spawn(spec, argv, env, stdin=spec.rank == 0)
                 except OSError as e:
                     program = " ".join(argv[:len(argv) - len(plan.entry_args)])
                     raise UserError(f"cannot start {program}: {e.strerror or e}") from None
@@ -421,7 +438,13 @@ class Launcher:
                 tails[w.spec.rank] = pump.add(w.stderr_fd, prefix, 2 if shown else None, log_fds[w.spec.rank],
                                               keep_tail=True)
             pump.start()
-            watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control)
+            if self.standbys is not None:  # those not taken (a layout without a faulty GPU): dismissed
+                self.standbys.close()
+                self.standbys = None
+            # the next group's standby ranks start once this one trains, so that their imports slow no start-up
+            warm = plan.trainer_entry and not plan.torchrun_contract and restart < plan.max_restarts
+            watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control,
+                          on_training=(lambda: self.start_standbys(restart + 1, reaper)) if warm else None)
             if self.footer is not None:
                 from supervisor.report.footer import group_rows  # rich, in terminal mode only
                 self.footer.rows = lambda: group_rows(watch)

@@ -44,7 +44,7 @@ READ_CHUNK = 8 << 20
 # The folder of the node's memory copy of the latest state (trainer.checkpoint.memory), under /dev/shm: the supervisor
 # makes it new for each run, names it to the ranks and removes it on every exit path
 MEMORY_DIR_ENV = "SUPERVISOR_MEMORY_DIR"
-MEMORY_PREFIX = "local"  # each rank's copy there is named after its local rank
+MEMORY_PREFIX = "local"  # each rank's copies there are named after its local rank
 # The model keys that decide the parameters' shapes (vocab_size aside: None means the tokenizer's). A model started
 # from `name_or_path` takes its shape from there, whatever the other keys say.
 SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
@@ -58,21 +58,34 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def memory_file(folder: Path, local_rank: int, suffix: str) -> Path:
-    """A rank's memory copy (trainer.checkpoint.memory): `local<i>.bin` (its tensors), `local<i>.json` (its header)."""
-    return folder / f"{MEMORY_PREFIX}{local_rank}.{suffix}"
+def memory_file(folder: Path, local_rank: int, slot: int, suffix: str) -> Path:
+    """One of a rank's two copies in the node's memory (trainer.checkpoint.memory): `local<i>.<slot>.bin` (its tensors),
+    `local<i>.<slot>.json` (its header)."""
+    return folder / f"{MEMORY_PREFIX}{local_rank}.{slot}.{suffix}"
 
 
-def memory_step(folder: Path) -> int | None:
-    """The step of the node's memory copy as its headers say it; None where there is none, or they disagree. What the
-    supervisor says a restart's ranks will load first (they check the copy before they trust it)."""
-    steps = set()
-    for header in folder.glob(f"{MEMORY_PREFIX}*.json"):
+def memory_copies(folder: Path) -> dict[int, dict[int, dict[str, Any]]]:
+    """The steps of which the node's memory holds a whole copy, each with its copies' headers by local rank: a step
+    whose writers (its headers' `local_world_size` of them) all published a header for it. Headers only: the ranks
+    check the tensors before they trust them."""
+    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    for path in folder.glob(f"{MEMORY_PREFIX}*.json"):
         try:
-            steps.add(json.loads(header.read_text())["step"])
+            header = json.loads(path.read_text())
+            by_step.setdefault(header["step"], {})[header["local_rank"]] = header
         except (OSError, ValueError, KeyError, TypeError):
-            return None
-    return steps.pop() if len(steps) == 1 else None
+            continue  # written only once its copy is complete: one that does not read is no copy
+    return {step: headers for step, headers in by_step.items()
+            if set(headers) == set(range(next(iter(headers.values()))["local_world_size"]))}
+
+
+def memory_step(folder: Path, world_size: int) -> int | None:
+    """The newest step of which the node's memory holds a whole copy that a group of `world_size` ranks can load
+    (FSDP2's shards only on as many ranks as wrote them); None where there is none. What the supervisor says a
+    restart's ranks will load first (they check the copy before they trust it)."""
+    usable = [step for step, headers in memory_copies(folder).items()
+              if all(h["format"] != SHARDED or h["world_size"] == world_size for h in headers.values())]
+    return max(usable, default=None)
 
 
 def check_checkpoint_dir(cfg: Config) -> None:

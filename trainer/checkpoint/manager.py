@@ -117,6 +117,7 @@ class Checkpointer:
             if self.ctx.is_main:
                 self.log.info(f"resumed from the memory copy in {self.memory.folder} at step {meta.step} (checked and "
                               f"loaded in {self.load_s:.2f} s; on disk: {path or 'no checkpoint yet'})")
+                self.say_data(f"the memory copy of step {meta.step}", meta)
             return meta.step
         if path is None:
             if self.cfg.checkpoint.resume == "auto" and self.ctx.is_main:
@@ -133,15 +134,19 @@ class Checkpointer:
             self.last_saved = meta.step  # already on disk where this run saves: no need to write it again
         if self.ctx.is_main:
             self.log.info(f"resumed from {path} at step {meta.step} (loaded in {self.load_s:.1f} s)")
-            here = store.data_position(self.cfg, self.ctx.world_size)
-            if store.sample_order(meta.data) != store.sample_order(here):
-                self.log.warning(f"the data settings changed since {path} ({meta.data}); "
-                                 f"batches will not continue the original order")
-            elif meta.data != here:
-                self.log.info(f"{path} was written by {meta.world_size} ranks × accumulation "
-                              f"{meta.data['grad_accum']}, resumed on {self.ctx.world_size} × "
-                              f"{self.cfg.training.grad_accum_nums}: the same global batch, the same batches")
+            self.say_data(str(path), meta)
         return meta.step
+
+    def say_data(self, what: str, meta: store.CheckpointMeta) -> None:
+        """Rank 0, after a resume: how the batches go on from `what`, written with `meta`'s data settings."""
+        here = store.data_position(self.cfg, self.ctx.world_size)
+        if store.sample_order(meta.data) != store.sample_order(here):
+            self.log.warning(f"the data settings changed since {what} ({meta.data}); "
+                             f"batches will not continue the original order")
+        elif meta.data != here:
+            self.log.info(f"{what} was written by {meta.world_size} ranks × accumulation "
+                          f"{meta.data['grad_accum']}, resumed on {self.ctx.world_size} × "
+                          f"{self.cfg.training.grad_accum_nums}: the same global batch, the same batches")
 
     def load_intact(self, path: Path) -> tuple[Path, store.CheckpointMeta]:
         """Verify the checkpoint `path`'s files, then load it (collective); a damaged one (its files differ from their

@@ -6,19 +6,21 @@ it new for each run, so whatever it holds is this run's, and removes it on every
 when the supervisor itself is killed (`supervisor.group.reaper`). A run without it (by hand, under torchrun) takes no
 snapshots: nothing would remove them.
 
-What: one copy per rank, `local<i>.bin` (the tensors: allocated once with `posix_fallocate`, so a full /dev/shm is
-an error at the start rather than a SIGBUS later, then rewritten in place) and `local<i>.json` (the header: the
-step, the checkpoint meta, each tensor's name, dtype, shape and offset, the state beside the tensors (scheduler,
-gradient scaler, the optimizer's hyperparameters, the rank's RNGs) and an xxh3-64 checksum of it all). A snapshot
-removes the header before it rewrites the tensors and publishes the new one (rename) after, so a rank killed during
-a snapshot leaves a copy without a header: damaged, never taken for a complete one. DDP's state, which every rank
-holds whole, is split among the node's ranks by bytes (`store.balanced_share`, by local rank): each node keeps one
-whole copy, each rank its share of it; FSDP2's shards are each rank's own.
+What: two copies per rank, written in turn (`local<i>.<slot>.bin` and `.json`, slot 0 and 1): each snapshot
+overwrites the older one, so the latest whole copy survives a rank killed while it writes the next, and ranks that
+died a step apart (one wrote step n, the other was killed before) still share step n - 1. A copy is its tensors
+(allocated once with `posix_fallocate`, so a full /dev/shm is an error at the start rather than a SIGBUS later, then
+rewritten in place) and its header (the step, the checkpoint meta, each tensor's name, dtype, shape and offset, the
+state beside the tensors (scheduler, gradient scaler, the optimizer's hyperparameters, the rank's RNGs) and an
+xxh3-64 checksum of it all). A snapshot removes the copy's header before it rewrites the tensors and publishes the
+new one (rename) after, so a copy cut short has no header: damaged, never taken for a complete one. DDP's state,
+which every rank holds whole, is split among the node's ranks by bytes (`store.balanced_share`, by local rank): each
+rank keeps its share, so the node holds the state twice; FSDP2's shards are each rank's own.
 
-Restoring (collective, `restore`): the ranks check the copies they need (headers, sizes, checksums: each rank
-checksums its share of the node's copies), that they are of one step and of this run's model, data and format, and
-agree; then each copies the tensors into its live model and optimizer state in place. Anything wrong on any rank: every
-rank resumes from disk, rank 0 saying why in one line.
+Restoring (collective, `restore`): the newest step of which every node holds a whole copy that fits this run (its
+model, data, format and ranks: `layout.memory_copies` and `survey`), its copies checked against their checksums (each
+by one rank of the node) and agreed; then each rank copies the tensors into its live model and optimizer state in
+place. Anything wrong on any rank: every rank resumes from disk, rank 0 saying why in one line.
 
 Cost: the copy of the rank's share, its checksum and the header, on the training thread (on a GPU the copy waits for
 the step's kernels). `checkpoint.memory_interval=auto` times the first snapshots against the steps and keeps the cost
@@ -45,13 +47,14 @@ import xxhash
 from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import store
-from trainer.checkpoint.layout import FULL, MEMORY_DIR_ENV, human_bytes, memory_file
+from trainer.checkpoint.layout import FULL, MEMORY_DIR_ENV, human_bytes, memory_copies, memory_file
 from trainer.config import Config
 from trainer.model.distributed import DistContext, agree_any, gather_objects
 from trainer.progress import restart_count
 
 COST_SHARE = 0.02  # `auto`: a snapshot may cost this share of the step time
 TIMED = 5  # `auto`: snapshots timed (after the first, which allocates) before the interval is decided
+SLOTS = 2  # copies per rank: the latest snapshot and the one before, whole while the next one is written
 ALIGN = 64  # each tensor's offset in the copy: any dtype's view of it is aligned
 
 
@@ -111,7 +114,7 @@ def decode(text: str) -> Any:
 
 
 class MemoryCopy:
-    """This rank's copy of the latest state in the node's shared memory, and the restore from the node's copies.
+    """This rank's copies of the latest state in the node's shared memory, and the restore from the node's copies.
     Every rank holds one; `snapshot` and `restore` are called by every rank at the same steps."""
 
     def __init__(self, cfg: Config, ctx: DistContext, state: store.TrainState, cache_key: str,
@@ -125,14 +128,15 @@ class MemoryCopy:
         self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         self.entries: list[Entry] = []
         self.listed: list[dict[str, Any]] = []  # the entries as the header lists them
-        self.shares: dict[tuple[tuple[str, int], ...], set[str]] = {}  # `share`'s split, by the tensors' names and sizes
-        self.buffer: torch.Tensor | None = None  # the mapped `local<i>.bin`, as bytes
-        self.mapped: mmap.mmap | None = None
+        # `share`'s split of the tensors among the node's ranks, by their names and sizes
+        self.shares: dict[tuple[tuple[str, int], ...], set[str]] = {}
+        self.slots: list[tuple[mmap.mmap, torch.Tensor]] = []  # the mapped `local<i>.<slot>.bin`, and as bytes
+        self.next_slot = 0  # the one the next snapshot overwrites: never the latest complete one
         self.timed: list[tuple[float, float]] = []  # `auto`: (start, seconds) of each snapshot so far
 
-    def path(self, local_rank: int, suffix: str) -> Path:
+    def path(self, local_rank: int, slot: int, suffix: str) -> Path:
         assert self.folder is not None
-        return memory_file(self.folder, local_rank, suffix)
+        return memory_file(self.folder, local_rank, slot, suffix)
 
     # -- snapshots ---------------------------------------------------------------------------------------------------
 
@@ -140,36 +144,39 @@ class MemoryCopy:
         return self.folder is not None and (self.interval is None or step % self.interval == 0)
 
     def snapshot(self, step: int, meta: store.CheckpointMeta) -> None:
-        """The state after `step` completed steps, copied into this rank's copy, when one is due (collective the first
-        time, when the copies are allocated, and once more under `auto`, when the interval is decided)."""
+        """The state after `step` completed steps, copied into this rank's older copy, when one is due (collective the
+        first time, when the copies are allocated, and once more under `auto`, when the interval is decided)."""
         if not self.due(step):
             return
         started = time.perf_counter()
         tensors = self.share(live_tensors(self.state))
         if not self.ready(tensors):
             return
-        header = self.path(self.local_rank, "json")
+        slot = self.next_slot
+        mapped, buffer = self.slots[slot]
+        header = self.path(self.local_rank, slot, "json")
         try:
             header.unlink(missing_ok=True)  # until the new one is published, this copy is damaged, never complete
-            assert self.buffer is not None and self.mapped is not None
             with torch.no_grad():
                 for entry in self.entries:
-                    view(self.buffer, entry).copy_(tensors[entry.name])
+                    view(buffer, entry).copy_(tensors[entry.name])
             extra = encode(self.beside_tensors())
-            digest = xxhash.xxh3_64(memoryview(self.mapped)[:self.size])
+            digest = xxhash.xxh3_64(memoryview(mapped)[:self.size])
             digest.update(extra.encode())
             tmp = header.with_suffix(".tmp")
             tmp.write_text(json.dumps({
-                "step": step, "rank": self.ctx.rank, "world_size": self.ctx.world_size,
-                "local_world_size": self.local_world, "format": self.state.format, "bytes": self.size,
-                "entries": self.listed, "meta": vars(meta), "extra": extra,
+                "step": step, "slot": slot, "rank": self.ctx.rank, "world_size": self.ctx.world_size,
+                "local_rank": self.local_rank, "local_world_size": self.local_world, "format": self.state.format,
+                "bytes": self.size, "entries": self.listed, "meta": vars(meta), "extra": extra,
                 "xxh3_64": digest.hexdigest()}))
             tmp.rename(header)
         except OSError as e:  # the supervisor removed the folder (the run is ending), or it is full
             self.log.warning(f"[GPU {self.ctx.gpu_id}] memory snapshots stopped: {e.strerror or e} in {self.folder}; "
                              f"a restart resumes from the disk checkpoints")
             self.release()
+            self.folder = None
             return
+        self.next_slot = 1 - slot
         self.decide(started, time.perf_counter() - started)
 
     def share(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -186,8 +193,8 @@ class MemoryCopy:
         return self.entries[-1].offset + self.entries[-1].nbytes if self.entries else 0
 
     def ready(self, tensors: dict[str, torch.Tensor]) -> bool:
-        """The copy allocated for these tensors: at the first snapshot (every rank agrees: a node's copy without one
-        rank's share is no copy) or when they changed. False where it could not be (snapshots are then off)."""
+        """The copies allocated for these tensors: at the first snapshot (every rank agrees: a node's copy without one
+        rank's share is no copy) or when they changed. False where they could not be (snapshots are then off)."""
         entries = plan_layout(tensors)
         if [(e.name, e.dtype, e.shape) for e in entries] == [(e.name, e.dtype, e.shape) for e in self.entries]:
             return True
@@ -197,8 +204,8 @@ class MemoryCopy:
         problem = self.allocate()
         if first and agree_any(problem is not None, self.ctx):
             if self.ctx.is_main:
-                self.log.warning(f"memory snapshots off: {problem or 'another rank could not allocate its copy'}; a "
-                                 f"restart resumes from the disk checkpoints")
+                self.log.warning(f"memory snapshots off: {problem or 'another rank could not allocate its copies'}; "
+                                 f"a restart resumes from the disk checkpoints")
             self.release()
             self.folder = None
             return False
@@ -208,34 +215,42 @@ class MemoryCopy:
             self.folder = None
             return False
         if first and self.ctx.is_main:
-            self.log.info(f"memory snapshots in {self.folder}: {human_bytes(self.size)} per rank "
+            self.log.info(f"memory snapshots in {self.folder}: 2 × {human_bytes(self.size)} per rank "
                           f"(checkpoint.memory_interval={self.cfg.checkpoint.memory_interval})")
         return True
 
     def allocate(self) -> str | None:
-        """Map `local<i>.bin` at this copy's size, its pages reserved; the problem, said, where they cannot be."""
-        path = self.path(self.local_rank, "bin")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        """Map both `local<i>.<slot>.bin` at this copy's size, their pages reserved, and choose the older one for the
+        next snapshot (after a restart, the copy it resumed from is kept until a newer one is complete); the problem,
+        said, where they cannot be."""
+        written = []
+        for slot in range(SLOTS):
+            path = self.path(self.local_rank, slot, "bin")
             try:
-                os.ftruncate(fd, self.size)
-                os.posix_fallocate(fd, 0, self.size)
-                self.mapped = mmap.mmap(fd, self.size)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            free = os.statvfs(path.parent).f_bavail * os.statvfs(path.parent).f_frsize if path.parent.is_dir() else 0
-            return (f"a copy of {human_bytes(self.size)} per rank does not fit in {path.parent} "
-                    f"({e.strerror or e}; {human_bytes(free)} free)")
-        self.buffer = torch.frombuffer(self.mapped, dtype=torch.uint8)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.ftruncate(fd, self.size)
+                    os.posix_fallocate(fd, 0, self.size)
+                    mapped = mmap.mmap(fd, self.size)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                stat = os.statvfs(path.parent) if path.parent.is_dir() else None
+                free = stat.f_bavail * stat.f_frsize if stat is not None else 0
+                return (f"two copies of {human_bytes(self.size)} per rank do not fit in {path.parent} "
+                        f"({e.strerror or e}; {human_bytes(free)} free)")
+            self.slots.append((mapped, torch.frombuffer(mapped, dtype=torch.uint8)))
+            try:
+                written.append(json.loads(self.path(self.local_rank, slot, "json").read_text())["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                written.append(-1)
+        self.next_slot = written.index(min(written))
         return None
 
     def release(self) -> None:
-        self.buffer = None
-        if self.mapped is not None:
-            self.mapped.close()
-            self.mapped = None
-        self.entries = []
+        for mapped, _ in self.slots:
+            mapped.close()
+        self.slots, self.entries = [], []
 
     def beside_tensors(self) -> dict[str, Any]:
         """What a restore needs beside the tensors: the schedule, the gradient scaler, the optimizer's hyperparameters,
@@ -249,7 +264,7 @@ class MemoryCopy:
 
     def decide(self, started: float, seconds: float) -> None:
         """`auto`: after the first snapshots, the interval that keeps their cost under `COST_SHARE` of the step time,
-        agreed on every rank (the largest wins: the copies of one node must be of the same step)."""
+        agreed on every rank (the largest wins: the copies of one node must be of the same steps)."""
         if self.interval is not None:
             return
         self.timed.append((started, seconds))
@@ -267,87 +282,75 @@ class MemoryCopy:
                           f"{COST_SHARE:.0%})")
 
     def forget(self) -> None:
-        """The live state was just loaded from disk: this rank's copy no longer holds its trajectory."""
+        """The live state was just loaded from disk: this rank's copies no longer hold its trajectory."""
         if self.folder is not None:
-            self.path(self.local_rank, "json").unlink(missing_ok=True)
+            for slot in range(SLOTS):
+                self.path(self.local_rank, slot, "json").unlink(missing_ok=True)
 
     # -- restoring ---------------------------------------------------------------------------------------------------
 
     def restore(self, disk_step: int | None) -> store.CheckpointMeta | None:
-        """Collective: the state of the node's copies loaded into the live model and optimizer, when every rank has an
-        intact copy of one step, of this run, not older than the checkpoint on disk a resume would take (`disk_step`);
-        its meta, or None (rank 0 says why in one line where a copy was there, or a restart expected one)."""
+        """Collective: the newest step of which every rank finds a whole copy of this run on its node (each rank checks
+        its share of the copies), not older than the checkpoint on disk a resume would take (`disk_step`), loaded into
+        the live model and optimizer; its meta, or None (rank 0 says why in one line where a copy was there, or a
+        restart expected one)."""
         if self.folder is None:
             return None
         store.prime_optimizer(self.state)  # its state's tensors exist, to be named, checked and copied into
         live = live_tensors(self.state)
         try:
-            problem, headers = self.check(live)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            problem, headers = f"{self.folder} cannot be read ({type(e).__name__}: {e})", {}
-        steps = {h["step"] for h in headers.values()}
-        if problem is None and len(steps) > 1:
-            problem = f"its copies are of different steps ({', '.join(map(str, sorted(steps)))})"
-        gathered = gather_objects((problem, min(steps) if steps else None, bool(headers)), self.ctx)
-        problem = next((p for p, _, _ in gathered if p is not None), None)
-        found = {s for _, s, _ in gathered if s is not None}
-        if problem is None and len(found) > 1:
-            problem = f"the ranks' copies are of different steps ({', '.join(map(str, sorted(found)))})"
-        step = found.pop() if problem is None and len(found) == 1 else None
-        if problem is None and step is None:  # nowhere a copy: a first start, or no snapshot yet
+            copies, notes = self.survey(live)
+        except OSError as e:
+            copies, notes = {}, [f"{self.folder} cannot be read ({e.strerror or e})"]
+        gathered = gather_objects((sorted(copies), notes), self.ctx)
+        common = set.intersection(*(set(steps) for steps, _ in gathered))
+        notes = [note for _, theirs in gathered for note in theirs]
+        if not notes and not any(steps for steps, _ in gathered):  # nowhere a copy: a first start, or none taken yet
             if restart_count() > 0 and self.ctx.is_main:
                 self.log.info(f"no memory copy in {self.folder} (no snapshot was taken before the failure)")
             return None
-        if problem is None and disk_step is not None and step < disk_step:
-            problem = f"its step {step} is older than the checkpoint on disk (step {disk_step})"
+        step = max(common, default=None)
+        if step is None:
+            problem = notes[0] if notes else "the ranks' copies have no step in common (a node holds none)"
+        elif disk_step is not None and step < disk_step:
+            problem = f"its newest whole copy, of step {step}, is older than the checkpoint on disk (step {disk_step})"
+        else:
+            problem = self.agreed_damage(copies[step])
         if problem is not None:
             if self.ctx.is_main:
                 self.log.warning(f"the memory copy in {self.folder} is not used: {problem}; resuming from disk")
             return None
-        self.load(live, headers)
-        return store.CheckpointMeta.from_dict(next(iter(headers.values()))["meta"])
+        self.load(live, copies[step])
+        return store.CheckpointMeta.from_dict(next(iter(copies[step].values()))["meta"])
 
-    def needed(self) -> list[int]:
-        """The local ranks whose copies this rank loads: the node's whole copy of a replicated state, else its own."""
-        if self.state.format != FULL:
-            return [self.local_rank]
-        written = json.loads(self.path(0, "json").read_text())["local_world_size"] if self.path(0, "json").exists() \
-            else self.local_world
-        return list(range(written))
-
-    def check(self, live: dict[str, torch.Tensor]) -> tuple[str | None, dict[int, dict[str, Any]]]:
-        """This rank's findings on the copies it needs: the first problem, said, and their headers (none at all where
-        the folder holds no copy of them). Each copy's checksum is checked by one rank of the node."""
+    def survey(self, live: dict[str, torch.Tensor]) -> tuple[dict[int, dict[int, dict[str, Any]]], list[str]]:
+        """The steps of which the node holds a whole copy that fits this run (the copies this rank loads: every local
+        rank's share of a replicated state, or its own shards), each with its copies' headers by local rank; and why
+        a copy found was left out, said."""
         assert self.folder is not None
-        needed = self.needed()
-        present = [i for i in needed if self.path(i, "json").exists()]
-        if not present and not any(self.path(i, "bin").exists() for i in needed):
-            return None, {}
-        headers: dict[int, dict[str, Any]] = {}
-        for i in needed:
-            header = self.path(i, "json")
-            if not header.exists():
-                return (f"{header} is missing (it is written once a snapshot is complete: the rank died during one, "
-                        f"or the copy was removed)"), headers
-            headers[i] = json.loads(header.read_text())
         here = store.data_position(self.cfg, self.ctx.world_size)
-        names: set[str] = set()
-        for i, header in headers.items():
-            meta = store.CheckpointMeta.from_dict(header["meta"])
-            if (problem := self.misfit(i, header, meta, here, live)) is not None:
-                return problem, headers
-            names.update(e["name"] for e in header["entries"])
-            if (i % self.local_world == self.local_rank or self.state.format != FULL) and \
-                    (problem := self.damage(i, header)) is not None:
-                return problem, headers
-        if missing := sorted(set(live) - names):
-            return f"the copies hold no {missing[0]} ({len(missing)} tensors missing)", headers
-        return None, headers
+        copies, notes = {}, []
+        for step, headers in memory_copies(self.folder).items():
+            own = {i: h for i, h in headers.items() if i == self.local_rank}
+            needed = headers if self.state.format == FULL else own
+            problem = next((p for i, h in needed.items() if (p := self.misfit(i, h, here, live)) is not None), None)
+            names = {e["name"] for h in needed.values() for e in h["entries"]}
+            if problem is None and (missing := sorted(set(live) - names)):
+                problem = f"the copies of step {step} hold no {missing[0]} ({len(missing)} tensors missing)"
+            if problem is not None:
+                notes.append(problem)
+            elif needed:
+                copies[step] = needed
+        if not copies and not notes and any(self.folder.glob("*.bin")):
+            notes.append(f"no whole copy in {self.folder}: a header is missing (written once a snapshot is complete: "
+                         f"a rank died during one, or the copy was removed)")
+        return copies, notes
 
-    def misfit(self, i: int, header: dict[str, Any], meta: store.CheckpointMeta, here: dict[str, int],
-               live: dict[str, torch.Tensor]) -> str | None:
-        """Why local rank `i`'s copy is not of this run's model, data, format and ranks, said; None where it is."""
-        where = self.path(i, "json")
+    def misfit(self, i: int, header: dict[str, Any], here: dict[str, int], live: dict[str, torch.Tensor]) -> str | None:
+        """Why local rank `i`'s copy of its step is not of this run's model, data, format and ranks, or cut short,
+        said; None where it fits."""
+        where = self.path(i, header["slot"], "json")
+        meta = store.CheckpointMeta.from_dict(header["meta"])
         if meta.cache_key != self.cache_key:
             return f"{where} is of another dataset"
         if meta.model_shapes != store.shape_signature(self.state.model) or header["format"] != self.state.format:
@@ -356,21 +359,32 @@ class MemoryCopy:
             return f"{where} is of another sample order ({meta.data})"
         if self.state.format != FULL and (header["rank"] != self.ctx.rank
                                           or header["world_size"] != self.ctx.world_size):
-            return f"{where} holds rank {header['rank']} of {header['world_size']}'s shards"
+            return (f"{where} holds the shards of rank {header['rank']} of {header['world_size']}, this rank is "
+                    f"{self.ctx.rank} of {self.ctx.world_size}")
         for e in header["entries"]:
             tensor = live.get(e["name"])
             if tensor is None or list(tensor.shape) != e["shape"] or str(tensor.dtype) != f"torch.{e['dtype']}":
                 return f"{where}: {e['name']} does not fit this model's state"
+        data = where.with_suffix(".bin")
+        size = data.stat().st_size if data.exists() else 0
+        if size < header["bytes"]:
+            return f"{data} is {size:,} bytes, its header needs {header['bytes']:,}"
         return None
 
+    def agreed_damage(self, headers: dict[int, dict[str, Any]]) -> str | None:
+        """Collective: the copies of one step checked against their headers' checksums, each by one rank of the node
+        (every byte read once); the first damage found on any rank, on every rank alike."""
+        mine = [i for i in headers if self.state.format != FULL or i % self.local_world == self.local_rank]
+        problem = next((p for i in mine if (p := self.damage(i, headers[i])) is not None), None)
+        return next((p for p in gather_objects(problem, self.ctx) if p is not None), None)
+
     def damage(self, i: int, header: dict[str, Any]) -> str | None:
-        """Local rank `i`'s tensors against its header: the size, then the checksum (every byte read once)."""
-        path = self.path(i, "bin")
-        size = path.stat().st_size if path.exists() else None
-        if size is None or size < header["bytes"]:
-            return f"{path} is {size or 0:,} bytes, its header needs {header['bytes']:,}"
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), header["bytes"], access=mmap.ACCESS_READ) as data:
-            digest = xxhash.xxh3_64(data)
+        path = self.path(i, header["slot"], "bin")
+        try:
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), header["bytes"], access=mmap.ACCESS_READ) as data:
+                digest = xxhash.xxh3_64(data)
+        except (OSError, ValueError) as e:
+            return f"{path} cannot be read ({e})"
         digest.update(header["extra"].encode())
         if digest.hexdigest() != header["xxh3_64"]:
             return f"{path} has checksum {digest.hexdigest()}, its header recorded {header['xxh3_64']}"
@@ -383,8 +397,8 @@ class MemoryCopy:
             for i, header in headers.items():
                 entries = [Entry(e["name"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"])
                            for e in header["entries"]]
-                with open(self.path(i, "bin"), "rb") as f, \
-                        mmap.mmap(f.fileno(), header["bytes"], access=mmap.ACCESS_COPY) as data:
+                path = self.path(i, header["slot"], "bin")
+                with open(path, "rb") as f, mmap.mmap(f.fileno(), header["bytes"], access=mmap.ACCESS_COPY) as data:
                     buffer = torch.frombuffer(data, dtype=torch.uint8)
                     for entry in entries:
                         live[entry.name].copy_(view(buffer, entry))
