@@ -84,10 +84,12 @@ def test_forty_seconds_asleep_on_node_2_of_3_at_an_eight_second_hang_timeout(tmp
     sleeps_on_node_2_of_3(tmp_path, "8", 40)
 
 
+@pytest.mark.slow
 def test_ranks_that_all_wait_in_collectives_on_two_nodes_are_a_stall(tmp_path):
     """Rank 1 (node 1) all-reduces on a group rank 0 never uses, and rank 0 on the default one: every rank of every
     node waits in a collective, nobody is in its own code. Each node's finding says so, and both stop, exit 124 (a
-    node may hear the other's stall before its own finding is in: it reads its rank then, which waits as well)."""
+    node may hear the other's stall before its own finding is in: it reads its rank then, which waits as well). In
+    the slow tier: the default suite names a stall across nodes in tests/test_supervisor_nodes.py."""
     runs = nodes(tmp_path, 2, "5", "--rank", "1", "--seconds", "0", "--how", "cross")
     for run in runs:
         run.wait(timeout=90)

@@ -135,11 +135,12 @@ def test_ctrl_c_again_and_again_while_the_dataset_is_built(tmp_path):
     assert not list(cache.rglob(f"{BUILD_PREFIX}*")), "a cache build was left half-way"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGTERM])
 def test_a_stop_signal_to_the_supervisor_alone_stops_its_dataset_build_at_once(tmp_path, sig):
     """`kill -INT` or `kill -TERM` to the supervisor's pid (not the terminal's process group: the build child does not
     get it) one moment into tokenizing: the build stops now, not after the whole corpus; one line, the signal's code,
-    no half-built cache left, nothing running."""
+    no half-built cache left, nothing running. SIGINT in the slow tier: the default suite stops a build on SIGTERM and
+    on the terminal's Ctrl-C."""
     cache = tmp_path / "cache"
     proc = subprocess.Popen(
         [sys.executable, "-m", "supervisor", "--debug", "--no-footer", "--log-dir", str(tmp_path / "logs"),
