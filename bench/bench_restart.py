@@ -13,11 +13,15 @@ first time, rank 1 of the running group (the process whose environment says ``RA
 ``TORCHELASTIC_RESTART_COUNT``) gets SIGKILL. Each launcher also runs once without faults, for its final loss and its
 goodput without faults. Figures per run, from rank 0's step lines stamped as they arrive:
 
-  goodput          useful steps' time / wall time: the distinct steps × the median step time (consecutive lines of
-                   one group) over the launcher's whole run, start-up included
+  goodput          useful steps' time / wall time: the distinct steps × the median step time of the same launcher's
+                   run without faults (consecutive lines of one group), over the whole run's wall time, start-up
+                   included
   fault → step     seconds from the SIGKILL to rank 0's first step line after it (the restarted group's first step)
   trained twice    step lines logged again after a restart: the steps between the resumed state and the fault
   final loss       rank 0's mean loss over the ranks at the last step (`[all ranks] step N-1/N | mean loss`)
+
+and, from the supervisor's run without faults, what a memory snapshot costs as `checkpoint.memory_interval=auto`
+measured it against the step.
 
 The runs alternate launchers (supervisor, torchrun, supervisor, torchrun), so that the machine's other load falls on
 both alike; the ratios are the supervisor's figure over torchrun's in the same command. The supervisor's restarts run
@@ -45,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(rb"\[GPU 0\] Step \[(\d+)/(\d+)\]")
 FINAL = re.compile(rb"\[all ranks\] step (\d+)/(\d+) \| mean loss ([0-9.]+)")
+SNAPSHOTS = re.compile(rb"(memory snapshots every .*?) \(checkpoint")  # the supervisor's ranks: what `auto` measured
 RUN_TIMEOUT = 900.0
 
 
@@ -58,6 +63,7 @@ class Run:
     wall: float = 0.0
     exit_code: int = 0
     final_loss: float | None = None
+    snapshots: str = ""  # the first group's memory snapshots, as `checkpoint.memory_interval=auto` measured them
     tail: str = ""
 
     def step_time(self) -> float:
@@ -69,8 +75,10 @@ class Run:
     def distinct(self) -> int:
         return len({s for _, s in self.steps})
 
-    def goodput(self) -> float:
-        return self.distinct() * self.step_time() / self.wall
+    def goodput(self, clean: Run) -> float:
+        """With the step time of `clean`, the launcher's run without faults: a run's own steps are slowed by what
+        else it does (a standby's imports), which is no useful time."""
+        return self.distinct() * clean.step_time() / self.wall
 
     def twice(self) -> int:
         return len(self.steps) - self.distinct()
@@ -128,6 +136,8 @@ def run(launcher: str, steps: int, interval: int, every: int | None, work: Path)
         tail = (tail + [raw.decode(errors="replace")])[-40:]
         if (final := FINAL.search(raw)) and int(final[1]) == int(final[2]) - 1:
             result.final_loss = float(final[3])
+        if not result.snapshots and (measured := SNAPSHOTS.search(raw)):
+            result.snapshots = measured[1].decode()
         if not (m := STEP.search(raw)):
             continue
         step = int(m[1])
@@ -153,8 +163,8 @@ def row(r: Run, clean: Run) -> str:
     faults = r.fault_to_step()
     each = f" ({', '.join(f'{v:.2f}' for v in faults)})" if faults else ""
     mean = f"{statistics.mean(faults):.2f} s{each}" if faults else "—"
-    return (f"| {r.launcher} | {len(r.kills)} | {r.wall:.1f} s | {r.goodput():.2f} (without faults "
-            f"{clean.goodput():.2f}) | {mean} | {r.twice()} | {r.final_loss} / {clean.final_loss} |")
+    return (f"| {r.launcher} | {len(r.kills)} | {r.wall:.1f} s | {r.goodput(clean):.2f} (without faults "
+            f"{clean.goodput(clean):.2f}) | {mean} | {r.twice()} | {r.final_loss} / {clean.final_loss} |")
 
 
 def main() -> int:
@@ -185,7 +195,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for launcher in ("supervisor", "torchrun"):
         print(row(runs[launcher, True], runs[launcher, False]))
-    print(f"\nsupervisor / torchrun: goodput {ours.goodput() / theirs.goodput():.2f}x, fault → next step "
+    print(f"\nthe supervisor's ranks, without faults: {runs['supervisor', False].snapshots}")
+    goodput = ours.goodput(runs["supervisor", False]) / theirs.goodput(runs["torchrun", False])
+    print(f"supervisor / torchrun: goodput {goodput:.2f}x, fault → next step "
           f"{statistics.mean(ours.fault_to_step()) / statistics.mean(theirs.fault_to_step()):.2f}x, steps trained "
           f"twice {ours.twice()} against {theirs.twice()}, wall {ours.wall / theirs.wall:.2f}x")
     return 0

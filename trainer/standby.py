@@ -4,6 +4,9 @@ Importing torch and transformers takes a rank seconds of CPU; a restart that spa
 after every fault. So while a group trains, the supervisor starts one standby per rank of the next group
 (`supervisor.group.standby`), exactly as it starts a rank (its own session, the parent-death signal, the same pipes and
 environment, the restart's), and each imports what a rank needs, says so on its socket (`ready <seconds>`), and waits.
+It imports at the priority of a rank: at a lower one, a host whose cores the ranks keep busy (CPU ranks) would not
+finish it before a fault, and a GPU node's idle cores finish it either way; on a busy host the group's steps are
+slower for those seconds, once per group.
 When the restart comes, the supervisor sends the rank's environment and command line as one JSON line: the standby
 takes that environment as its own (the port of the group's rendezvous is all that differs), closes the socket and runs
 `pretrain_main.py` as ``python pretrain_main.py ...`` would, in this process. A socket closed without a word (the
@@ -21,34 +24,21 @@ import runpy
 import signal
 import socket
 import sys
-import threading
 import time
 
 STANDBY_FD_ENV = "SUPERVISOR_STANDBY_FD"  # the standby's end of its socket to the supervisor
-LOW_PRIORITY = 19  # the importing thread's nice value: the lowest
 # what a rank imports before its first step (the trainer, torch, DCP, transformers' Llama and its attention), so that
 # an activated standby imports nothing more
 RANK_MODULES = ("trainer.rank_cli", "trainer.loop", "transformers.models.llama.modeling_llama",
                 "transformers.integrations.sdpa_attention")
 
 
-def import_at_low_priority() -> None:
-    """What a rank imports, on a thread of its own at the lowest priority (a thread's nice value is its own on Linux,
-    and only threads it starts would inherit it: importing starts none that outlive it), so that the seconds of CPU it
-    takes come from idle cores, not from the training group's ranks; the standby's main thread, which becomes the rank,
-    keeps its priority."""
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)
-    for module in RANK_MODULES:
-        importlib.import_module(module)
-
-
 def main() -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # as pretrain_main.py: a stack dump on request
     channel = socket.socket(fileno=int(os.environ.pop(STANDBY_FD_ENV)))
     started = time.perf_counter()
-    importer = threading.Thread(target=import_at_low_priority, name="standby imports")
-    importer.start()
-    importer.join()
+    for module in RANK_MODULES:
+        importlib.import_module(module)
     try:
         channel.sendall(f"ready {time.perf_counter() - started:.2f}\n".encode())
     except BrokenPipeError:  # activated while importing: the supervisor has sent its line and closed its end
