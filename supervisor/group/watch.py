@@ -397,6 +397,11 @@ class Watch:
                 self.straggler_history.append(found)
                 if failure := stragglers.record(self.plan.run_dir, self.straggler_history):
                     self.console.say(failure, style="yellow")
-        if self.on_training is not None and self.stop is None and all(s.event == "step" for s in self.states.values()):
+        if self.on_training is not None and self.training():
             on_training, self.on_training = self.on_training, None
             on_training()
+
+    def training(self) -> bool:
+        """Every rank running, no stop under way, and each one's last record a step."""
+        return self.stop is None and all(w.alive for w in self.workers) and \
+            all(s.event == "step" for s in self.states.values())
