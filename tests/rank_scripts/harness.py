@@ -173,7 +173,8 @@ def ours(pid: int) -> bool:
 
 
 def kill_everything(run: Run) -> None:
-    """Clean-up: the supervisor, its whole tree, and every process a rank recorded that still runs our programs."""
+    """Clean-up: the supervisor (SIGKILL, then its sentinel's own clean-up, as for a supervisor killed in production),
+    its whole tree, and every process a rank recorded that still runs our programs."""
     pids = []
     try:
         pids = [p.pid for p in psutil.Process(run.proc.pid).children(recursive=True)]
@@ -182,6 +183,7 @@ def kill_everything(run: Run) -> None:
     if run.proc.poll() is None:
         run.proc.kill()
         run.proc.wait()
+        survivors(pids, timeout=2.0)  # its sentinel's turn: it kills the ranks and removes the run's /dev/shm folder
     for pid in pids + [p for p in (run.pids() if run.pid_dir.exists() else []) if ours(p)]:
         try:
             os.kill(pid, signal.SIGKILL)
