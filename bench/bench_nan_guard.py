@@ -34,6 +34,14 @@ from trainer.diagnosis.nan_guard import NanGuard  # noqa: E402
 VOCAB, SEQ, BATCH = 2048, 128, 4
 
 
+def bench_model() -> LlamaForCausalLM:
+    """The model these benchmarks step: 4 Llama layers of 256, seeded, on the CPU."""
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ)
+    return LlamaForCausalLM(config)
+
+
 @dataclass
 class Runner:
     """One model + fused AdamW, stepping with the guard ("production", "debug") or without it ("off")."""
@@ -43,10 +51,7 @@ class Runner:
     times: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        torch.manual_seed(0)
-        config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ)
-        self.model = LlamaForCausalLM(config)
+        self.model = bench_model()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
         cfg = Config()
         cfg.debug.nan_localize = self.mode == "debug"

@@ -31,14 +31,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from bench_nan_guard import BATCH, SEQ, VOCAB, bench_model  # noqa: E402  (beside this file)
 
 from trainer.config import Config  # noqa: E402
 from trainer.diagnosis.nan_guard import NanGuard  # noqa: E402
 from trainer.diagnosis.recompute import KeptParameters  # noqa: E402
 from trainer.diagnosis.spikes import SpikeDetector  # noqa: E402
 
-VOCAB, SEQ, BATCH = 2048, 128, 4
 MODES = ("off", "recompute", "spikes")
 SETTINGS = {"off": [], "recompute": ["--set", "training.nan_recompute=true"],
             "spikes": ["--set", "training.spike_threshold=6", "--set", "training.spike_window=8"]}
@@ -53,10 +52,7 @@ class Runner:
     times: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        torch.manual_seed(0)
-        config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=SEQ)
-        self.model = LlamaForCausalLM(config)
+        self.model = bench_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, fused=True)
         cfg = Config()
