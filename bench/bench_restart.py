@@ -9,8 +9,9 @@ Both launchers run `pretrain_main.py` on the debug preset, 2 CPU ranks on gloo, 
 failed group's keys in it, and the restarted group's gloo connects to the dead ranks' addresses, failing or hanging
 until the trainer's `system.dist_timeout_s` (torch 2.13, every restart of this benchmark). The faults come from
 outside, the same way for both: each time rank 0 logs step `every`·i − 1 (0-based: `every`·i steps done) for the
-first time, rank 1 of the running group (the process whose environment says ``RANK=1`` and the group's
-``TORCHELASTIC_RESTART_COUNT``) gets SIGKILL. Each launcher also runs once without faults, for its final loss and its
+first time, rank 1 of the running group gets SIGKILL (under torchrun the process whose environment says ``RANK=1``
+and the group's ``TORCHELASTIC_RESTART_COUNT``; under the supervisor the pid its supervisor.log gives for that
+group's CPU1). Each launcher also runs once without faults, for its final loss and its
 goodput without faults. Figures per run, from rank 0's step lines stamped as they arrive:
 
   goodput          useful steps' time / wall time: the distinct steps × the median step time of the same launcher's
@@ -24,16 +25,17 @@ and, from the supervisor's run without faults, what a memory snapshot costs as `
 measured it against the step.
 
 The runs alternate launchers (supervisor, torchrun, supervisor, torchrun), so that the machine's other load falls on
-both alike; the ratios are the supervisor's figure over torchrun's in the same command. The supervisor's restarts run
-on standby ranks (started once each group trains, importing at the lowest priority): with faults a few seconds of
-training apart on a busy machine they are still importing at the fault, which its supervisor.log and restart lines
-say (`--keep DIR` keeps every run's logs).
+both alike; the ratios are the supervisor's figure over torchrun's in the same command. The supervisor's restarts'
+ranks are forked by its standby (started once the first group trains, importing once for the run): a fault that
+comes before its imports are done waits for them, which its supervisor.log and restart lines say (`--keep DIR` keeps
+every run's logs).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import statistics
@@ -102,20 +104,32 @@ def command(launcher: str, flags: list[str], restarts: int, work: Path) -> list[
             "--set", "checkpoint.resume=auto", "--set", f"logging.run_dir={json.dumps(str(work / 'logs'))}"]
 
 
-def kill_rank_1(launcher_pid: int, group: int) -> bool:
-    """SIGKILL rank 1 of the running group (`group`: its restart count); False when it is not there (yet)."""
+def rank_1(launcher: str, launcher_pid: int, group: int, work: Path) -> list[int]:
+    """The pid of rank 1 of the running group (`group`: its restart count); none when it is not there (yet). The
+    supervisor's log names each group's pids (a restart's ranks are forked by its standby: their environment is the
+    standby's); torchrun's ranks are found by the environment they started with."""
+    if launcher == "supervisor":
+        logs = [log.read_text() for log in (work / "logs").glob("*/supervisor.log")]
+        return [int(pid) for pid in re.findall(rf"^\S+ \S+ group {group}: .*?CPU1 pid (\d+)", "".join(logs), re.M)]
     import psutil
 
-    found = False
+    found = []
     for p in psutil.Process(launcher_pid).children(recursive=True):
         try:
             env = p.environ()
         except psutil.Error:
             continue
         if env.get("RANK") == "1" and env.get("TORCHELASTIC_RESTART_COUNT") == str(group):
-            p.send_signal(signal.SIGKILL)
-            found = True
+            found.append(p.pid)
     return found
+
+
+def kill_rank_1(launcher: str, launcher_pid: int, group: int, work: Path) -> bool:
+    """SIGKILL rank 1 of the running group; False when it is not there (yet)."""
+    pids = rank_1(launcher, launcher_pid, group, work)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return bool(pids)
 
 
 def run(launcher: str, steps: int, interval: int, every: int | None, work: Path) -> Run:
@@ -142,7 +156,7 @@ def run(launcher: str, steps: int, interval: int, every: int | None, work: Path)
             continue
         step = int(m[1])
         result.steps.append((now, step))
-        if faults and step == faults[0] - 1 and kill_rank_1(proc.pid, len(result.kills)):
+        if faults and step == faults[0] - 1 and kill_rank_1(launcher, proc.pid, len(result.kills), work):
             result.kills.append(time.monotonic() - started)
             faults.pop(0)
     result.exit_code = proc.wait()

@@ -4,9 +4,9 @@
   first compiled step loads its graphs from inductor's cache instead of compiling them (the rank's log says how many);
 * resumed from memory: the ranks' snapshot of the latest state in the node's shared memory is what a restart loads (no
   step trained twice, the same final loss as without the fault), and nothing of the run is left in /dev/shm;
-* no import after the fault: the restarted group's ranks are the standby processes that imported what a rank needs
-  while the group before trained; a SIGKILL of the supervisor then leaves no rank, no standby and no memory folder
-  (its sentinel).
+* no import after the fault: the restarted group's ranks are forked by the run's standby, which imported what a rank
+  needs once while the first group trained; a SIGKILL of the supervisor then leaves no rank, no standby and no memory
+  folder (its sentinel); without its standby a restart spawns its ranks as ever.
 """
 
 from __future__ import annotations
@@ -120,26 +120,32 @@ def wait_until(condition: Callable[[], object], run: Run, what: str, timeout: fl
         time.sleep(0.05)
 
 
-def test_a_restart_on_standby_ranks_then_the_supervisor_killed(tmp_path: Path, token_cache_dir: Path) -> None:
-    """Once the standby ranks of restart 1 have imported what a rank needs, rank 1 is SIGKILLed: the restarted group's
-    ranks are those standby processes (no import after the fault, the restart's line says so) and train on from the
-    node's memory. Then SIGKILL to the supervisor: its sentinel kills every rank and standby, and removes the memory
-    folder."""
+def test_a_restart_forked_by_the_standby_then_the_supervisor_killed(tmp_path: Path, token_cache_dir: Path) -> None:
+    """Once the standby has imported what a rank needs, rank 1 is SIGKILLed: the restarted group's ranks are forked by
+    the standby (no import, no exec after the fault: their command line is the standby's; the restart's line says
+    so), each the supervisor's own child in a session of its own, and train on from the node's memory. Then SIGKILL
+    to the supervisor: its sentinel kills every rank and the standby, and removes the memory folder."""
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 100_000},
                           "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory_interval": 1}})
     run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", "2", *set_flags(layer),
                 entry=None)
-    wait_until(lambda: list(run.log_dir.glob("*/supervisor.log")) and "standby ranks for restart 1 ready" in
-               next(run.log_dir.glob("*/supervisor.log")).read_text(), run, "had its standby ranks ready")
+    wait_until(lambda: list(run.log_dir.glob("*/supervisor.log")) and "the standby ready: " in
+               next(run.log_dir.glob("*/supervisor.log")).read_text(), run, "had its standby ready")
     ranks = children_environments(run.proc.pid)
-    standbys = {pid for pid, env in ranks.items() if env["SUPERVISOR_RESTART_COUNT"] == "1"}
-    (rank_1,) = [pid for pid, env in ranks.items() if env["RANK"] == "1" and env["SUPERVISOR_RESTART_COUNT"] == "0"]
+    (standby,) = [p for p in psutil.Process(run.proc.pid).children() if "trainer.standby" in p.cmdline()]
+    assert standby.pid not in ranks  # the ranks' common environment: no RANK of its own
+    (rank_1,) = [pid for pid, env in ranks.items() if env["RANK"] == "1"]
     os.kill(rank_1, signal.SIGKILL)
     run.wait_for_stderr("restart 1 of 2 after CPU1 (rank 1) failed: SIGKILL (137); the ranks resume from step ")
     wait_until(lambda: "----- restart 1 of 2 -----" in (log := (run.run_dir() / "cpu0.log").read_text()) and
                "Step [" in log.split("----- restart 1 of 2 -----")[1], run, "trained after the restart")
-    assert "; on 2 standby ranks, whose imports were done before the fault" in run.err_path.read_text()
-    assert len(standbys) == 2 and standbys <= set(children_environments(run.proc.pid))  # they are the ranks now
+    assert "; forked from the standby, whose imports were done before the fault" in run.err_path.read_text()
+    (line,) = re.findall(r"group 1: CPU0 pid (\d+) \(forked by the standby\), CPU1 pid (\d+) \(forked by the standby\)",
+                         (run.run_dir() / "supervisor.log").read_text())
+    for pid in map(int, line):
+        rank = psutil.Process(pid)
+        assert rank.ppid() == run.proc.pid and os.getsid(pid) == pid
+        assert rank.cmdline() == standby.cmdline()  # forked, never exec'd: nothing imported after the fault
     assert "resumed from the memory copy in " in (run.run_dir() / "cpu0.log").read_text()
     everything = [p.pid for p in psutil.Process(run.proc.pid).children(recursive=True)]
     (folder,) = {Path(env[MEMORY_DIR_ENV]) for env in ranks.values()}
@@ -150,3 +156,25 @@ def test_a_restart_on_standby_ranks_then_the_supervisor_killed(tmp_path: Path, t
     while folder.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not folder.exists()
+
+
+def test_a_restart_without_its_standby_spawns_its_ranks(tmp_path: Path, token_cache_dir: Path) -> None:
+    """The standby SIGKILLed once ready, then rank 1: the restart finds it gone, spawns its ranks as ever and trains
+    on (then a SIGTERM ends the run as ever)."""
+    layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 100_000},
+                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory_interval": 1}})
+    run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", "1", *set_flags(layer),
+                entry=None)
+    wait_until(lambda: list(run.log_dir.glob("*/supervisor.log")) and "the standby ready: " in
+               next(run.log_dir.glob("*/supervisor.log")).read_text(), run, "had its standby ready")
+    (standby,) = [p for p in psutil.Process(run.proc.pid).children() if "trainer.standby" in p.cmdline()]
+    standby.kill()
+    (rank_1,) = [pid for pid, env in children_environments(run.proc.pid).items() if env["RANK"] == "1"]
+    os.kill(rank_1, signal.SIGKILL)
+    wait_until(lambda: "----- restart 1 of 1 -----" in (log := (run.run_dir() / "cpu0.log").read_text()) and
+               "Step [" in log.split("----- restart 1 of 1 -----")[1], run, "trained after the restart")
+    err = run.err_path.read_text()
+    assert "restart 1 of 1 after CPU1 (rank 1) failed: SIGKILL (137)" in err and "forked" not in err
+    assert re.search(r"group 1: CPU0 pid \d+, CPU1 pid \d+$", (run.run_dir() / "supervisor.log").read_text(), re.M)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.proc.wait(timeout=60) == 128 + signal.SIGTERM

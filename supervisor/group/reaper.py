@@ -33,7 +33,7 @@ SHARED_MEMORY = Path("/dev/shm")  # tmpfs on Linux: files there live in memory, 
 class Reaper:
     def __init__(self) -> None:
         self.token = os.urandom(16).hex()  # every rank's environment carries it (see Plan.rank_env's caller)
-        self.kept: set[int] = set()  # children that outlive a group: the next group's standby ranks
+        self.kept: set[int] = set()  # children that outlive a group: the standby (supervisor.group.standby)
         read_end, self.fd = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the sentinel
@@ -69,7 +69,7 @@ class Reaper:
         return path
 
     def sweep(self, wait: float) -> None:
-        """Kill every process still below the supervisor but this sentinel and the kept ones (standby ranks, with
+        """Kill every process still below the supervisor but this sentinel and the kept ones (the standby, with
         their descendants): children that left their rank's process group, and orphans re-parented to the supervisor
         (a child subreaper). Then reap them (`wait` seconds at most), so none is left even as a zombie."""
         if direct_children() == {self.pid, *self.kept}:

@@ -76,9 +76,47 @@ def describe_exit(code: int) -> str:
 
 
 @dataclass
+class RankPipes:
+    """A rank's three pipes, (read end, write end) each: stdout and stderr (enlarged to 1 MiB so a chatty rank rarely
+    blocks) and the progress channel (its read end non-blocking)."""
+
+    stdout: tuple[int, int]
+    stderr: tuple[int, int]
+    progress: tuple[int, int]
+
+    def write_ends(self) -> list[int]:
+        return [self.stdout[1], self.stderr[1], self.progress[1]]
+
+    def close_write_ends(self) -> None:
+        for fd in self.write_ends():
+            os.close(fd)
+
+    def close_read_ends(self) -> None:
+        for fd in (self.stdout[0], self.stderr[0], self.progress[0]):
+            os.close(fd)
+
+
+def rank_pipes() -> RankPipes:
+    pipes = RankPipes(os.pipe(), os.pipe(), os.pipe())
+    for fd in (pipes.stdout[0], pipes.stderr[0]):
+        enlarge_pipe(fd)
+    os.set_blocking(pipes.progress[0], False)
+    return pipes
+
+
+@dataclass
+class Adopted:
+    """A rank the supervisor did not spawn itself but is the parent of (forked by the standby): its pid, and its exit
+    code once reaped, as a Popen's."""
+
+    pid: int
+    returncode: int | None = None
+
+
+@dataclass
 class Worker:
     spec: RankSpec
-    process: subprocess.Popen
+    process: subprocess.Popen | Adopted
     stdout_fd: int  # read ends, owned by the pump
     stderr_fd: int
     progress_fd: int  # read end, owned by the watcher (non-blocking)
@@ -99,37 +137,42 @@ class Worker:
         return self.spec.label
 
     @property
+    def forked(self) -> bool:
+        """Forked by the standby (`supervisor.group.standby`) rather than spawned."""
+        return isinstance(self.process, Adopted)
+
+    @property
     def alive(self) -> bool:
         return self.exit_code is None
 
     @classmethod
-    def spawn(cls, spec: RankSpec, argv: list[str], env: dict[str, str], stdin: bool = False,
-              keep_fds: tuple[int, ...] = ()) -> "Worker":
-        """`stdin`: the rank reads the supervisor's stdin, else /dev/null; `keep_fds`: more descriptors it inherits
-        (a standby's socket, `supervisor.group.standby`)."""
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        prog_r, prog_w = os.pipe()
-        for fd in (out_r, err_r):
-            enlarge_pipe(fd)
-        os.set_blocking(prog_r, False)
-        env = {**env, PROGRESS_FD_ENV: str(prog_w)}
+    def spawn(cls, spec: RankSpec, argv: list[str], env: dict[str, str], stdin: bool = False) -> "Worker":
+        """`stdin`: the rank reads the supervisor's stdin, else /dev/null."""
+        pipes = rank_pipes()
         try:
-            process = subprocess.Popen(argv, env=env, stdin=None if stdin else subprocess.DEVNULL, stdout=out_w,
-                                       stderr=err_w, pass_fds=(prog_w, *keep_fds), start_new_session=True,
-                                       preexec_fn=die_with_parent(os.getpid()))
+            process = subprocess.Popen(argv, env={**env, PROGRESS_FD_ENV: str(pipes.progress[1])},
+                                       stdin=None if stdin else subprocess.DEVNULL, stdout=pipes.stdout[1],
+                                       stderr=pipes.stderr[1], pass_fds=(pipes.progress[1],),
+                                       start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
         except BaseException:
-            for fd in (out_r, err_r, prog_r):
-                os.close(fd)
+            pipes.close_read_ends()
             raise
         finally:
-            for fd in (out_w, err_w, prog_w):
-                os.close(fd)
+            pipes.close_write_ends()
+        return cls.adopt(spec, process, pipes, env)
+
+    @classmethod
+    def adopt(cls, spec: RankSpec, process: subprocess.Popen | Adopted | int, pipes: RankPipes,
+              env: dict[str, str]) -> "Worker":
+        """The Worker of a rank that is already the supervisor's child: spawned here, or forked by the standby and
+        re-parented here (`supervisor.group.standby`: `process` is then its pid)."""
+        process = Adopted(process) if isinstance(process, int) else process
         try:
             pidfd: int | None = os.pidfd_open(process.pid)
         except (AttributeError, OSError):
             pidfd = None
-        return cls(spec, process, out_r, err_r, prog_r, time.monotonic(), pidfd=pidfd, env=env)
+        return cls(spec, process, pipes.stdout[0], pipes.stderr[0], pipes.progress[0], time.monotonic(), pidfd=pidfd,
+                   env=env)
 
     def has_exited(self) -> bool:
         """True once the rank is a zombie; does not reap it."""

@@ -57,7 +57,7 @@ from supervisor.gpus.exclusion import Exclusion
 from supervisor.group.pump import Pump, Stream
 from supervisor.group.reaper import TOKEN_ENV, Reaper
 from supervisor.group.signals import Interrupted, SignalInbox, interruptible
-from supervisor.group.standby import Standbys
+from supervisor.group.standby import Standby
 from supervisor.group.watch import GroupResult, Watch
 from supervisor.group.worker import Worker, become_subreaper, die_with_parent
 from supervisor.plan.rendezvous import PortReservation, check_port_free
@@ -90,7 +90,7 @@ class Launcher:
         self.plan, self.cfg, self.console = plan, cfg, console
         self.exclusions: list[Exclusion] = []
         self.verdict: gpu_fault.Verdict | None = None  # the last failure's diagnosis (GPU runs only)
-        self.standbys: Standbys | None = None  # the next group's ranks, started while this one trains
+        self.standby: Standby | None = None  # forks the restarts' ranks; started once the first group trains
         self.footer: Any = None  # supervisor.report.footer.Footer, in terminal mode only (rich loads only then)
         if console.terminal:
             from supervisor.report.footer import Footer
@@ -160,7 +160,7 @@ class Launcher:
                     resumes = self.resumes(saved)
                 else:
                     resumes = f"the ranks start again with TORCHELASTIC_RESTART_COUNT={restarts}"
-                warm = self.standbys.summary(result.stop.at) if self.standbys is not None and not layout else ""
+                warm = self.standby.summary(result.stop.at) if self.standby is not None else ""
                 self.console.say(f"restart {restarts} of {self.plan.max_restarts} after {result.stop.detail}; "
                                  f"{resumes}{layout}{warm}", style="bold yellow")
             self.console.stop_footer()
@@ -175,8 +175,8 @@ class Launcher:
             return result.exit_code
         finally:
             self.console.stop_footer()
-            if self.standbys is not None:
-                self.standbys.close()
+            if self.standby is not None:
+                self.standby.close()
             if control is not None:
                 control.close(wait=self.plan.grace_period)
             if signals is not None:
@@ -390,13 +390,13 @@ class Launcher:
     def config_path(self, restart: int) -> Path:
         return self.plan.run_dir / ("config.json" if restart == 0 else f"config.restart{restart}.json")
 
-    def start_standbys(self, restart: int, reaper: Reaper) -> None:
-        """The standby ranks of group `restart` (`supervisor.group.standby`), once the group before it trains; where
-        the machine cannot give them (no descriptors left), that restart spawns its ranks as ever."""
+    def start_standby(self, reaper: Reaper) -> None:
+        """The standby that forks the restarts' ranks (`supervisor.group.standby`), once the first group trains; where
+        the machine cannot give it (no process or descriptor left), the restarts spawn their ranks."""
         try:
-            self.standbys = Standbys(self.plan, restart, self.config_path(restart), reaper, self.console)
+            self.standby = Standby(self.plan, reaper, self.console)
         except OSError as e:
-            self.console.log(f"no standby ranks for restart {restart} ({e.strerror or e}): it spawns its ranks")
+            self.console.log(f"no standby ({e.strerror or e}): restarts spawn their ranks")
 
     def run_group(self, config_path: Path | None, restart: int, signals: SignalInbox, reaper: Reaper,
                   control: ControlChannel | None) -> GroupResult:
@@ -420,7 +420,7 @@ class Launcher:
                 env = {**plan.rank_env(spec, master_port, config_path, restart), TOKEN_ENV: reaper.token}
                 argv = plan.argv(config_path)
                 try:
-                    worker = (self.standbys.take(spec, env, argv) if self.standbys is not None else None) or \
+                    worker = (self.standby.fork(spec, env, argv) if self.standby is not None else None) or \
                         Worker.spawn(spec, argv, env, stdin=spec.rank == 0)
                 except OSError as e:
                     program = " ".join(argv[:len(argv) - len(plan.entry_args)])
@@ -438,13 +438,12 @@ class Launcher:
                 tails[w.spec.rank] = pump.add(w.stderr_fd, prefix, 2 if shown else None, log_fds[w.spec.rank],
                                               keep_tail=True)
             pump.start()
-            if self.standbys is not None:  # those not taken (a layout without a faulty GPU): dismissed
-                self.standbys.close()
-                self.standbys = None
-            # the next group's standby ranks start once this one trains, so that their imports slow no start-up
-            warm = plan.trainer_entry and not plan.torchrun_contract and restart < plan.max_restarts
+            self.console.log(f"group {restart}: " + ", ".join(
+                f"{w.label} pid {w.pid}{' (forked by the standby)' if w.forked else ''}" for w in workers))
+            # the standby starts once the first group trains, so that its imports slow no start-up
+            warm = plan.trainer_entry and not plan.torchrun_contract and plan.max_restarts > 0 and self.standby is None
             watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control,
-                          on_training=(lambda: self.start_standbys(restart + 1, reaper)) if warm else None)
+                          on_training=(lambda: self.start_standby(reaper)) if warm else None)
             if self.footer is not None:
                 from supervisor.report.footer import group_rows  # rich, in terminal mode only
                 self.footer.rows = lambda: group_rows(watch)
