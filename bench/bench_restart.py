@@ -16,7 +16,8 @@ goodput without faults. Figures per run, from rank 0's step lines stamped as the
 
   goodput          useful steps' time / wall time: the distinct steps × the median step time of the same launcher's
                    run without faults (consecutive lines of one group), over the whole run's wall time, start-up
-                   included
+                   included; and after start-up: over the wall time from the first step line on (what the faults,
+                   evaluations and checkpoints cost, without the one start-up every run pays)
   fault → step     seconds from the SIGKILL to rank 0's first step line after it (the restarted group's first step)
   trained twice    step lines logged again after a restart: the steps between the resumed state and the fault
   final loss       rank 0's mean loss over the ranks at the last step (`[all ranks] step N-1/N | mean loss`)
@@ -77,10 +78,11 @@ class Run:
     def distinct(self) -> int:
         return len({s for _, s in self.steps})
 
-    def goodput(self, clean: Run) -> float:
+    def goodput(self, clean: Run, after_start: bool = False) -> float:
         """With the step time of `clean`, the launcher's run without faults: a run's own steps are slowed by what
-        else it does (a standby's imports), which is no useful time."""
-        return self.distinct() * clean.step_time() / self.wall
+        else it does (a standby's imports), which is no useful time. `after_start`: over the wall time from the first
+        step line on (the start-up, which a run pays once with or without faults, left out)."""
+        return self.distinct() * clean.step_time() / (self.wall - (self.steps[0][0] if after_start else 0.0))
 
     def twice(self) -> int:
         return len(self.steps) - self.distinct()
@@ -178,7 +180,8 @@ def row(r: Run, clean: Run) -> str:
     each = f" ({', '.join(f'{v:.2f}' for v in faults)})" if faults else ""
     mean = f"{statistics.mean(faults):.2f} s{each}" if faults else "—"
     return (f"| {r.launcher} | {len(r.kills)} | {r.wall:.1f} s | {r.goodput(clean):.2f} (without faults "
-            f"{clean.goodput(clean):.2f}) | {mean} | {r.twice()} | {r.final_loss} / {clean.final_loss} |")
+            f"{clean.goodput(clean):.2f}) | {r.goodput(clean, True):.2f} ({clean.goodput(clean, True):.2f}) | {mean} | "
+            f"{r.twice()} | {r.final_loss} / {clean.final_loss} |")
 
 
 def main() -> int:
@@ -204,9 +207,9 @@ def main() -> int:
     ours, theirs = runs["supervisor", True], runs["torchrun", True]
     print(f"debug preset, 2 CPU ranks (gloo), {args.steps} steps, a checkpoint every {args.interval} steps, rank 1 "
           f"SIGKILLed when step {args.every}·i is reached\n")
-    print("| launcher | faults | wall | goodput | fault → next step (mean; each) | steps trained twice | final loss "
-          "(faults / without) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| launcher | faults | wall | goodput | goodput after start-up | fault → next step (mean; each) | steps "
+          "trained twice | final loss (faults / without) |")
+    print("|---|---|---|---|---|---|---|---|")
     for launcher in ("supervisor", "torchrun"):
         print(row(runs[launcher, True], runs[launcher, False]))
     print(f"\nthe supervisor's ranks, without faults: {runs['supervisor', False].snapshots}")

@@ -17,7 +17,7 @@ import torch
 from rank_support import tiny_config
 from trainer.checkpoint import store
 from trainer.checkpoint.layout import MEMORY_DIR_ENV, memory_file, memory_step
-from trainer.checkpoint.memory import COST_SHARE, MemoryCopy
+from trainer.checkpoint.memory import COST_SHARE, TIMED, MemoryCopy
 from trainer.config import Config
 from trainer.model.build import build_model
 from trainer.model.distributed import DistContext, init_distributed, teardown
@@ -159,7 +159,7 @@ def test_auto_keeps_a_snapshot_under_two_percent_of_a_step(world: tuple[Config, 
     cfg, ctx = world
     cfg.checkpoint.memory_interval = "auto"
     copy, lines = memory(cfg, ctx, trained(cfg, seed=1, steps=1))
-    for i in range(6):
+    for i in range(TIMED + 1):
         copy.decide(started=i * 0.1, seconds=0.01)
     assert copy.interval == 6 == -(-0.01 // (COST_SHARE * 0.09))
     assert lines.lines == ["memory snapshots every 6 steps: 10.0 ms each, 11.1% of a 90 ms step "

@@ -82,8 +82,8 @@ class Watch:
     def __init__(self, plan: Plan, workers: list[Worker], pump: Pump, tails: dict[int, Stream], console: Console,
                  signals: SignalInbox, reaper: Reaper, control: ControlChannel | None = None,
                  on_training: Callable[[], None] | None = None) -> None:
-        """`on_training`: called once, when every rank has reported a step (the agent starts the next group's standby
-        ranks then, not during this group's start-up)."""
+        """`on_training`: called once, when every rank has reported a step (the agent starts the run's standby then,
+        not during the first group's start-up)."""
         self.plan, self.workers, self.pump, self.tails = plan, workers, pump, tails
         self.on_training = on_training
         self.console, self.signals, self.reaper, self.control = console, signals, reaper, control
