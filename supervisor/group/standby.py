@@ -52,6 +52,14 @@ class Readiness:
     unfit: str = ""  # why it cannot fork ranks (it has exited)
 
 
+def stdin_open() -> bool:
+    try:
+        os.fstat(0)
+        return True
+    except OSError:
+        return False
+
+
 def standby_env(plan: Plan, restart: int, reaper: Reaper) -> dict[str, str]:
     """What every rank of group `restart` on this node has alike, less `PER_RANK`."""
     envs = [plan.rank_env(spec, 0, None, restart) for spec in plan.ranks]
@@ -128,7 +136,7 @@ class Standby:
             if not self.usable():
                 return None
         pipes = rank_pipes()
-        attached = [*pipes.write_ends(), *([0] if spec.rank == 0 else [])]
+        attached = [*pipes.write_ends(), *([0] if spec.rank == 0 and stdin_open() else [])]
         request = {"env": env, "argv": argv, "supervisor": os.getpid()}
         try:
             self.channel.settimeout(REPLY_TIMEOUT_S)
