@@ -120,25 +120,37 @@ def wait_until(condition: Callable[[], object], run: Run, what: str, timeout: fl
         time.sleep(0.05)
 
 
+def start_with_standby(tmp_path: Path, token_cache_dir: Path, restarts: int) -> tuple[Run, psutil.Process]:
+    """A run of 2 CPU ranks that would train for ever, once its standby has imported what a rank needs; and the
+    standby."""
+    layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 100_000},
+                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory_interval": 1}})
+    run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", str(restarts),
+                *set_flags(layer), entry=None)
+    wait_until(lambda: list(run.log_dir.glob("*/supervisor.log")) and "the standby ready: " in
+               next(run.log_dir.glob("*/supervisor.log")).read_text(), run, "had its standby ready")
+    (standby,) = [p for p in psutil.Process(run.proc.pid).children() if "trainer.standby" in p.cmdline()]
+    return run, standby
+
+
+def wait_for_a_step_after_restart(run: Run, restarts: int) -> None:
+    marker = f"----- restart 1 of {restarts} -----"
+    wait_until(lambda: marker in (log := (run.run_dir() / "cpu0.log").read_text()) and "Step [" in log.split(marker)[1],
+               run, "trained after the restart")
+
+
 def test_a_restart_forked_by_the_standby_then_the_supervisor_killed(tmp_path: Path, token_cache_dir: Path) -> None:
     """Once the standby has imported what a rank needs, rank 1 is SIGKILLed: the restarted group's ranks are forked by
     the standby (no import, no exec after the fault: their command line is the standby's; the restart's line says
     so), each the supervisor's own child in a session of its own, and train on from the node's memory. Then SIGKILL
     to the supervisor: its sentinel kills every rank and the standby, and removes the memory folder."""
-    layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 100_000},
-                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory_interval": 1}})
-    run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", "2", *set_flags(layer),
-                entry=None)
-    wait_until(lambda: list(run.log_dir.glob("*/supervisor.log")) and "the standby ready: " in
-               next(run.log_dir.glob("*/supervisor.log")).read_text(), run, "had its standby ready")
+    run, standby = start_with_standby(tmp_path, token_cache_dir, restarts=2)
     ranks = children_environments(run.proc.pid)
-    (standby,) = [p for p in psutil.Process(run.proc.pid).children() if "trainer.standby" in p.cmdline()]
     assert standby.pid not in ranks  # the ranks' common environment: no RANK of its own
     (rank_1,) = [pid for pid, env in ranks.items() if env["RANK"] == "1"]
     os.kill(rank_1, signal.SIGKILL)
     run.wait_for_stderr("restart 1 of 2 after CPU1 (rank 1) failed: SIGKILL (137); the ranks resume from step ")
-    wait_until(lambda: "----- restart 1 of 2 -----" in (log := (run.run_dir() / "cpu0.log").read_text()) and
-               "Step [" in log.split("----- restart 1 of 2 -----")[1], run, "trained after the restart")
+    wait_for_a_step_after_restart(run, restarts=2)
     assert "; forked from the standby, whose imports were done before the fault" in run.err_path.read_text()
     (line,) = re.findall(r"group 1: CPU0 pid (\d+) \(forked by the standby\), CPU1 pid (\d+) \(forked by the standby\)",
                          (run.run_dir() / "supervisor.log").read_text())
@@ -161,18 +173,11 @@ def test_a_restart_forked_by_the_standby_then_the_supervisor_killed(tmp_path: Pa
 def test_a_restart_without_its_standby_spawns_its_ranks(tmp_path: Path, token_cache_dir: Path) -> None:
     """The standby SIGKILLed once ready, then rank 1: the restart finds it gone, spawns its ranks as ever and trains
     on (then a SIGTERM ends the run as ever)."""
-    layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 100_000},
-                          "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory_interval": 1}})
-    run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", "1", *set_flags(layer),
-                entry=None)
-    wait_until(lambda: list(run.log_dir.glob("*/supervisor.log")) and "the standby ready: " in
-               next(run.log_dir.glob("*/supervisor.log")).read_text(), run, "had its standby ready")
-    (standby,) = [p for p in psutil.Process(run.proc.pid).children() if "trainer.standby" in p.cmdline()]
+    run, standby = start_with_standby(tmp_path, token_cache_dir, restarts=1)
     standby.kill()
     (rank_1,) = [pid for pid, env in children_environments(run.proc.pid).items() if env["RANK"] == "1"]
     os.kill(rank_1, signal.SIGKILL)
-    wait_until(lambda: "----- restart 1 of 1 -----" in (log := (run.run_dir() / "cpu0.log").read_text()) and
-               "Step [" in log.split("----- restart 1 of 1 -----")[1], run, "trained after the restart")
+    wait_for_a_step_after_restart(run, restarts=1)
     err = run.err_path.read_text()
     assert "restart 1 of 1 after CPU1 (rank 1) failed: SIGKILL (137)" in err and "forked" not in err
     assert re.search(r"group 1: CPU0 pid \d+, CPU1 pid \d+$", (run.run_dir() / "supervisor.log").read_text(), re.M)
