@@ -113,15 +113,16 @@ def gpu_layer(tmp_path: Path, cache_dir: Path, **overrides: dict[str, Any]) -> d
 
 def supervise(machine: Machine, tmp_path: Path, layer: dict[str, Any], *extra: str, tag: str = "",
               command: list[str] | None = None, on_output: Callable[[str, subprocess.Popen], None] | None = None,
-              preset: str = "debug", timeout: float = RUN_TIMEOUT) -> Outcome:
+              preset: str | None = "debug", timeout: float = RUN_TIMEOUT) -> Outcome:
     """`python -m supervisor --gpus <id> --preset <preset> ...` (or `command`) to its end, in `tmp_path`, output in
     run<tag>.txt.
 
-    `on_output(text, proc)` is called while the run goes, with the output so far (to signal it at a given line)."""
+    `on_output(text, proc)` is called while the run goes, with the output so far (to signal it at a given line).
+    `preset` None: no --preset (a --replay takes the run's own config)."""
     log, log_dir = tmp_path / f"run{tag}.txt", tmp_path / f"logs{tag}"
     base = command or [sys.executable, "-m", "supervisor", "--gpus", str(machine.id)]
-    cmd = [*base, "--preset", preset, "--no-footer", "--log-dir", str(log_dir), "--grace-period", "5",
-           *set_flags(layer), *extra]
+    cmd = [*base, *(["--preset", preset] if preset else []), "--no-footer", "--log-dir", str(log_dir),
+           "--grace-period", "5", *set_flags(layer), *extra]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=tmp_path, env=machine.env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
