@@ -27,6 +27,7 @@ from rank_support import TINY, merged, set_flags
 
 from supervisor.plan.spec import COMPILE_CACHE_DIR, Plan, RankSpec
 from trainer.checkpoint.layout import MEMORY_DIR_ENV
+from trainer.standby import cuda_loaded
 
 
 def supervise(tmp_path: Path, layer: dict, *flags: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -183,3 +184,13 @@ def test_a_restart_without_its_standby_spawns_its_ranks(tmp_path: Path, token_ca
     assert re.search(r"group 1: CPU0 pid \d+, CPU1 pid \d+$", (run.run_dir() / "supervisor.log").read_text(), re.M)
     run.proc.send_signal(signal.SIGTERM)
     assert run.proc.wait(timeout=60) == 128 + signal.SIGTERM
+
+
+def test_the_standby_knows_when_an_import_loaded_cuda(tmp_path: Path) -> None:
+    """A fork after CUDA is initialised gives the rank a GPU it cannot use: the standby reads its own memory map for
+    the driver library (what a CUDA call loads) and serves no fork where it is there."""
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert not cuda_loaded(maps)
+    maps.write_text(maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15\n")
+    assert cuda_loaded(maps)
