@@ -152,7 +152,7 @@ class Standby:
             self.console.log(f"the standby could not fork {spec.label} ({self.readiness.unfit}): restarts spawn "
                              f"their ranks")
             return None
-        return Worker.adopt(spec, int(reply["pid"]), pipes, env)
+        return Worker.adopt(spec, int(reply["pid"]), pipes)
 
     def summary(self, fault_at: float) -> str:
         """What the restart's line says of the standby: whether its imports were done before the fault (`fault_at`,

@@ -26,7 +26,7 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from supervisor.plan.spec import RankSpec
@@ -126,7 +126,6 @@ class Worker:
     term_sent_at: float | None = None
     killed: bool = False  # its group got SIGKILL from us
     pidfd: int | None = None  # readable once the rank has exited; None where the kernel has no pidfd_open
-    env: dict[str, str] = field(default_factory=dict)  # the environment it was started with
 
     @property
     def pid(self) -> int:
@@ -159,11 +158,10 @@ class Worker:
             raise
         finally:
             pipes.close_write_ends()
-        return cls.adopt(spec, process, pipes, env)
+        return cls.adopt(spec, process, pipes)
 
     @classmethod
-    def adopt(cls, spec: RankSpec, process: subprocess.Popen | Adopted | int, pipes: RankPipes,
-              env: dict[str, str]) -> "Worker":
+    def adopt(cls, spec: RankSpec, process: subprocess.Popen | Adopted | int, pipes: RankPipes) -> "Worker":
         """The Worker of a rank that is already the supervisor's child: spawned here, or forked by the standby and
         re-parented here (`supervisor.group.standby`: `process` is then its pid)."""
         process = Adopted(process) if isinstance(process, int) else process
@@ -171,8 +169,7 @@ class Worker:
             pidfd: int | None = os.pidfd_open(process.pid)
         except (AttributeError, OSError):
             pidfd = None
-        return cls(spec, process, pipes.stdout[0], pipes.stderr[0], pipes.progress[0], time.monotonic(), pidfd=pidfd,
-                   env=env)
+        return cls(spec, process, pipes.stdout[0], pipes.stderr[0], pipes.progress[0], time.monotonic(), pidfd=pidfd)
 
     def has_exited(self) -> bool:
         """True once the rank is a zombie; does not reap it."""
