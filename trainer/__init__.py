@@ -14,8 +14,8 @@ before it, and the leaves; `tests/test_house.py` checks it):
   tried alone), `metrics` (log line, history, MFU),
   `run_dir` (the run folder), `wandb_run`, `rank_cli` (`pretrain_main.py`), `preflight` (a run's config checked
   before anything starts: the supervisor's one call into the trainer), `replay` (the config that replays a step of an
-  earlier run: `--replay RUN --step N`), `standby` (a rank started before it is needed: imports what a rank needs,
-  then becomes the rank a restart hands it).
+  earlier run: `--replay RUN --step N`), `standby` (the node's standby: imports what a rank needs once,
+  then forks each rank a restart asks it for).
 
 Nothing here imports `supervisor`: the supervisor uses the run's description; the rank never needs the supervisor.
 """
