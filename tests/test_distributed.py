@@ -5,6 +5,9 @@ environment and device rules."""
 from __future__ import annotations
 
 import importlib
+import socket
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +28,7 @@ from trainer.model.distributed import (
     DistContext,
     RankEnvironment,
     agree_any,
+    await_store,
     gradient_sync,
     init_distributed,
     is_sharded,
@@ -212,3 +216,21 @@ def test_ddp_and_fsdp_on_two_cpu_ranks(tmp_path: Path, token_cache_dir: Path) ->
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(tmp_path / "final").eos_token_id == 0
+
+
+def test_a_rank_waits_for_the_store_port_to_open_then_joins_at_once() -> None:
+    """`await_store` returns once the port accepts a connection (the listener sees the knock), and after its limit
+    when nothing ever listens (torch's own retries and error then take over), without raising either way."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        opened = threading.Timer(0.2, server.listen)
+        opened.start()
+        await_store("localhost", port, limit=30)
+        opened.join()
+        server.settimeout(5)
+        knock, _ = server.accept()  # the connection that found it open
+        knock.close()
+    started = time.monotonic()
+    await_store("127.0.0.1", port, limit=0.3)  # closed for good
+    assert time.monotonic() - started >= 0.3

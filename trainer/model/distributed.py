@@ -35,7 +35,9 @@ from trainer.errors import UserError
 from trainer.model.build import decoder_layers
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-STORE_POLL_S = 0.002  # how often a rank knocks at the rendezvous store's port before it opens
+STORE_POLL_S = 0.002  # how often a rank knocks at the rendezvous store's port before it opens, for its first
+STORE_POLL_FAST_S = 0.5  # half second (a restart's ranks arrive within milliseconds of rank 0)
+STORE_POLL_SLOW_S = 0.05  # then: a rank waiting for rank 0's start-up knocks no more than 20 times a second
 STORE_POLL_LIMIT_S = 60.0  # after that, torch's own connection retries (and its error) take over
 DDP_BUFFER_SYNC_ARG = ("forward_sync_buffers" if "forward_sync_buffers" in
                        inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
@@ -141,15 +143,28 @@ def await_store(addr: str, port: int, limit: float) -> None:
 
     torch's store client that finds the port still closed retries on an exponential backoff with jitter (about 0.1 s,
     growing towards seconds), so a rank that arrives a few milliseconds before rank 0 has opened it, as every rank of
-    a restart on standby ranks does, waited 0.3-0.7 s for nothing: half of a restart's fault-to-step time. Knocking
-    every 2 ms here (a connection opened and closed, which the store ignores) lets the client connect at once."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((addr, port), timeout=max(0.01, deadline - time.monotonic())).close()
-            return
-        except OSError:
-            time.sleep(STORE_POLL_S)
+    a restart's forked ranks do, waited 0.3-0.7 s for nothing: half of a restart's fault-to-step time. Knocking here
+    (a connection opened and closed, which the store ignores), every 2 ms for half a second, then every 50 ms (a rank
+    that waits for rank 0's imports need not flood node 0 with connections), lets the client connect at once or
+    within 50 ms. The name is resolved once a second at most, not at each knock."""
+    started = time.monotonic()
+    deadline, resolved_at, targets = started + limit, -1.0, []
+    while (now := time.monotonic()) < deadline:
+        if now - resolved_at >= 1.0:
+            try:
+                targets = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+            except OSError:
+                targets = []  # not resolvable yet (a Kubernetes service published late): asked again in a second
+            resolved_at = now
+        for family, kind, proto, _, address in targets:
+            try:
+                with socket.socket(family, kind, proto) as knock:
+                    knock.settimeout(max(0.01, deadline - now))
+                    knock.connect(address)
+                return
+            except OSError:
+                continue
+        time.sleep(STORE_POLL_S if now - started < STORE_POLL_FAST_S else STORE_POLL_SLOW_S)
 
 
 def teardown() -> None:
