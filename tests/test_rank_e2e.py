@@ -211,3 +211,20 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path: Path, args: list[str], me
     result = run_main(args, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(message)
+
+
+def test_a_rank_opens_the_token_cache_the_supervisor_found(tmp_path: Path, token_cache_dir: Path) -> None:
+    """The supervisor finds the run's token cache before any rank starts and names it to the ranks
+    (SUPERVISOR_TOKEN_CACHE): a rank opens it as it is and keys no corpus (a stat per source file, every rank of every
+    group): here its config's cache folder, empty, stays untouched and the rank trains on the cache it was given."""
+    from trainer.data import TOKEN_CACHE_ENV
+    from trainer.data.cache import prepare
+
+    found = prepare(tiny_config(tmp_path / "found", token_cache_dir), show_progress=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    config = write_run_config(tmp_path / "run", elsewhere, tmp_path / "ckpt")
+    done = subprocess.run([PYTHON, MAIN, "--run-config", str(config)], cwd=config.parent, capture_output=True,
+                          text=True, timeout=180, env=rank_env(0, 1, free_port(), **{TOKEN_CACHE_ENV: str(found.path)}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"Step [{STEPS - 1}/{STEPS}]" in done.stdout and list(elsewhere.iterdir()) == []

@@ -11,6 +11,7 @@ from rank_scripts.harness import WORKER, clean_env, run
 from supervisor.plan.spec import Plan, RankSpec
 from trainer.config import Config, apply_layer
 from trainer.config.resolve import preset_layer
+from trainer.data import TOKEN_CACHE_ENV
 from trainer.errors import UserError
 from trainer.preflight import check_run
 
@@ -68,6 +69,11 @@ def test_trainer_entry_gets_the_run_config(tmp_path):
                                                        str(tmp_path / "config.json"), "--extra"]
     other = Plan(entry="/x/train.py", entry_args=["--extra"], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)])
     assert other.argv(tmp_path / "config.json")[1:] == ["/x/train.py", "--extra"]
+
+    assert TOKEN_CACHE_ENV not in plan.rank_env(plan.ranks[0], 29500, None, 0)
+    found = Plan(entry="/x/pretrain_main.py", entry_args=[], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)],
+                 token_cache=tmp_path / "cache" / "key")  # the supervisor found it: the ranks open it as it is
+    assert found.rank_env(found.ranks[0], 29500, None, 0)[TOKEN_CACHE_ENV] == str(tmp_path / "cache" / "key")
 
 
 def preset(name: str, **overrides: dict) -> Config:

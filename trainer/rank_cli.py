@@ -21,6 +21,7 @@ from trainer.checkpoint.layout import check_checkpoint_dir, check_resume, earlie
 from trainer.config import RUNS_DIR, Config
 from trainer.config.choices import cpu_refusal
 from trainer.config.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
+from trainer.data import TOKEN_CACHE_ENV
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(dry_run_report(cfg, torch_gpus(), args.nproc), flush=True)
             return 0
-        cache = None
+        # under the supervisor, the token cache it found for this config (trainer.data.TOKEN_CACHE_ENV)
+        cache = Path(os.environ[TOKEN_CACHE_ENV]) if run_dir is not None and TOKEN_CACHE_ENV in os.environ else None
         if run_dir is None:
             # By hand or under torchrun, what the supervisor checks before starting ranks: a config meant for GPUs,
             # the folders the run writes, the data and the checkpoint to resume, before the seconds that importing

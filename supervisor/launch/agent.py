@@ -234,6 +234,7 @@ class Launcher:
         state = f"built in {info.build_seconds:.1f} s, peak RSS {info.peak_rss_bytes / 1e9:.2f} GB" if built else "ready"
         self.console.say(f"dataset {state}: {info.tokens:,} training tokens in {info.path}")
         check_resume(self.cfg, info.key, info.vocab_size)  # other data or another model: refused before any rank
+        self.plan = replace(self.plan, token_cache=info.path)  # the ranks open it without keying the corpus again
         return None
 
     def build_dataset(self, control: ControlChannel | None) -> int | None:

@@ -28,6 +28,7 @@ from supervisor.gpus.preflight import Health
 from supervisor.plan.rendezvous import loopback_interface
 from trainer.checkpoint.layout import MEMORY_DIR_ENV
 from trainer.config import PROJECT_ROOT
+from trainer.data import TOKEN_CACHE_ENV
 from trainer.diagnosis.flight_recorder import PIPE_ENV
 from trainer.progress import RESTART_COUNT_ENV
 
@@ -101,6 +102,7 @@ class Plan:
     # the trainer's ranks keep their memory copy of the latest state here (under /dev/shm; the supervisor's sentinel
     # removes it on every exit path): a restart on this node loads it first
     memory_dir: Path | None = None
+    token_cache: Path | None = None  # the token cache the supervisor found for the run's config (trainer runs)
 
     @property
     def trainer_entry(self) -> bool:
@@ -185,6 +187,9 @@ class Plan:
         env.pop(MEMORY_DIR_ENV, None)
         if self.memory_dir is not None:
             env[MEMORY_DIR_ENV] = str(self.memory_dir)
+        env.pop(TOKEN_CACHE_ENV, None)
+        if self.token_cache is not None:
+            env[TOKEN_CACHE_ENV] = str(self.token_cache)
         if (error_file := self.error_file(spec, restart)) is not None:
             env[ERROR_FILE_ENV] = str(error_file)
         # The project's ranks get the cores shared out, so their thread pools do not oversubscribe the machine; a

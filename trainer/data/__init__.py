@@ -18,3 +18,7 @@ supervisor (or `prepare_dataset.py`), the reading half in every rank.
 * `documents` — which documents of the corpus a step's batch holds (offsets, first characters);
 * `prepare_cli` — the command line of `prepare_dataset.py`.
 """
+
+# The token cache (or mixture record) the supervisor found for the run's config before starting any rank: its ranks
+# open it as it is instead of keying the corpus again (a stat per source file, every rank of every group).
+TOKEN_CACHE_ENV = "SUPERVISOR_TOKEN_CACHE"
