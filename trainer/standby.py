@@ -13,8 +13,9 @@ its own session, sets the parent-death signal, takes its pipes as 0, 1 and 2 and
 `pretrain_main.py` as ``python pretrain_main.py ...`` would, in that process. The standby answers with the rank's pid.
 
 Forking needs a process that has not initialised CUDA (a CUDA context does not survive a fork): the imports do not
-touch the GPU, and if one ever did (the driver library is loaded), the standby says ``unfit`` and exits, and the
-restarts spawn their ranks. A socket closed without a word (the run ended) ends the standby quietly.
+touch the GPU (the standby runs with ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, so an import that asks whether CUDA is
+available is answered from NVML), and if one ever did (the driver library is loaded), the standby says ``unfit`` and
+exits, and the restarts spawn their ranks. A socket closed without a word (the run ended) ends the standby quietly.
 """
 
 from __future__ import annotations

@@ -42,6 +42,9 @@ PER_RANK = frozenset({"RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK", "WORLD_SI
                       "CUDA_VISIBLE_DEVICES", "GPU_RANK", "OMP_NUM_THREADS", PROGRESS_FD_ENV})
 # of those, what an import reads: the standby imports with the ranks' value, and a forked rank sets its own
 IMPORTED = frozenset({"OMP_NUM_THREADS"})
+# the standby's own: should an import ask whether CUDA is available, torch answers from NVML instead of initialising
+# the driver (PyTorch's check that does not poison a fork); a forked rank takes its own environment, without it
+FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 REPLY_TIMEOUT_S = 120.0  # a fork request sent while the standby still imports waits for the imports
 
 
@@ -77,7 +80,8 @@ class Standby:
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.process = subprocess.Popen(
-                [plan.python, "-m", "trainer.standby"], env={**self.env, STANDBY_FD_ENV: str(theirs.fileno())},
+                [plan.python, "-m", "trainer.standby"],
+                env={**self.env, STANDBY_FD_ENV: str(theirs.fileno()), **FORK_SAFE_CUDA_CHECK},
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
         except BaseException:
