@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from supervisor.console import Console
 from supervisor.group.reaper import TOKEN_ENV, Reaper
 from supervisor.group.worker import Worker, die_with_parent, rank_pipes
-from supervisor.plan.spec import Plan, RankSpec
+from supervisor.plan.spec import ERROR_FILE_ENV, RUN_CONFIG_ENV, Plan, RankSpec
+from trainer.diagnosis.flight_recorder import PIPE_ENV as FLIGHT_RECORDER_PIPE_ENV
 from trainer.progress import PROGRESS_FD_ENV, RESTART_COUNT_ENV
 from trainer.standby import STANDBY_FD_ENV
 
@@ -38,7 +39,7 @@ from trainer.standby import STANDBY_FD_ENV
 # (read by the rank once started, never by an import)
 PER_RANK = frozenset({"RANK", "LOCAL_RANK", "ROLE_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                       "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-                      RESTART_COUNT_ENV, "SUPERVISOR_RUN_CONFIG", "SUPERVISOR_ERROR_FILE", "TORCHELASTIC_ERROR_FILE",
+                      RESTART_COUNT_ENV, RUN_CONFIG_ENV, ERROR_FILE_ENV, FLIGHT_RECORDER_PIPE_ENV,
                       "CUDA_VISIBLE_DEVICES", "GPU_RANK", "OMP_NUM_THREADS", PROGRESS_FD_ENV})
 # of those, what an import reads: the standby imports with the ranks' value, and a forked rank sets its own
 IMPORTED = frozenset({"OMP_NUM_THREADS"})
