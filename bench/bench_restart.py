@@ -1,8 +1,9 @@
 """Restart benchmark: training under repeated faults, the supervisor against torchrun --max-restarts, one trainer.
 
-    python bench/bench_restart.py [--steps 60] [--every 13] [--interval 10]
+    python bench/bench_restart.py [--steps 60] [--every 13] [--interval 10] [--nproc 2]
 
-Both launchers run `pretrain_main.py` on the debug preset, 2 CPU ranks on gloo, a checkpoint every `--interval` steps:
+Both launchers run `pretrain_main.py` on the debug preset, `--nproc` CPU ranks on gloo (2 by default), a checkpoint
+every `--interval` steps:
 ``python -m supervisor --max-restarts F`` and ``torchrun --standalone --max-restarts F`` (the trainer by hand with
 ``checkpoint.resume=auto``, so that each of torchrun's restarts resumes the latest checkpoint, and
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torchrun's default, its rendezvous store outlives a restart with the
@@ -97,11 +98,11 @@ def trainer_flags(steps: int, interval: int, work: Path) -> list[str]:
             "--set", f"data.cache_dir={json.dumps(str(work.parent / 'cache'))}", "--set", "logging.plot=false"]
 
 
-def command(launcher: str, flags: list[str], restarts: int, work: Path) -> list[str]:
+def command(launcher: str, flags: list[str], restarts: int, nproc: int, work: Path) -> list[str]:
     if launcher == "supervisor":
-        return [sys.executable, "-m", "supervisor", "--nproc", "2", "--no-footer", "--max-restarts", str(restarts),
-                "--log-dir", str(work / "logs"), *flags]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        return [sys.executable, "-m", "supervisor", "--nproc", str(nproc), "--no-footer", "--max-restarts",
+                str(restarts), "--log-dir", str(work / "logs"), *flags]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "--max-restarts", str(restarts), str(ROOT / "pretrain_main.py"), *flags,
             "--set", "checkpoint.resume=auto", "--set", f"logging.run_dir={json.dumps(str(work / 'logs'))}"]
 
@@ -134,15 +135,15 @@ def kill_rank_1(launcher: str, launcher_pid: int, group: int, work: Path) -> boo
     return bool(pids)
 
 
-def run(launcher: str, steps: int, interval: int, every: int | None, work: Path) -> Run:
+def run(launcher: str, steps: int, interval: int, every: int | None, nproc: int, work: Path) -> Run:
     faults = [every * i for i in range(1, (steps - 1) // every + 1)] if every else []
     work.mkdir()
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(work)}
     if launcher == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     started = time.monotonic()
-    proc = subprocess.Popen(command(launcher, trainer_flags(steps, interval, work), len(faults), work), cwd=work,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(command(launcher, trainer_flags(steps, interval, work), len(faults), nproc, work),
+                            cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
     timer = threading.Timer(RUN_TIMEOUT, proc.kill)
     timer.start()
@@ -189,6 +190,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
     parser.add_argument("--every", type=int, default=13, help="rank 1 killed every N steps (default 13)")
     parser.add_argument("--interval", type=int, default=10, help="checkpoint.interval (default 10)")
+    parser.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
     parser.add_argument("--keep", metavar="DIR", help="run in DIR (a new folder) and keep the runs' logs there")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() if args.keep is None else nullcontext(args.keep) as tmp:
@@ -199,14 +201,15 @@ def main() -> int:
         for faulted in (False, True):
             for launcher in ("supervisor", "torchrun"):
                 name = f"{launcher}-{'faults' if faulted else 'clean'}"
-                r = run(launcher, args.steps, args.interval, args.every if faulted else None, base / name)
+                r = run(launcher, args.steps, args.interval, args.every if faulted else None, args.nproc,
+                        base / name)
                 if r.exit_code != 0 or (faulted and not r.kills):
                     print(f"{name} failed (exit {r.exit_code}, {len(r.kills)} faults):\n{r.tail}", file=sys.stderr)
                     return 1
                 runs[launcher, faulted] = r
     ours, theirs = runs["supervisor", True], runs["torchrun", True]
-    print(f"debug preset, 2 CPU ranks (gloo), {args.steps} steps, a checkpoint every {args.interval} steps, rank 1 "
-          f"SIGKILLed when step {args.every}·i is reached\n")
+    print(f"debug preset, {args.nproc} CPU ranks (gloo), {args.steps} steps, a checkpoint every {args.interval} steps, "
+          f"rank 1 SIGKILLed when step {args.every}·i is reached\n")
     print("| launcher | faults | wall | goodput | goodput after start-up | fault → next step (mean; each) | steps "
           "trained twice | final loss (faults / without) |")
     print("|---|---|---|---|---|---|---|---|")

@@ -7,6 +7,7 @@ share with it (SIGKILL), and the log says which checkpoint is the latest."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -33,9 +34,10 @@ from rank_support import (
 from trainer import durable, loop
 from trainer.checkpoint import layout, store
 from trainer.checkpoint.manager import Checkpointer
+from trainer.errors import lost_a_peer
 from trainer.metrics import get_logger
 from trainer.model.distributed import DistContext, init_distributed, teardown
-from trainer.progress import ProgressReporter
+from trainer.progress import Progress, ProgressReporter
 
 SAVED = re.compile(r"^INFO \| checkpoint saved: (?P<path>\S+) \(\d+(\.\d)? (B|kB|MB); training blocked "
                    r"(?P<blocked>\d+\.\d\d) s, written in (?P<written>\d+\.\d\d) s(?P<background> in the background)?\)$",
@@ -147,6 +149,53 @@ def test_a_save_holds_its_own_step_while_training_goes_on_and_is_published_only_
     assert store.load(layout.step_path(root, 2), restored, ctx, KEY).step == 2
     assert same(snapshot(restored), at_step_2) and not same(snapshot(state), at_step_2)
     assert [(r.step, r.background) for r in checkpoints.saved] == [(1, True), (2, True)]
+
+
+def test_a_rank_that_lost_a_peer_leaves_its_write_in_flight_at_once_and_says_training_goes_on_after_a_save(
+        tmp_path: Path, ctx: DistContext, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank failing because a peer went away (`trainer.errors.lost_a_peer`) with a write in flight does not wait
+    for it: the peer's share went with it, and with three ranks or more a writer whose collective pairs it with a live
+    rank would wait the writer group's whole timeout (the supervisor's grace period ended it). It says the write was
+    not published and which checkpoint is the latest. After a save the rank's record says it is training again, so a
+    peer dying in the next step finds it waiting there, not saving."""
+    cfg = make_cfg(tmp_path)
+    cfg.checkpoint.async_save = True
+    root = Path(cfg.checkpoint.dir)
+    state = make_state(cfg)
+    read, write = os.pipe()
+    checkpoints = Checkpointer(cfg, ctx, state, SimpleNamespace(key=KEY), get_logger(),  # type: ignore[arg-type]
+                               ProgressReporter(fd=write))
+    train_once(state, 0)
+    checkpoints.save(1)
+    checkpoints.finish()
+    records = [Progress.decode(line) for line in os.read(read, 65536).splitlines()]
+    assert [(r.event, r.phase) for r in records][-2:] == [("phase", "checkpoint"), ("phase", "training")]
+
+    gate = Gate(monkeypatch)
+    train_once(state, 1)
+    checkpoints.save(2)
+    assert gate.reached.wait(120)
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:53151")
+    assert lost_a_peer(RuntimeError("the step failed")) is False
+    try:
+        try:
+            raise lost
+        except RuntimeError as e:
+            raise RuntimeError("the step failed") from e
+    except RuntimeError as e:
+        assert lost_a_peer(e)
+    capsys.readouterr()
+    opener = threading.Timer(30, gate.open.set)  # a settle that waited would see the write published then
+    opener.start()
+    checkpoints.settle(peer_lost=True)
+    opener.cancel()
+    said = capsys.readouterr().out
+    assert "the rank lost a peer with step_000002 still being written; not waiting for it" in said
+    assert f"step_000002 was not published (a peer went away during the write); the latest checkpoint is " \
+           f"{layout.step_path(root, 1)}" in said
+    assert checkpoints.in_flight is None
+    gate.open.set()  # (the abandoned writer ends; a failing rank's process would end it)
+    os.close(read), os.close(write)
 
 
 def rank_flags(tmp_path: Path, cache_dir: Path, **sections: dict[str, Any]) -> list[str]:

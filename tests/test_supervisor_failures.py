@@ -24,6 +24,37 @@ def test_first_failure_stops_every_rank(tmp_path, fault, code):
     assert f"GPU1 (rank 1, pid {pids[3]}) failed with" in r.stderr
 
 
+HELD = ("GPU0, GPU2 still training 2 s after SIGTERM while GPU1 is gone: its collectives wait for GPU1, so it "
+        "cannot reach a checkpoint; SIGKILL now rather than after the 60 s grace period")
+
+
+@pytest.mark.parametrize("fault, code", [("sigkill", 137), ("announce", 3)])
+def test_ranks_held_by_a_failed_rank_that_is_gone_are_killed_without_the_grace_period(tmp_path, fault, code):
+    """The failed rank has exited (killed outright; or it said ``failing`` and left later, as the trainer does once
+    its write has ended): the others' collectives wait for it for ever (NCCL's do; gloo's with three ranks or more
+    on the ranks that were not paired with it), so a SIGTERM handler that only sets a flag is never reached (here:
+    SIGTERM ignored). Those still training get SIGKILL 2 s after SIGTERM, or after the failed rank's exit, instead of
+    at the end of the 60 s grace period."""
+    r = run(tmp_path, "--gpus", "0,1,2", "--grace-period", "60", timeout=50,
+            entry_args=("--fail", fault, "--fail-rank", "1", "--term-time", "1", "--on-term", "ignore"), env=FAKE)
+    assert r.returncode == code, r.stderr[-3000:]
+    if fault == "sigkill":
+        assert "one still training in 2 s (it cannot reach a checkpoint while GPU1 is gone)" in r.stderr
+    assert HELD in r.stderr, r.stderr[-3000:]
+    assert survivors(r.pids(), timeout=1.0) == []
+
+
+def test_a_rank_in_its_checkpoint_phase_keeps_the_grace_period_when_a_failed_rank_is_gone(tmp_path):
+    """A rank that says it is saving (its checkpoint phase) when the failed rank has exited is left the grace period:
+    its save may be its own (the final model is rank 0's alone)."""
+    r = run(tmp_path, "--gpus", "0,1,2", "--grace-period", "60", timeout=50,
+            entry_args=("--fail", "sigkill", "--fail-rank", "1", "--on-term", "slow", "--term-time", "3"), env=FAKE)
+    assert r.returncode == 137, r.stderr[-3000:]
+    assert "GPU0:rank 0 checkpoint written" in r.stdout and "GPU2:rank 2 checkpoint written" in r.stdout
+    assert "SIGKILL now" not in r.stderr
+    assert survivors(r.pids(), timeout=1.0) == []
+
+
 def test_report_names_every_rank_and_the_failing_stderr(tmp_path):
     r = run(tmp_path, *COMMON, entry_args=("--fail", "raise", "--fail-rank", "2", "--fail-step", "4"), env=FAKE)
     assert r.returncode == 1

@@ -17,6 +17,23 @@ class UserError(Exception):
 
 USER_ERROR_EXIT_CODE = 2
 
+# What an error says when a peer went away under a collective: gloo's pair, NCCL's remote error, the c10d store. The
+# supervisor reads it in a rank's last lines; a rank, in the exception it fails with (`lost_a_peer`).
+PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "ncclRemoteError",
+             "remote process exited or there was a network error", "failed to recv, got 0 bytes")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, says a peer went away under a collective."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(marker in str(e) for marker in PEER_LOSS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
 
 def exit_without_teardown(code: int) -> None:
     """Flush and exit now, skipping the interpreter's finalisation.

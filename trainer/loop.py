@@ -54,7 +54,7 @@ from trainer.diagnosis.nan_verdict import SuspectDevice, Verdict, record_gpu_fau
 from trainer.diagnosis.recompute import KeptParameters
 from trainer.diagnosis.spikes import Spike, SpikeDetector
 from trainer.diagnosis.step_timer import StepTimer
-from trainer.errors import UserError
+from trainer.errors import UserError, lost_a_peer
 from trainer.metrics import (
     EtaClock,
     History,
@@ -398,7 +398,8 @@ class Trainer:
         except Exception as e:
             if not isinstance(e, UserError):  # (a bad input fails every rank alike: no rank is first)
                 self.progress.failing()  # first: the supervisor learns which rank failed before this one waits
-            self.checkpoints.settle()  # a write in flight may still be published (its record then in the history)
+            # a write in flight may still be published (its record then in the history)
+            self.checkpoints.settle(peer_lost=lost_a_peer(e))
             raise
         finally:
             try:

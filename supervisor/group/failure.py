@@ -38,12 +38,10 @@ from supervisor.diagnosis import oom
 from supervisor.group.pump import Stream
 from supervisor.group.worker import Worker, describe_exit
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
+from trainer.errors import PEER_LOSS
 
 SETTLE_WAIT = 1.0  # the longest a rank's stderr lines wait for the watcher to handle the events before them
 OUTPUT_WAIT = 0.5  # the longest the watcher waits for the pump to take an exited rank's last stderr lines
-# what a rank's last lines say when a peer went away under it: gloo's pair, NCCL's remote error, the c10d store
-PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "ncclRemoteError",
-             "remote process exited or there was a network error", "failed to recv, got 0 bytes")
 PEER_LOSS_LINES = 10  # where the error a rank ended with is: its last lines of stderr
 PEER_EXIT_WAIT = 3.0  # how long a lost-peer exit waits for the peer's own error exit before it is the failure
 

@@ -166,21 +166,22 @@ class Blocked:
     stack was read from outside (`blocked`)."""
 
     joining: dict[int, Frame | None]  # still joining their process group
-    held: dict[int, Frame | None]  # training while another node is lost: its ranks never join their collectives
+    held: dict[int, Frame | None]  # training while what its collectives wait for is gone (`blocked`)
 
 
-def blocked(ranks: dict[int, RankState], node_lost: bool) -> Blocked:
-    """Of the live ranks given (pid → state), those still joining their process group and, while another node is
-    lost, those that cannot reach a checkpoint. A rank that reports progress says where it is: its phase
-    (`RENDEZVOUS_PHASE`, before any step), or training (a step, the training or evaluation phase; its checkpoint phase
-    is neither). One that has reported nothing has its stack read, once: its main thread in the rendezvous store or
-    ``init_process_group``, or in a collective."""
+def blocked(ranks: dict[int, RankState], held_back: bool) -> Blocked:
+    """Of the live ranks given (pid → state), those still joining their process group and, while what their
+    collectives wait for is gone (`held_back`: another node lost, the failed rank exited), those that cannot reach a
+    checkpoint. A rank that reports progress says where it is: its phase (`RENDEZVOUS_PHASE`, before any step), or
+    training (a step, the training or evaluation phase; its checkpoint phase is neither). One that has reported
+    nothing has its stack read, once: its main thread in the rendezvous store or ``init_process_group``, or in a
+    collective."""
     silent = [pid for pid, state in ranks.items() if state.event is None]
     read = stacks.waits(silent) if silent else {}
     joining: dict[int, Frame | None] = {pid: joins for pid, (joins, _) in read.items() if joins is not None}
     joining.update({pid: None for pid, state in ranks.items() if says_joining(state)})
     held: dict[int, Frame | None] = {}
-    if node_lost:
+    if held_back:
         held = {pid: waits for pid, (_, waits) in read.items() if waits is not None}
         held.update({pid: None for pid, state in ranks.items() if says_training(state)})
     return Blocked(joining, held)

@@ -5,9 +5,10 @@
    that announced its own failure is left to exit (a SIGTERM after its stop handler would make its code 143).
 2. `RENDEZVOUS_WAIT` seconds later, SIGKILL for a rank still joining its process group (waiting for a node that may
    never come: it has nothing to save, and a handler that only sets a flag is never reached there), and for one still
-   training while another node is lost (the trainer's by its records, a program that reports nothing by its stack: in
-   a collective): its collectives wait for that node's ranks, so it can never reach its checkpoint. A rank in its
-   checkpoint phase keeps the grace period.
+   training while another node is lost or the failed rank has exited (the trainer's by its records, a program that
+   reports nothing by its stack: in a collective): its collectives wait for the ranks that are gone, so it can never
+   reach its checkpoint. gloo ends such a collective on the ranks the gone one talked to, not on the others of three
+   or more; NCCL on none. A rank in its checkpoint phase keeps the grace period.
 3. At the end of the grace period, SIGKILL to every group still alive, saying where each rank was.
 4. `KILL_WAIT` seconds after SIGKILL, a process still there is stuck in the kernel: it is left behind, and said so.
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from supervisor.console import Console
 from supervisor.diagnosis.culprit import Frame
 from supervisor.group.hangs import Stall
-from supervisor.group.liveness import RankState, blocked, may_be_held, may_be_joining, says_joining
+from supervisor.group.liveness import RankState, blocked, may_be_held, may_be_joining, says_joining, says_training
 from supervisor.group.worker import Worker
 
 KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
@@ -53,6 +54,15 @@ class Stop:
     stall: Stall | None = None  # a hang: what the watchdog found
     node_verdicts: list[str] = field(default_factory=list)  # a hang on several nodes: what each node's evidence said
     lost_node: int | None = None  # another node was lost (stopped answering, died, never joined): which
+
+    def held_by(self) -> tuple[str, str] | None:
+        """What the ranks still training wait for in their collectives that will never come, as (while ..., whose
+        ranks): another node lost, or the rank whose failure this is, exited. None while nothing is gone for good."""
+        if self.lost_node is not None:
+            return f"node {self.lost_node} is lost", "that node's ranks"
+        if self.reason == "failure" and self.worker is not None and not self.worker.alive:
+            return f"{self.worker.label} is gone", self.worker.label
+        return None
 
     def deadline(self) -> float:
         """When the next rung is due."""
@@ -108,17 +118,35 @@ class StopLadder:
                 w.kill_group()
             elif not (stop.awaiting and w is stop.worker):
                 w.terminate()
-        alive = [w for w in self.workers if w.alive] if self.grace_period > RENDEZVOUS_WAIT else []
+        alive = self.outliving()
         joining = any(may_be_joining(self.states[w.spec.rank]) for w in alive)
-        held = stop.lost_node is not None and any(may_be_held(self.states[w.spec.rank]) for w in alive)
-        if joining or held:
+        held = self.hold(stop, now)
+        if not any(says_training(self.states[w.spec.rank]) for w in alive):
+            held = None  # (a program that reports nothing: its stack tells at rung 2, and says so then)
+        if joining:
             stop.rendezvous_at = now + RENDEZVOUS_WAIT
         if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
             sooner = [f"one still in the rendezvous in {RENDEZVOUS_WAIT:g} s (it has nothing to save)"] * joining
-            sooner += [f"one still training in {RENDEZVOUS_WAIT:g} s (it cannot reach a checkpoint while node "
-                       f"{stop.lost_node} is lost)"] * held
+            if held is not None:
+                sooner.append(f"one still training in {RENDEZVOUS_WAIT:g} s (it cannot reach a checkpoint while "
+                              f"{held[0]})")
             self.console.say(f"SIGTERM sent; a rank still running in {self.grace_period:g} s "
                              f"(--grace-period) gets SIGKILL" + "".join(f", {s}" for s in sooner), style="yellow")
+
+    def outliving(self) -> list[Worker]:
+        """The ranks alive, when the grace period is longer than rung 2's wait (else rung 3 comes first)."""
+        return [w for w in self.workers if w.alive] if self.grace_period > RENDEZVOUS_WAIT else []
+
+    def hold(self, stop: Stop, now: float) -> tuple[str, str] | None:
+        """When what the ranks wait for is gone for good (`Stop.held_by`) and one of them may be waiting for it, rung 2
+        comes `RENDEZVOUS_WAIT` seconds from `now`: at SIGTERM, or when the failed rank exits after it (one that said
+        ``failing`` before it left: SIGTERM went out while it was still there). Returns what holds them, if rung 2
+        was set for it."""
+        held = stop.held_by()
+        if held is None or not any(may_be_held(self.states[w.spec.rank]) for w in self.outliving()):
+            return None
+        stop.rendezvous_at = min(stop.rendezvous_at, now + RENDEZVOUS_WAIT)
+        return held
 
     def climb(self, stop: Stop, now: float) -> list[Worker]:
         """Rungs 2 to 4, those that are due; returns the workers left behind now (rung 4)."""
@@ -153,13 +181,15 @@ class StopLadder:
 
     def kill_rendezvous(self, stop: Stop) -> None:
         """Rung 2: SIGKILL for the ranks still joining their process group `RENDEZVOUS_WAIT` seconds after SIGTERM,
-        and for those still training while another node is lost (`supervisor.group.liveness.blocked`)."""
-        found = blocked({w.pid: self.states[w.spec.rank] for w in self.workers if w.alive}, stop.lost_node is not None)
+        and for those still training while what their collectives wait for is gone (`Stop.held_by`,
+        `supervisor.group.liveness.blocked`)."""
+        held = stop.held_by()
+        found = blocked({w.pid: self.states[w.spec.rank] for w in self.workers if w.alive}, held is not None)
         self.kill_blocked(found.joining, f"still in the rendezvous {RENDEZVOUS_WAIT:g} s after SIGTERM",
                           "no process group yet, so nothing to save")
-        self.kill_blocked(found.held, f"still training {RENDEZVOUS_WAIT:g} s after SIGTERM while node {stop.lost_node} "
-                                      f"is lost", "its collectives wait for that node's ranks, so it cannot reach a "
-                                                  "checkpoint")
+        if held is not None:
+            self.kill_blocked(found.held, f"still training {RENDEZVOUS_WAIT:g} s after SIGTERM while {held[0]}",
+                              f"its collectives wait for {held[1]}, so it cannot reach a checkpoint")
 
     def kill_blocked(self, frames: dict[int, Frame | None], state: str, why: str) -> None:
         """SIGKILL for the ranks among `frames` (pid → where it waits, where its stack was read), saying so."""

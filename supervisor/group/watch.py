@@ -268,6 +268,8 @@ class Watch:
         stop.awaiting, stop.exit_code, stop.detail = False, code, self.failures.detail(w, code)
         self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}",
                          style="bold red")
+        if stop.terminated and not stop.killed:  # the others' collectives wait for it now, wherever SIGTERM found them
+            self.ladder.hold(stop, time.monotonic())
         self.abort_other_nodes(stop)
 
     # -- stopping --------------------------------------------------------------------------------------------------

@@ -29,8 +29,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--step-time", type=float, default=0.02)
     p.add_argument("--startup-time", type=float, default=0.0, help="silence before the first step")
     p.add_argument("--chatter", type=int, default=0, help="bytes of stdout per step, on every rank but --fail-rank")
-    p.add_argument("--fail", choices=["raise", "exit", "sigkill", "segv", "hang", "gpu_lost"],
-                   help="gpu_lost: the rank's GPU reads as lost in the fake NVML state, and it dies with CUDA's error")
+    p.add_argument("--fail", choices=["raise", "exit", "announce", "sigkill", "segv", "hang", "gpu_lost"],
+                   help="announce: says failing, takes --term-time s to leave (a trainer letting its write end), "
+                        "exits --code; gpu_lost: the rank's GPU reads as lost in the fake NVML state, and it dies with "
+                        "CUDA's error")
     p.add_argument("--fail-rank", type=int, default=1)
     p.add_argument("--fail-step", type=int, default=3)
     p.add_argument("--code", type=int, default=3, help="exit code for --fail exit")
@@ -118,6 +120,7 @@ def main() -> None:
         step += 1
         if stopping:
             print(f"rank {rank} got SIGTERM at step {step}; checkpointing", flush=True)
+            reporter.phase("checkpoint")  # as the trainer says while it saves
             time.sleep(args.term_time)
             print(f"rank {rank} checkpoint written", flush=True)
             sys.exit(0)
@@ -125,7 +128,7 @@ def main() -> None:
             print(f"rank {rank}: not resumed, failing", file=sys.stderr, flush=True)
             sys.exit(args.fail_unless_resumed)
         if args.fail and rank == args.fail_rank and step == args.fail_step:
-            fault(args)
+            fault(args, reporter)
         if args.chatter and rank != args.fail_rank:
             sys.stdout.write(f"rank {rank} step {step} " + "c" * args.chatter + "\n")
         if all_reduce is not None:
@@ -136,11 +139,14 @@ def main() -> None:
     print(f"rank {rank} finished {step} steps", flush=True)
 
 
-def fault(args: argparse.Namespace) -> None:
+def fault(args: argparse.Namespace, reporter: ProgressReporter) -> None:
     print(f"injecting fault {args.fail}", file=sys.stderr, flush=True)
     if args.fail == "raise":
         raise RuntimeError("injected fault")
-    if args.fail == "exit":
+    if args.fail == "announce":
+        reporter.failing()
+        time.sleep(args.term_time)
+    if args.fail in ("exit", "announce"):
         # At once: sys.exit would first tear the interpreter down, and with --gloo close the group's sockets while
         # still running, so that on a loaded machine the peer whose all-reduce that breaks could exit before it.
         sys.stdout.flush()

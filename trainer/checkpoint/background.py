@@ -17,9 +17,10 @@ How a write ends decides when the training thread hears of it:
 A rank that fails (an exception leaves the loop) with a write in flight lets it end before it leaves, for as long as
 a collective may take (`Checkpointer.settle`): the other ranks' writers go on meanwhile (their training threads wait
 in the step for this rank, which is still there), so a failure a step after an interval save does not lose it. A rank
-killed outright takes its part of the write with it: the other ranks' writers fail in their next collective, and the
-unpublished `.tmp-` folder (removed by rank 0, or by the next save if rank 0 was the one killed) is never taken for
-a checkpoint. The thread is a daemon, so nothing else keeps a leaving process waiting for it.
+killed outright takes its part of the write with it: the other ranks fail on the lost peer and leave without waiting
+for their writers (whose next collective may wait for it the writer group's whole timeout), and the unpublished
+`.tmp-` folder (removed by rank 0's writer if it failed first, else by the next save) is never taken for a
+checkpoint. The thread is a daemon, so nothing else keeps a leaving process waiting for it.
 """
 
 from __future__ import annotations

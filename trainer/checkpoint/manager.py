@@ -246,6 +246,9 @@ class Checkpointer:
         else:
             self.write(staged, record, fault)
         self.last_saved = step
+        # back in the steps: a record that still said "checkpoint" would tell the supervisor, should a peer die in
+        # the next step, that this rank is saving rather than waiting in that step's collectives for the dead peer
+        self.progress.phase("training")
         return path
 
     def write(self, staged: store.Staged, record: SaveRecord, fault: store.Fault) -> None:
@@ -315,21 +318,26 @@ class Checkpointer:
             self.log.info(f"checkpoint: waited {waited:.2f} s for {in_flight.name} to finish writing")
         return waited
 
-    def settle(self) -> None:
+    def settle(self, peer_lost: bool = False) -> None:
         """The rank is failing (an exception left the loop): a write still in flight may end first, for up to
         `system.dist_timeout_s` (the writer group's own timeout); the other ranks' writers go on meanwhile, so a
-        failure right after an interval save does not lose it, unless a rank was killed outright (its part of the
-        write goes with it, and the others' writers fail). Says which checkpoint that leaves the latest, unless the
-        write had already been published (and said so) before the failure."""
+        failure right after an interval save does not lose it. Not when the rank failed because a peer went away
+        (`peer_lost`): that peer's part of the write went with it (a write every rank had finished is published
+        before any of them leaves), and the writers' next collective could wait the whole timeout for it. Says which
+        checkpoint that leaves the latest, unless the write had already been published (and said so) before the
+        failure."""
         in_flight, self.in_flight = self.in_flight, None
         if in_flight is None:
             return
         writing = not in_flight.done()
         if not writing and in_flight.error is None:
             return
-        limit = self.cfg.system.dist_timeout_s
+        limit = 0.0 if peer_lost else self.cfg.system.dist_timeout_s
         who = f"[GPU {self.ctx.gpu_id}] checkpoint"
-        if writing:
+        if writing and peer_lost:
+            self.log.warning(f"{who}: the rank lost a peer with {in_flight.name} still being written; not waiting "
+                             f"for it (the peer's part of the write went with it)")
+        elif writing:
             self.log.warning(f"{who}: the rank is failing with {in_flight.name} still being written; waiting for it "
                              f"(at most {limit:g} s, system.dist_timeout_s)")
         ended = in_flight.wait_at_most(limit)
@@ -339,7 +347,8 @@ class Checkpointer:
         if (ended and in_flight.error is None) or (latest is not None and latest.name == in_flight.name):
             self.log.warning(f"{who}: {self.root / in_flight.name} was published: it is the latest checkpoint")
             return
-        why = f"still being written after {limit:g} s" if in_flight.error is None else store.one_line(in_flight.error)
+        why = ("a peer went away during the write" if peer_lost and in_flight.error is None else
+               f"still being written after {limit:g} s" if in_flight.error is None else store.one_line(in_flight.error))
         self.log.warning(f"{who}: {in_flight.name} was not published ({why}); the latest checkpoint is "
                          f"{latest if latest is not None else 'none (a resume starts from step 0)'}")
 
