@@ -102,6 +102,17 @@ def test_hang_is_noticed_dumped_and_stopped(tmp_path):
     assert survivors(r.pids(), timeout=1.0) == []
 
 
+def test_ranks_held_by_a_stalled_rank_are_killed_once_it_is_gone(tmp_path):
+    """A stall: the stalled rank gets SIGKILL at once; the others, whose collectives wait for it (SIGTERM ignored, as
+    a rank waiting in NCCL never runs its handler), get SIGKILL 2 s after its exit, not at the end of the 60 s grace
+    period."""
+    r = run(tmp_path, "--gpus", "0,1,2", "--grace-period", "60", "--hang-timeout", "1", "--startup-timeout", "10",
+            timeout=50, entry_args=("--fail", "hang", "--fail-rank", "1", "--on-term", "ignore"), env=FAKE)
+    assert r.returncode == 124, r.stderr[-3000:]
+    assert HELD in r.stderr, r.stderr[-3000:]
+    assert survivors(r.pids(), timeout=1.0) == []
+
+
 def test_silence_before_the_first_step_gets_the_startup_allowance(tmp_path):
     """A slow start (no step for longer than --hang-timeout) is not a hang; only --startup-timeout applies."""
     r = run(tmp_path, "--nproc", "1", "--hang-timeout", "0.3", "--startup-timeout", "30",

@@ -5,10 +5,11 @@
    that announced its own failure is left to exit (a SIGTERM after its stop handler would make its code 143).
 2. `RENDEZVOUS_WAIT` seconds later, SIGKILL for a rank still joining its process group (waiting for a node that may
    never come: it has nothing to save, and a handler that only sets a flag is never reached there), and for one still
-   training while another node is lost or the failed rank has exited (the trainer's by its records, a program that
-   reports nothing by its stack: in a collective): its collectives wait for the ranks that are gone, so it can never
-   reach its checkpoint. gloo ends such a collective on the ranks the gone one talked to, not on the others of three
-   or more; NCCL on none. A rank in its checkpoint phase keeps the grace period.
+   training while another node is lost or the failed (or stalled) rank has exited (the trainer's by its records, a
+   program that reports nothing by its stack: in a collective): its collectives wait for the ranks that are gone, so
+   it can never reach its checkpoint (gloo ends such a collective on the ranks the gone one was paired with, not on
+   the others of three or more; NCCL on none). The wait starts at SIGTERM, or at that rank's exit when it comes
+   later. A rank in its checkpoint phase keeps the grace period.
 3. At the end of the grace period, SIGKILL to every group still alive, saying where each rank was.
 4. `KILL_WAIT` seconds after SIGKILL, a process still there is stuck in the kernel: it is left behind, and said so.
 
@@ -57,10 +58,11 @@ class Stop:
 
     def held_by(self) -> tuple[str, str] | None:
         """What the ranks still training wait for in their collectives that will never come, as (while ..., whose
-        ranks): another node lost, or the rank whose failure this is, exited. None while nothing is gone for good."""
+        ranks): another node lost, or the rank whose failure (or stall: killed at SIGTERM) this is, exited. None while
+        nothing is gone for good."""
         if self.lost_node is not None:
             return f"node {self.lost_node} is lost", "that node's ranks"
-        if self.reason == "failure" and self.worker is not None and not self.worker.alive:
+        if self.reason in ("failure", "hang") and self.worker is not None and not self.worker.alive:
             return f"{self.worker.label} is gone", self.worker.label
         return None
 
@@ -139,9 +141,9 @@ class StopLadder:
 
     def hold(self, stop: Stop, now: float) -> tuple[str, str] | None:
         """When what the ranks wait for is gone for good (`Stop.held_by`) and one of them may be waiting for it, rung 2
-        comes `RENDEZVOUS_WAIT` seconds from `now`: at SIGTERM, or when the failed rank exits after it (one that said
-        ``failing`` before it left: SIGTERM went out while it was still there). Returns what holds them, if rung 2
-        was set for it."""
+        comes `RENDEZVOUS_WAIT` seconds from `now`: at SIGTERM, or when the failed or stalled rank exits after it (one
+        that said ``failing`` before it left, a stalled one killed at SIGTERM). Returns what holds them, if rung 2 was
+        set for it."""
         held = stop.held_by()
         if held is None or not any(may_be_held(self.states[w.spec.rank]) for w in self.outliving()):
             return None

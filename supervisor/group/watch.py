@@ -214,6 +214,9 @@ class Watch:
                 self.endings[rank] = STOPPED
             else:
                 self.endings[rank] = FINISHED if code == 0 else FAILED_AFTER
+        stop = self.stop
+        if stop is not None and stop.worker is w and stop.terminated and not stop.killed:
+            self.ladder.hold(stop, time.monotonic())  # the others' collectives wait for it now, wherever SIGTERM was
 
     def on_failure(self, w: Worker, code: int) -> None:
         """The first exit with an error. Every record already in the pipes is read first: announcements written
@@ -268,8 +271,6 @@ class Watch:
         stop.awaiting, stop.exit_code, stop.detail = False, code, self.failures.detail(w, code)
         self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}",
                          style="bold red")
-        if stop.terminated and not stop.killed:  # the others' collectives wait for it now, wherever SIGTERM found them
-            self.ladder.hold(stop, time.monotonic())
         self.abort_other_nodes(stop)
 
     # -- stopping --------------------------------------------------------------------------------------------------
