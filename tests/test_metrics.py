@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
 from rank_support import LOG_LINE
+from trainer.checkpoint.manager import SaveRecord
 from trainer.metrics import (
+    HISTORY_JOURNAL,
     HISTORY_JSON,
     HISTORY_PNG,
     LOGGER_NAME,
@@ -82,18 +85,19 @@ def test_history_without_the_plot(tmp_path: Path) -> None:
     history = History(tmp_path, {"preset": "debug"}, plot=False)
     history.add(StepRecord(step=0, loss=5.0, lr=0.0, grad_norm=1.0, tokens_per_s=None))
     history.save("completed")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [HISTORY_JSON]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [HISTORY_JSON, HISTORY_JOURNAL]
 
 
 def test_history_that_cannot_be_written_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A full disk or a folder gone: the run's end must not fail for its history (the checkpoints are its result)."""
     (tmp_path / "run").write_text("a file where the run folder should be")
     history = History(tmp_path / "run", {"preset": "debug"}, plot=True)
-    history.add(StepRecord(step=0, loss=2.0, lr=1e-3, grad_norm=0.5))
     with caplog.at_level(logging.WARNING, logger=LOGGER_NAME):
+        for step in range(2):  # the journal's failure is said once
+            history.add(StepRecord(step=step, loss=2.0, lr=1e-3, grad_norm=0.5))
         history.save("completed")
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
-        f"cannot write {tmp_path / 'run' / HISTORY_JSON}", f"cannot write {tmp_path / 'run' / HISTORY_PNG}"]
+        f"cannot write {tmp_path / 'run' / name}" for name in (HISTORY_JOURNAL, HISTORY_JSON, HISTORY_PNG)]
     assert not list(tmp_path.glob("**/*.tmp*"))
 
 
@@ -111,6 +115,37 @@ def test_a_restarted_group_continues_the_history_of_its_run_folder(tmp_path: Pat
     fresh = History(tmp_path / "elsewhere", {"preset": "debug"}, plot=False)
     fresh.continue_from(2)  # nothing there to continue
     assert fresh.records == []
+
+
+def test_a_group_whose_rank_0_was_killed_is_continued_from_its_journal(tmp_path: Path) -> None:
+    """The first group never saved training_history.json (rank 0 killed outright): the next group continues from the
+    journal, a step's last record winning (steps 2 and 3 again after a rollback to step 2), a line cut short by the
+    kill skipped; its spikes and published checkpoints with it. A run started anew in the folder keeps none."""
+    first = History(tmp_path, {"preset": "debug"}, plot=False)
+    for step in range(4):
+        first.add(StepRecord(step=step, loss=5.0 - step))
+    first.spike({"step": 3, "loss": 9.0, "mean": 2.0, "std": 0.1, "policy": "rollback", "resumed_from": 2})
+    for step in (2, 3):
+        first.add(StepRecord(step=step, loss=1.0 - step / 10))
+    checkpoint = SaveRecord(step=4, path="ckpt/step_000004", bytes=1, blocked_s=0.0, write_s=0.1, waited_s=0.0,
+                            background=True)
+    first.published(checkpoint)
+    first.add(StepRecord(step=4, loss=0.5))
+    first.journal.close()
+    with open(tmp_path / HISTORY_JOURNAL, "a") as journal:
+        journal.write('{"kind":"step","step":5,"lo')  # the kill, mid-line
+    assert not (tmp_path / HISTORY_JSON).exists()
+    again = History(tmp_path, {"preset": "debug"}, plot=False)
+    again.continue_from(4)  # resumed after four steps (the memory copy): step 4 is trained again
+    again.add(StepRecord(step=4, loss=0.4))
+    again.save("completed")
+    saved = json.loads((tmp_path / HISTORY_JSON).read_text())
+    assert [(r["step"], r["loss"]) for r in saved["steps"]] == [(0, 5.0), (1, 4.0), (2, 0.8), (3, 0.7), (4, 0.4)]
+    assert [s["step"] for s in saved["spikes"]] == [3]
+    assert saved["checkpoints"] == [asdict(checkpoint)]
+    anew = History(tmp_path, {"preset": "debug"}, plot=False)
+    anew.continue_from(0)  # a run started again from step 0 in the same folder: none of it is kept
+    assert anew.records == [] and anew.spikes == [] and anew.earlier_checkpoints == []
 
 
 def test_memory_field_of_the_summary_line() -> None:

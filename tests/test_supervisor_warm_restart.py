@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -21,12 +22,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+import pytest
 
 from rank_scripts.harness import Run, clean_env, start, survivors
 from rank_support import TINY, merged, set_flags
 
 from supervisor.plan.spec import COMPILE_CACHE_DIR, Plan, RankSpec
 from trainer.checkpoint.layout import MEMORY_DIR_ENV
+from trainer.metrics import HISTORY_JSON
 from trainer.standby import cuda_loaded
 
 
@@ -74,17 +77,19 @@ def steps_logged(run_dir: Path) -> list[int]:
     return [int(s) for s in re.findall(r"\[GPU 0\] Step \[(\d+)/", (run_dir / "cpu0.log").read_text())]
 
 
-def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir: Path) -> None:
-    """Rank 1 SIGKILLed at the start of step 5, the last checkpoint step 3's: the restarted group loads the state after
-    five steps from this node's memory, trains no step twice, and ends on the loss of the same run without the
-    fault; the run leaves nothing in /dev/shm."""
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir: Path, killed: int) -> None:
+    """Rank 1 (or rank 0) SIGKILLed at the start of step 5, the last checkpoint step 3's: the restarted group loads the
+    state after five steps from this node's memory, trains no step twice, and ends on the loss of the same run
+    without the fault; the run leaves nothing in /dev/shm. training_history.json holds every step and step 3's
+    checkpoint even where rank 0, which writes it, was killed before its group could save it (its journal)."""
     base = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 8},
                          "checkpoint": {"interval": 3, "memory_interval": 1,
                                         "async_save": False}})  # step 3's checkpoint complete before the fault
     clean = supervise(tmp_path / "clean", merged(base, {"checkpoint": {"dir": str(tmp_path / "clean" / "ckpt")}}),
                       "--nproc", "2")
     assert clean.returncode == 0, clean.stderr[-3000:]
-    fault = {"inject_fault": "sigkill", "inject_fault_step": 5, "inject_fault_rank": 1, "inject_fault_restart": 0}
+    fault = {"inject_fault": "sigkill", "inject_fault_step": 5, "inject_fault_rank": killed, "inject_fault_restart": 0}
     proc = supervise(tmp_path / "fault", merged(base, {"checkpoint": {"dir": str(tmp_path / "fault" / "ckpt")},
                                                        "debug": fault}), "--nproc", "2", "--max-restarts", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -96,6 +101,9 @@ def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir
                      rf"disk: \S+step_000003\)", proc.stdout), proc.stdout[-3000:]
     assert steps_logged(run_dir) == list(range(8))
     assert final_loss(proc.stderr) == final_loss(clean.stderr)
+    saved = json.loads((run_dir / HISTORY_JSON).read_text())
+    assert [r["step"] for r in saved["steps"]] == list(range(8))
+    assert [c["step"] for c in saved["checkpoints"]] == [3, 6, 8]
     assert not list(Path("/dev/shm").glob(f"gpu-pretrain-{run_dir.name}-*"))
 
 

@@ -388,6 +388,7 @@ class Trainer:
                                    wandb_run=start_wandb(self.cfg, self.run_dir) if self.cfg.logging.wandb else None,
                                    checkpoints=self.checkpoints.saved, resume_load_s=self.checkpoints.load_s)
             self.history.continue_from(self.completed)
+            self.checkpoints.published = self.history.published
         status = "failed"
         try:
             status = self.train()
@@ -501,7 +502,7 @@ class Trainer:
         if t.spike_policy == "rollback":
             record.update(self.roll_back(spike))
         if self.history is not None:
-            self.history.spikes.append(record)
+            self.history.spike(record)
         return "resumed_from" in record
 
     def roll_back(self, spike: Spike) -> dict[str, int]:

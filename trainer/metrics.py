@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 from contextlib import suppress
 from dataclasses import asdict, dataclass
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 LOGGER_NAME = "trainer"
 HISTORY_JSON = "training_history.json"
 HISTORY_PNG = "training_history.png"
+HISTORY_JOURNAL = "training_history.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendor data sheets; the first substring found in the device name wins.
@@ -146,6 +148,52 @@ class StepRecord:
     peak_mem_gib: float | None = None  # the allocator's peak reservation on this GPU (rank 0's), GiB; None on CPUs
 
 
+class Journal:
+    """The history as it happens: one JSON line per step record, loss spike and published checkpoint, appended to
+    `training_history.jsonl` the moment it is made, and one where each group resumed. training_history.json is written when a group of ranks ends; a
+    rank 0 killed outright (SIGKILL, the OOM killer, the supervisor's SIGKILL of a rank held in a collective by a dead
+    peer) never writes it, and the next group of the run (`History.continue_from`) reads the journal back instead, so
+    no fault costs the run its curve. Each line is one ``os.write`` on a descriptor opened with O_APPEND (the
+    checkpoint writer's thread appends too); a line cut short by a crash is skipped when read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd: int | None = None
+        self.broken = False  # a write failed (a full disk): said once, then the journal is left
+
+    def append(self, kind: str, entry: dict[str, Any]) -> None:
+        if self.broken:
+            return
+        line = json.dumps({"kind": kind, **entry}, separators=(",", ":"), allow_nan=True) + "\n"
+        try:
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.write(self.fd, line.encode())
+        except OSError as e:
+            self.broken = True
+            History.cannot_write(self.path, e)
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every whole entry written so far, oldest first; none when there is no journal (or it cannot be read)."""
+        try:
+            text = self.path.read_text(errors="replace")
+        except OSError:
+            return []
+        entries = []
+        for line in text.splitlines():
+            with suppress(ValueError):
+                entry = json.loads(line)
+                if isinstance(entry, dict) and isinstance(entry.get("kind"), str):
+                    entries.append(entry)
+        return entries
+
+    def close(self) -> None:
+        if self.fd is not None:
+            with suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
 class History:
     """Rank 0's record of the run: `training_history.json`, an optional `training_history.png`, optional TensorBoard
     scalars and the same scalars to an optional W&B run (`trainer.wandb_run.start_wandb`).
@@ -164,6 +212,8 @@ class History:
         self.writes_plot = plot
         self.records: list[StepRecord] = []
         self.spikes: list[dict[str, Any]] = []  # the loss spikes and what each did (`trainer.diagnosis.spikes`)
+        self.earlier_checkpoints: list[dict[str, Any]] = []  # published by the run's earlier groups
+        self.journal = Journal(run_dir / HISTORY_JOURNAL)
         self.wandb_run = wandb_run
         self.status = "running"
         self.writer = None
@@ -174,15 +224,44 @@ class History:
 
     def continue_from(self, step: int) -> None:
         """A group restarted in the same run folder (the supervisor's --max-restarts) resumes at `step`: keep the
-        records before it from the history the earlier group saved, so that training_history.json and its plot show
-        the run's whole curve, not the last group's part of it."""
+        records before it, the spikes and the checkpoints the earlier groups journaled (`Journal`), so that
+        training_history.json and its plot show the run's whole curve, not the last group's part of it. Each group
+        journals where it resumed: what the groups before it made from there on belongs to a trajectory it replaced
+        (a step trained again after a restart or a rollback; a run started anew in the same folder, from step 0).
+        Without a journal, what the earlier group saved in training_history.json."""
+        entries = self.journal.read() or self.saved_entries()
+        steps: dict[int, dict[str, Any]] = {}
+        spikes: list[dict[str, Any]] = []
+        checkpoints: list[dict[str, Any]] = []
+        for entry in [*entries, {"kind": "group", "from": step}]:
+            body = {k: v for k, v in entry.items() if k != "kind"}
+            with suppress(KeyError, TypeError, ValueError):
+                if entry["kind"] == "group":
+                    start = int(body["from"])
+                    steps = {s: r for s, r in steps.items() if s < start}
+                    # a spike the resumed state already holds the outcome of (a rollback: its checkpoint is older)
+                    spikes = [s for s in spikes if s.get("resumed_from", s["step"]) < start]
+                    checkpoints = [c for c in checkpoints if c["step"] <= start]
+                elif entry["kind"] == "step":
+                    steps[int(body["step"])] = body
+                elif entry["kind"] == "spike" and body not in spikes:
+                    spikes.append(body)
+                elif entry["kind"] == "checkpoint":
+                    checkpoints.append(body)
+        self.journal.append("group", {"from": step})
+        with suppress(TypeError):  # a record of fields this release does not know: this group's records only
+            self.records = [StepRecord(**steps[s]) for s in sorted(steps)] + self.records
+        self.spikes = spikes + self.spikes
+        self.earlier_checkpoints = checkpoints
+
+    def saved_entries(self) -> list[dict[str, Any]]:
+        """training_history.json's steps and spikes as journal entries (an earlier group that kept no journal)."""
         try:
             earlier = json.loads((self.run_dir / HISTORY_JSON).read_text())
-            self.records = [StepRecord(**r) for r in earlier["steps"] if r["step"] < step] + self.records
-            # a spike the resumed state already holds the outcome of (a rollback: its checkpoint is older)
-            self.spikes = [s for s in earlier.get("spikes", []) if s.get("resumed_from", s["step"]) < step] + self.spikes
+            return [{"kind": "step", **r} for r in earlier["steps"]] + \
+                [{"kind": "spike", **s} for s in earlier.get("spikes", [])]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return  # none (a resume into a new folder) or unreadable: this group's records only
+            return []  # none (a resume into a new folder) or unreadable
 
     def rewind(self, step: int) -> None:
         """A rollback to the checkpoint at `step`: the records from it on belong to a trajectory the run left."""
@@ -190,6 +269,7 @@ class History:
 
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
+        self.journal.append("step", asdict(record))
         scalars = {f"train/{name}" if name != "val_loss" else "val/loss": value
                    for name, value in asdict(record).items() if name != "step" and value is not None}
         if self.writer is not None:
@@ -198,13 +278,23 @@ class History:
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=record.step)
 
+    def spike(self, record: dict[str, Any]) -> None:
+        """A loss spike and what it did."""
+        self.spikes.append(record)
+        self.journal.append("spike", record)
+
+    def published(self, record: Any) -> None:
+        """A checkpoint published (a `SaveRecord`, appended to `checkpoints` by its writer), journaled."""
+        self.journal.append("checkpoint", asdict(record))
+
     def save(self, status: str, plot: bool = True) -> None:
         """Write the JSON and the plot if asked for (atomically; called at the end and when the run fails; `plot`
         False leaves the plot to a later save). What cannot be written (a full disk) is a warning: the run's result is
         its checkpoints and final model, and a finished run does not fail for want of its history."""
         self.status = status
         data = {"run": {**self.run_info, "status": status}, "steps": [asdict(r) for r in self.records],
-                "checkpoints": [asdict(r) for r in list(self.checkpoints)], "spikes": self.spikes}
+                "checkpoints": self.earlier_checkpoints + [asdict(r) for r in list(self.checkpoints)],
+                "spikes": self.spikes}
         tmp = self.run_dir / (HISTORY_JSON + ".tmp")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -232,6 +322,7 @@ class History:
                                                f"affected)")
 
     def close(self) -> None:
+        self.journal.close()
         if self.writer is not None:
             self.writer.close()
         if self.wandb_run is not None:  # a stopped run (SIGTERM, checkpointed) ended as asked: not a W&B failure

@@ -85,6 +85,7 @@ class Checkpointer:
         self.stager: HostStager | None = None  # its host buffers, while saves are written in the background
         self.in_flight: BackgroundWrite | None = None
         self.saved: list[SaveRecord] = []  # appended by the writer as each save is published (rank 0)
+        self.published: Callable[[SaveRecord], None] = lambda record: None  # then told (the history's journal)
         self.load_s: float | None = None  # how long the resume's load took
         self.memory = MemoryCopy(cfg, ctx, state, cache.key, log)  # the latest state in the node's shared memory
         # the final model's tokenizer, held from the start: the token cache may be removed while the run trains
@@ -267,6 +268,7 @@ class Checkpointer:
         store.prune(self.root, self.cfg.checkpoint.keep)
         record.bytes = folder_bytes(staged.path)
         self.saved.append(record)
+        self.published(record)
         self.log.info(record.line())
 
     def writes_in_background(self) -> bool:
