@@ -112,6 +112,23 @@ def test_frozen_nodes_are_named_and_the_rank_they_hold_is_not_given_the_grace_pe
         thaw(frozen)
 
 
+def test_ranks_held_by_another_nodes_failed_rank_are_killed_without_the_grace_period(tmp_path):
+    """Node 2's rank is SIGKILLed; its node stops every node. Their ranks, whose collectives wait for it (SIGTERM
+    ignored, as a rank waiting in NCCL never runs its handler), get SIGKILL 2 s after SIGTERM instead of at the end
+    of the 60 s grace period."""
+    held = ("--on-term", "ignore", "--fail-rank", "-1")
+    nodes = joined(tmp_path, "--grace-period", "60",
+                   entry_args={0: held, 1: held, 2: ("--fail", "sigkill", "--fail-rank", "2", "--fail-step", "20")})
+    for run in nodes:
+        run.wait(timeout=45)  # well within the grace period
+        assert run.returncode == 137, run.stderr[-3000:]
+    for run in nodes[:2]:
+        assert (f"CPU0 still training {RENDEZVOUS_WAIT:g} s after SIGTERM while CPU0 of node 2 is gone: its "
+                f"collectives wait for CPU0 of node 2, so it cannot reach a checkpoint; SIGKILL now rather than after "
+                f"the 60 s grace period") in run.stderr, run.stderr[-3000:]
+    assert survivors(nodes[0].pids() + nodes[1].pids(), timeout=5) == []
+
+
 @pytest.mark.slow
 def test_node_0_frozen_is_named_by_the_others(tmp_path):
     """The others' ranks, training in one gloo group with node 0's and slow to leave on SIGTERM (a 60 s grace period),

@@ -55,13 +55,16 @@ class Stop:
     stall: Stall | None = None  # a hang: what the watchdog found
     node_verdicts: list[str] = field(default_factory=list)  # a hang on several nodes: what each node's evidence said
     lost_node: int | None = None  # another node was lost (stopped answering, died, never joined): which
+    gone: str | None = None  # another node's rank failed and exited (its abort came after): "GPU3 of node 1"
 
     def held_by(self) -> tuple[str, str] | None:
         """What the ranks still training wait for in their collectives that will never come, as (while ..., whose
-        ranks): another node lost, or the rank whose failure (or stall: killed at SIGTERM) this is, exited. None while
-        nothing is gone for good."""
+        ranks): another node lost, or the rank whose failure (or stall: killed at SIGTERM) this is, exited, here or on
+        another node. None while nothing is gone for good."""
         if self.lost_node is not None:
             return f"node {self.lost_node} is lost", "that node's ranks"
+        if self.gone is not None:
+            return f"{self.gone} is gone", self.gone
         if self.reason in ("failure", "hang") and self.worker is not None and not self.worker.alive:
             return f"{self.worker.label} is gone", self.worker.label
         return None

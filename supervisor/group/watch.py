@@ -374,7 +374,10 @@ class Watch:
             self.console.say(f"{why}; stopping this node's ranks", style="bold red")
             self.failures.quiet_fallout(None)
             # an abort always says how a rank failed; were it to say 0, the run must still not look finished
-            self.begin_stop(Stop("remote", code or LOST_CODE, why, lost_node=event.node if event.lost else None))
+            # a rank there failed: its node tells the others once it has exited, and every collective waits for it
+            gone = f"{event.label} of node {event.node}" if event.label != "supervisor" and not event.lost else None
+            self.begin_stop(Stop("remote", code or LOST_CODE, why, lost_node=event.node if event.lost else None,
+                                 gone=gone))
 
     # -- progress and hangs ----------------------------------------------------------------------------------------
 
