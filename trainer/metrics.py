@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -160,18 +161,20 @@ class Journal:
         self.path = path
         self.fd: int | None = None
         self.broken = False  # a write failed (a full disk): said once, then the journal is left
+        self.lock = threading.Lock()  # the training thread and the checkpoint writer's
 
     def append(self, kind: str, entry: dict[str, Any]) -> None:
-        if self.broken:
-            return
         line = json.dumps({"kind": kind, **entry}, separators=(",", ":"), allow_nan=True) + "\n"
-        try:
-            if self.fd is None:
-                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            os.write(self.fd, line.encode())
-        except OSError as e:
-            self.broken = True
-            History.cannot_write(self.path, e)
+        with self.lock:
+            if self.broken:
+                return
+            try:
+                if self.fd is None:
+                    self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                os.write(self.fd, line.encode())
+            except OSError as e:
+                self.broken = True
+                History.cannot_write(self.path, e)
 
     def read(self) -> list[dict[str, Any]]:
         """Every whole entry written so far, oldest first; none when there is no journal (or it cannot be read)."""
@@ -188,10 +191,11 @@ class Journal:
         return entries
 
     def close(self) -> None:
-        if self.fd is not None:
-            with suppress(OSError):
-                os.close(self.fd)
-            self.fd = None
+        with self.lock:
+            if self.fd is not None:
+                with suppress(OSError):
+                    os.close(self.fd)
+                self.fd = None
 
 
 class History:
