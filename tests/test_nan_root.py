@@ -25,6 +25,8 @@ from trainer.data.batches import data_step
 from trainer.diagnosis.recompute import KeptParameters
 from trainer.diagnosis.spikes import SpikeDetector
 from trainer.errors import UserError
+from trainer.metrics import HISTORY_JOURNAL, Journal
+from trainer.replay import recorded_skips
 
 NAN_MODULE = "model.layers.1.mlp"
 
@@ -116,6 +118,20 @@ def test_replay_refuses_what_it_cannot_replay_in_one_line(tmp_path: Path) -> Non
         result = supervise(tmp_path / "other", *argv)
         assert result.returncode == 2 and result.stdout.startswith(line), result.stdout
 
+
+
+def test_a_replay_skips_the_batches_of_a_run_whose_rank_0_was_killed(tmp_path: Path) -> None:
+    """The run's rollback skipped 4 batches from step 10, then rank 0 was killed outright: no
+    training_history.json, but its journal recorded the spike, and the replay skips those batches too. A later group
+    that resumed before the spike dropped it with the trajectory it replaced."""
+    journal = Journal(tmp_path / HISTORY_JOURNAL)
+    spike = {"step": 12, "loss": 68.8, "mean": 7.2, "std": 0.1, "policy": "rollback", "resumed_from": 10,
+             "skip_from": 10, "skip_count": 4}
+    journal.append("spike", spike)
+    assert recorded_skips(tmp_path) == {"10": 4}
+    journal.append("group", {"from": 8})  # a restart from step 8's checkpoint: the spike is yet to come
+    assert recorded_skips(tmp_path) == {}
+    journal.close()
 
 
 @pytest.mark.slow

@@ -151,11 +151,12 @@ class StepRecord:
 
 class Journal:
     """The history as it happens: one JSON line per step record, loss spike and published checkpoint, appended to
-    `training_history.jsonl` the moment it is made, and one where each group resumed. training_history.json is written when a group of ranks ends; a
-    rank 0 killed outright (SIGKILL, the OOM killer, the supervisor's SIGKILL of a rank held in a collective by a dead
-    peer) never writes it, and the next group of the run (`History.continue_from`) reads the journal back instead, so
-    no fault costs the run its curve. Each line is one ``os.write`` on a descriptor opened with O_APPEND (the
-    checkpoint writer's thread appends too); a line cut short by a crash is skipped when read."""
+    `training_history.jsonl` the moment it is made, and one where each group resumed. training_history.json is
+    written when a group of ranks ends; a rank 0 killed outright (SIGKILL, the OOM killer, the supervisor's SIGKILL of
+    a rank held in a collective by a dead peer) never writes it, and the next group of the run
+    (`History.continue_from`) and a replay (`recorded`) read the journal back instead, so no fault costs the run its
+    curve. Each line is one ``os.write`` on a descriptor opened with O_APPEND (the checkpoint writer's thread appends
+    too); a line cut short by a crash is skipped when read."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -198,6 +199,54 @@ class Journal:
                 self.fd = None
 
 
+@dataclass
+class Recorded:
+    """What a run folder's groups recorded (`recorded`): step records by step, spikes, published checkpoints."""
+
+    steps: dict[int, dict[str, Any]]
+    spikes: list[dict[str, Any]]
+    checkpoints: list[dict[str, Any]]
+
+
+def recorded(run_dir: Path, before: int | None = None) -> Recorded:
+    """What the groups of the run in `run_dir` recorded, from its journal (`Journal`), else from its
+    training_history.json (a folder without a journal). Each group journals where it resumed: what the groups before
+    it made from there on belongs to a trajectory it replaced (a step trained again after a restart or a rollback; a
+    run started anew in the folder, from step 0). `before`: a group about to resume at that step (the same cut)."""
+    entries = Journal(run_dir / HISTORY_JOURNAL).read() or saved_entries(run_dir)
+    if before is not None:
+        entries.append({"kind": "group", "from": before})
+    steps: dict[int, dict[str, Any]] = {}
+    spikes: list[dict[str, Any]] = []
+    checkpoints: list[dict[str, Any]] = []
+    for entry in entries:
+        body = {k: v for k, v in entry.items() if k != "kind"}
+        with suppress(KeyError, TypeError, ValueError):
+            if entry["kind"] == "group":
+                start = int(body["from"])
+                steps = {s: r for s, r in steps.items() if s < start}
+                # a spike the resumed state already holds the outcome of (a rollback: its checkpoint is older)
+                spikes = [s for s in spikes if s.get("resumed_from", s["step"]) < start]
+                checkpoints = [c for c in checkpoints if c["step"] <= start]
+            elif entry["kind"] == "step":
+                steps[int(body["step"])] = body
+            elif entry["kind"] == "spike" and body not in spikes:
+                spikes.append(body)
+            elif entry["kind"] == "checkpoint":
+                checkpoints.append(body)
+    return Recorded(steps, spikes, checkpoints)
+
+
+def saved_entries(run_dir: Path) -> list[dict[str, Any]]:
+    """training_history.json's steps and spikes as journal entries (a run folder that kept no journal)."""
+    try:
+        saved = json.loads((run_dir / HISTORY_JSON).read_text())
+        return [{"kind": "step", **r} for r in saved["steps"]] + \
+            [{"kind": "spike", **s} for s in saved.get("spikes", [])]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []  # none (a resume into a new folder) or unreadable
+
+
 class History:
     """Rank 0's record of the run: `training_history.json`, an optional `training_history.png`, optional TensorBoard
     scalars and the same scalars to an optional W&B run (`trainer.wandb_run.start_wandb`).
@@ -228,44 +277,15 @@ class History:
 
     def continue_from(self, step: int) -> None:
         """A group restarted in the same run folder (the supervisor's --max-restarts) resumes at `step`: keep the
-        records before it, the spikes and the checkpoints the earlier groups journaled (`Journal`), so that
-        training_history.json and its plot show the run's whole curve, not the last group's part of it. Each group
-        journals where it resumed: what the groups before it made from there on belongs to a trajectory it replaced
-        (a step trained again after a restart or a rollback; a run started anew in the same folder, from step 0).
-        Without a journal, what the earlier group saved in training_history.json."""
-        entries = self.journal.read() or self.saved_entries()
-        steps: dict[int, dict[str, Any]] = {}
-        spikes: list[dict[str, Any]] = []
-        checkpoints: list[dict[str, Any]] = []
-        for entry in [*entries, {"kind": "group", "from": step}]:
-            body = {k: v for k, v in entry.items() if k != "kind"}
-            with suppress(KeyError, TypeError, ValueError):
-                if entry["kind"] == "group":
-                    start = int(body["from"])
-                    steps = {s: r for s, r in steps.items() if s < start}
-                    # a spike the resumed state already holds the outcome of (a rollback: its checkpoint is older)
-                    spikes = [s for s in spikes if s.get("resumed_from", s["step"]) < start]
-                    checkpoints = [c for c in checkpoints if c["step"] <= start]
-                elif entry["kind"] == "step":
-                    steps[int(body["step"])] = body
-                elif entry["kind"] == "spike" and body not in spikes:
-                    spikes.append(body)
-                elif entry["kind"] == "checkpoint":
-                    checkpoints.append(body)
+        records before it, the spikes and the checkpoints the earlier groups recorded (`recorded`), so that
+        training_history.json and its plot show the run's whole curve, not the last group's part of it; and journal
+        that this group resumed there."""
+        earlier = recorded(self.run_dir, step)
         self.journal.append("group", {"from": step})
         with suppress(TypeError):  # a record of fields this release does not know: this group's records only
-            self.records = [StepRecord(**steps[s]) for s in sorted(steps)] + self.records
-        self.spikes = spikes + self.spikes
-        self.earlier_checkpoints = checkpoints
-
-    def saved_entries(self) -> list[dict[str, Any]]:
-        """training_history.json's steps and spikes as journal entries (an earlier group that kept no journal)."""
-        try:
-            earlier = json.loads((self.run_dir / HISTORY_JSON).read_text())
-            return [{"kind": "step", **r} for r in earlier["steps"]] + \
-                [{"kind": "spike", **s} for s in earlier.get("spikes", [])]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return []  # none (a resume into a new folder) or unreadable
+            self.records = [StepRecord(**earlier.steps[s]) for s in sorted(earlier.steps)] + self.records
+        self.spikes = earlier.spikes + self.spikes
+        self.earlier_checkpoints = earlier.checkpoints
 
     def rewind(self, step: int) -> None:
         """A rollback to the checkpoint at `step`: the records from it on belong to a trajectory the run left."""

@@ -30,7 +30,7 @@ from pathlib import Path
 from trainer.checkpoint.layout import META_FILE, damage, list_checkpoints, step_of
 from trainer.config import Config
 from trainer.errors import UserError
-from trainer.metrics import HISTORY_JSON
+from trainer.metrics import HISTORY_JSON, recorded
 from trainer.rank_cli import resolving_flags
 
 REPLAY_CHECKPOINTS = "checkpoints"  # the replay's own checkpoint folder, inside its run folder
@@ -136,9 +136,7 @@ def ranks_that_ran(source: Path, checkpoint: Path | None) -> int | None:
 
 
 def recorded_skips(source: Path) -> dict[str, int]:
-    """The batches the run's rollbacks skipped (`training_history.json`'s spikes), as `training.skip_batches`."""
-    try:
-        spikes = json.loads((source / HISTORY_JSON).read_text()).get("spikes", [])
-        return {str(s["skip_from"]): int(s["skip_count"]) for s in spikes if s.get("skip_count")}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return {}
+    """The batches the run's rollbacks skipped (the spikes its history recorded: its journal, so a run whose rank 0
+    was killed outright has them too), as `training.skip_batches`."""
+    return {str(s["skip_from"]): int(s["skip_count"]) for s in recorded(source).spikes
+            if isinstance(s.get("skip_count"), int) and s["skip_count"] and "skip_from" in s}
