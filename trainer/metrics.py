@@ -230,9 +230,9 @@ def recorded(run_dir: Path, before: int | None = None) -> Recorded:
                 checkpoints = [c for c in checkpoints if c["step"] <= start]
             elif entry["kind"] == "step":
                 steps[int(body["step"])] = body
-            elif entry["kind"] == "spike" and body not in spikes:
+            elif entry["kind"] == "spike" and isinstance(body.get("step"), int) and body not in spikes:
                 spikes.append(body)
-            elif entry["kind"] == "checkpoint":
+            elif entry["kind"] == "checkpoint" and isinstance(body.get("step"), int):
                 checkpoints.append(body)
     return Recorded(steps, spikes, checkpoints)
 
