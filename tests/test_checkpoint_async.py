@@ -167,9 +167,9 @@ def test_a_rank_that_lost_a_peer_leaves_its_write_in_flight_at_once_and_says_tra
                                ProgressReporter(fd=write))
     train_once(state, 0)
     checkpoints.save(1)
-    checkpoints.finish()
     records = [Progress.decode(line) for line in os.read(read, 65536).splitlines()]
     assert [(r.event, r.phase) for r in records][-2:] == [("phase", "checkpoint"), ("phase", "training")]
+    checkpoints.finish()
 
     gate = Gate(monkeypatch)
     train_once(state, 1)

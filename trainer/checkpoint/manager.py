@@ -365,7 +365,10 @@ class Checkpointer:
             self.in_flight.raise_own_failure()
 
     def finish(self) -> None:
-        """The end of the run or a stop: wait for the write in flight, then release the staging buffers."""
+        """The end of the run or a stop: wait for the write in flight (the rank's checkpoint phase again, since `save`
+        said it trains on), then release the staging buffers."""
+        if self.in_flight is not None and not self.in_flight.done():
+            self.progress.phase("checkpoint")
         self.wait()
         if self.stager is not None:
             self.stager.close()
