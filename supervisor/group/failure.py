@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -44,6 +45,11 @@ SETTLE_WAIT = 1.0  # the longest a rank's stderr lines wait for the watcher to h
 OUTPUT_WAIT = 0.5  # the longest the watcher waits for the pump to take an exited rank's last stderr lines
 PEER_LOSS_LINES = 10  # where the error a rank ended with is: its last lines of stderr
 PEER_EXIT_WAIT = 3.0  # how long a lost-peer exit waits for the peer's own error exit before it is the failure
+# What libstdc++ prints when a C++ thread object is destroyed while its thread still runs: in a rank, almost always
+# a process group left alive at the interpreter's exit (gloo's worker threads), which aborts the process (SIGABRT)
+# after its work is done, under torchrun as here.
+TEARDOWN_ABORT = "terminate called without an active exception"
+SIGABRT_EXIT = 128 + signal.SIGABRT
 
 
 @dataclass
@@ -85,6 +91,12 @@ class FailureRule:
         return next((line for line in reversed(stream.tail_lines(PEER_LOSS_LINES))
                      if any(marker in line for marker in PEER_LOSS)), None)
 
+    def aborted_at_teardown(self, w: Worker, gate: FalloutGate) -> bool:
+        """Whether `w`'s last stderr line is libstdc++'s abort on a thread left running."""
+        stream = self.tails[w.spec.rank]
+        gate.settle_output(stream)
+        return any(TEARDOWN_ABORT in line for line in stream.tail_lines(1))
+
     def quiet_fallout(self, failing: int | None) -> None:
         """Keep the other ranks' stderr off the console from now on (it goes on into their log files). Called until
         the stop begins, each time with the earliest failure known (an earlier announcement read after a later one
@@ -92,8 +104,12 @@ class FailureRule:
         for rank, stream in self.tails.items():
             stream.mute(rank != failing)
 
-    def detail(self, w: Worker, code: int) -> str:
+    def detail(self, w: Worker, code: int, gate: FalloutGate) -> str:
         """The failure's headline."""
+        if code == SIGABRT_EXIT and self.aborted_at_teardown(w, gate):
+            return (f"{w.label} (rank {w.spec.rank}) failed: {describe_exit(code)}, C++ threads still running as the "
+                    f"process ended (\"{TEARDOWN_ABORT}\"): most often a process group left alive at exit; end the "
+                    f"program with torch.distributed.destroy_process_group()")
         if code == OOM_EXIT_CODE:
             return oom.describe(self.run_dir, w.label, w.spec.rank)
         if w.killed:

@@ -254,7 +254,7 @@ class Watch:
         self.endings[w.spec.rank] = FAILED_FIRST
         if code != USER_ERROR_EXIT_CODE:  # a bad input fails every rank alike: their lines are no fallout
             self.failures.quiet_fallout(w.spec.rank)
-        self.begin_stop(Stop("failure", code, self.failures.detail(w, code), worker=w))
+        self.begin_stop(Stop("failure", code, self.failures.detail(w, code, self.gate), worker=w))
         self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}; "
                          f"stopping the other ranks", style="bold red")
 
@@ -268,7 +268,7 @@ class Watch:
         """The culprit that announced its error has exited: its code and headline are the run's."""
         stop = self.stop
         assert stop is not None
-        stop.awaiting, stop.exit_code, stop.detail = False, code, self.failures.detail(w, code)
+        stop.awaiting, stop.exit_code, stop.detail = False, code, self.failures.detail(w, code, self.gate)
         self.console.say(f"{w.label} (rank {w.spec.rank}, pid {w.pid}) failed with {describe_exit(code)}",
                          style="bold red")
         self.abort_other_nodes(stop)
