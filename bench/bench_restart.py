@@ -1,9 +1,10 @@
 """Restart benchmark: training under repeated faults, the supervisor against torchrun --max-restarts, one trainer.
 
-    python bench/bench_restart.py [--steps 60] [--every 13] [--interval 10] [--nproc 2]
+    python bench/bench_restart.py [--steps 60] [--every 13] [--interval 10] [--nproc 2] [--set KEY=VALUE ...]
 
 Both launchers run `pretrain_main.py` on the debug preset, `--nproc` CPU ranks on gloo (2 by default), a checkpoint
-every `--interval` steps:
+every `--interval` steps (and any `--set` override of the trainer's config, for both: `--set training.batch_size=16`
+gives the same model a longer step, which is what a fault's fixed costs are weighed against):
 ``python -m supervisor --max-restarts F`` and ``torchrun --standalone --max-restarts F`` (the trainer by hand with
 ``checkpoint.resume=auto``, so that each of torchrun's restarts resumes the latest checkpoint, and
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torchrun's default, its rendezvous store outlives a restart with the
@@ -92,10 +93,11 @@ class Run:
         return [next(t for t, _ in self.steps if t > k) - k for k in self.kills]
 
 
-def trainer_flags(steps: int, interval: int, work: Path) -> list[str]:
+def trainer_flags(steps: int, interval: int, work: Path, overrides: list[str]) -> list[str]:
     return ["--debug", "--max-steps", str(steps), "--set", "system.device=cpu",
             "--set", f"checkpoint.interval={interval}", "--set", f"checkpoint.dir={json.dumps(str(work / 'ckpt'))}",
-            "--set", f"data.cache_dir={json.dumps(str(work.parent / 'cache'))}", "--set", "logging.plot=false"]
+            "--set", f"data.cache_dir={json.dumps(str(work.parent / 'cache'))}", "--set", "logging.plot=false",
+            *(flag for override in overrides for flag in ("--set", override))]
 
 
 def command(launcher: str, flags: list[str], restarts: int, nproc: int, work: Path) -> list[str]:
@@ -135,14 +137,16 @@ def kill_rank_1(launcher: str, launcher_pid: int, group: int, work: Path) -> boo
     return bool(pids)
 
 
-def run(launcher: str, steps: int, interval: int, every: int | None, nproc: int, work: Path) -> Run:
+def run(launcher: str, steps: int, interval: int, every: int | None, nproc: int, work: Path,
+        overrides: list[str]) -> Run:
     faults = [every * i for i in range(1, (steps - 1) // every + 1)] if every else []
     work.mkdir()
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(work)}
     if launcher == "torchrun":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     started = time.monotonic()
-    proc = subprocess.Popen(command(launcher, trainer_flags(steps, interval, work), len(faults), nproc, work),
+    proc = subprocess.Popen(command(launcher, trainer_flags(steps, interval, work, overrides), len(faults), nproc,
+                                    work),
                             cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     assert proc.stdout is not None
     timer = threading.Timer(RUN_TIMEOUT, proc.kill)
@@ -191,6 +195,8 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=13, help="rank 1 killed every N steps (default 13)")
     parser.add_argument("--interval", type=int, default=10, help="checkpoint.interval (default 10)")
     parser.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="a trainer config override for every run (repeatable)")
     parser.add_argument("--keep", metavar="DIR", help="run in DIR (a new folder) and keep the runs' logs there")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() if args.keep is None else nullcontext(args.keep) as tmp:
@@ -202,14 +208,15 @@ def main() -> int:
             for launcher in ("supervisor", "torchrun"):
                 name = f"{launcher}-{'faults' if faulted else 'clean'}"
                 r = run(launcher, args.steps, args.interval, args.every if faulted else None, args.nproc,
-                        base / name)
+                        base / name, args.overrides)
                 if r.exit_code != 0 or (faulted and not r.kills):
                     print(f"{name} failed (exit {r.exit_code}, {len(r.kills)} faults):\n{r.tail}", file=sys.stderr)
                     return 1
                 runs[launcher, faulted] = r
     ours, theirs = runs["supervisor", True], runs["torchrun", True]
-    print(f"debug preset, {args.nproc} CPU ranks (gloo), {args.steps} steps, a checkpoint every {args.interval} steps, "
-          f"rank 1 SIGKILLed when step {args.every}·i is reached\n")
+    overrides = "".join(f", {override}" for override in args.overrides)
+    print(f"debug preset{overrides}, {args.nproc} CPU ranks (gloo), {args.steps} steps, a checkpoint every "
+          f"{args.interval} steps, rank 1 SIGKILLed when step {args.every}·i is reached\n")
     print("| launcher | faults | wall | goodput | goodput after start-up | fault → next step (mean; each) | steps "
           "trained twice | final loss (faults / without) |")
     print("|---|---|---|---|---|---|---|---|")
