@@ -44,6 +44,25 @@ def test_ranks_held_by_a_failed_rank_that_is_gone_are_killed_without_the_grace_p
     assert survivors(r.pids(), timeout=1.0) == []
 
 
+def test_ranks_held_by_a_failed_rank_that_is_gone_are_killed_at_once_when_a_restart_follows(tmp_path):
+    """With a restart left, the ranks still training when the failed rank is gone get SIGKILL at once, not 2 s later
+    (SIGTERM ignored, as by a rank waiting in NCCL): the restart resumes from what was saved before the fault, and
+    the time they would take to notice their lost peer is time the fault costs. The restarted group trains on."""
+    r = run(tmp_path, "--gpus", "0,1,2", "--grace-period", "60", "--max-restarts", "1", timeout=50,
+            entry_args=("--fail", "sigkill", "--fail-rank", "1", "--fail-once", "--steps", "150", "--on-term",
+                        "ignore"), env=FAKE)  # 3 s of steps: a held rank would still be training 2 s after SIGTERM
+    assert r.returncode == 0, r.stderr[-3000:]
+    held = r.stderr.index("GPU0, GPU2 still training while GPU1 is gone, with a restart to follow: its collectives wait "
+                          "for GPU1, so it cannot reach a checkpoint, and the restart resumes from what was saved "
+                          "before the fault; SIGKILL now rather than after the 60 s grace period")
+    assert r.stderr.count("still training while GPU1 is gone") == 1, r.stderr[-3000:]
+    assert r.stderr.index("SIGTERM sent; a rank still running in 60 s (--grace-period) gets SIGKILL\n") < held
+    assert held < r.stderr.index("restart 1 of 1 after GPU1 (rank 1) failed: SIGKILL (137)")
+    assert "one still training in 2 s" not in r.stderr and "2 s after SIGTERM" not in r.stderr
+    assert r.stdout.count("finished 150 steps") == 3, r.stdout[-3000:]
+    assert survivors(r.pids(), timeout=1.0) == []
+
+
 def test_a_rank_in_its_checkpoint_phase_keeps_the_grace_period_when_a_failed_rank_is_gone(tmp_path):
     """A rank that says it is saving (its checkpoint phase) when the failed rank has exited is left the grace period:
     its save may be its own (the final model is rank 0's alone)."""

@@ -9,7 +9,10 @@
    program that reports nothing by its stack: in a collective): its collectives wait for the ranks that are gone, so
    it can never reach its checkpoint (gloo ends such a collective on the ranks the gone one was paired with, not on
    the others of three or more; NCCL on none). The wait starts at SIGTERM, or at that rank's exit when it comes
-   later. A rank in its checkpoint phase keeps the grace period.
+   later. When a restart follows, a rank that says it is training gets no wait: what the restart resumes from was
+   saved before the fault (the node's memory copy, the checkpoints on disk), nothing the rank could still write
+   outlives it, and the time it takes to notice its lost peer (the rest of its step with gloo, for ever with NCCL)
+   is time the fault costs the run. A rank in its checkpoint phase keeps the grace period.
 3. At the end of the grace period, SIGKILL to every group still alive, saying where each rank was.
 4. `KILL_WAIT` seconds after SIGKILL, a process still there is stuck in the kernel: it is left behind, and said so.
 
@@ -30,6 +33,7 @@ from supervisor.diagnosis.culprit import Frame
 from supervisor.group.hangs import Stall
 from supervisor.group.liveness import RankState, blocked, may_be_held, may_be_joining, says_joining, says_training
 from supervisor.group.worker import Worker
+from trainer.errors import USER_ERROR_EXIT_CODE
 
 KILL_WAIT = 10.0  # after SIGKILL: a process still there by then is stuck in the kernel; stop waiting for it
 RENDEZVOUS_WAIT = 2.0  # after SIGTERM: a rank still joining its process group, or held by a lost node, gets SIGKILL
@@ -111,8 +115,10 @@ class StopLadder:
     """The rungs of one group's stop, over its workers and what each last reported."""
 
     def __init__(self, workers: list[Worker], states: dict[int, RankState], grace_period: float,
-                 console: Console) -> None:
+                 console: Console, restart_follows: bool = False) -> None:
+        """`restart_follows`: the run has a restart left, so ranks held by a rank that is gone get SIGKILL at once."""
         self.workers, self.states, self.grace_period, self.console = workers, states, grace_period, console
+        self.restart_follows = restart_follows
 
     def terminate(self, stop: Stop, now: float, stalled: set[int]) -> None:
         """Rung 1: SIGTERM (SIGKILL for the `stalled` ranks), and when rung 2 comes."""
@@ -125,33 +131,48 @@ class StopLadder:
                 w.terminate()
         alive = self.outliving()
         joining = any(may_be_joining(self.states[w.spec.rank]) for w in alive)
-        held = self.hold(stop, now)
+        held = self.hold(stop, now, kill=False)
         if not any(says_training(self.states[w.spec.rank]) for w in alive):
             held = None  # (a program that reports nothing: its stack tells at rung 2, and says so then)
         if joining:
             stop.rendezvous_at = now + RENDEZVOUS_WAIT
         if stop.reason != "interrupt" and any(w.alive for w in self.workers):  # (an interrupt said so)
             sooner = [f"one still in the rendezvous in {RENDEZVOUS_WAIT:g} s (it has nothing to save)"] * joining
-            if held is not None:
+            if held is not None and not self.restart_follows:
                 sooner.append(f"one still training in {RENDEZVOUS_WAIT:g} s (it cannot reach a checkpoint while "
                               f"{held[0]})")
             self.console.say(f"SIGTERM sent; a rank still running in {self.grace_period:g} s "
                              f"(--grace-period) gets SIGKILL" + "".join(f", {s}" for s in sooner), style="yellow")
+        if held is not None:
+            self.kill_held_now(stop, held)
 
     def outliving(self) -> list[Worker]:
         """The ranks alive, when the grace period is longer than rung 2's wait (else rung 3 comes first)."""
         return [w for w in self.workers if w.alive] if self.grace_period > RENDEZVOUS_WAIT else []
 
-    def hold(self, stop: Stop, now: float) -> tuple[str, str] | None:
+    def hold(self, stop: Stop, now: float, kill: bool = True) -> tuple[str, str] | None:
         """When what the ranks wait for is gone for good (`Stop.held_by`) and one of them may be waiting for it, rung 2
         comes `RENDEZVOUS_WAIT` seconds from `now`: at SIGTERM, or when the failed or stalled rank exits after it (one
-        that said ``failing`` before it left, a stalled one killed at SIGTERM). Returns what holds them, if rung 2 was
-        set for it."""
+        that said ``failing`` before it left, a stalled one killed at SIGTERM); when a restart follows, the ranks that
+        say they are training get SIGKILL now (`kill`; at SIGTERM, `terminate` does it once it has said SIGTERM).
+        Returns what holds them, if rung 2 was set for it."""
         held = stop.held_by()
         if held is None or not any(may_be_held(self.states[w.spec.rank]) for w in self.outliving()):
             return None
         stop.rendezvous_at = min(stop.rendezvous_at, now + RENDEZVOUS_WAIT)
+        if kill:
+            self.kill_held_now(stop, held)
         return held
+
+    def kill_held_now(self, stop: Stop, held: tuple[str, str]) -> None:
+        """When a restart follows: SIGKILL for the ranks that say they are training while `held` (`Stop.held_by`). A
+        user error is never restarted (the same input would fail again)."""
+        if self.restart_follows and stop.exit_code != USER_ERROR_EXIT_CODE:
+            training = {w.pid: None for w in self.workers
+                        if w.alive and not w.killed and says_training(self.states[w.spec.rank])}
+            self.kill_blocked(training, f"still training while {held[0]}, with a restart to follow",
+                              f"its collectives wait for {held[1]}, so it cannot reach a checkpoint, and the restart "
+                              f"resumes from what was saved before the fault")
 
     def climb(self, stop: Stop, now: float) -> list[Worker]:
         """Rungs 2 to 4, those that are due; returns the workers left behind now (rung 4)."""

@@ -81,9 +81,10 @@ class GroupResult:
 class Watch:
     def __init__(self, plan: Plan, workers: list[Worker], pump: Pump, tails: dict[int, Stream], console: Console,
                  signals: SignalInbox, reaper: Reaper, control: ControlChannel | None = None,
-                 on_training: Callable[[], None] | None = None) -> None:
+                 on_training: Callable[[], None] | None = None, restart_follows: bool = False) -> None:
         """`on_training`: called once, when every rank has reported a step (the agent starts the run's standby then,
-        not during the first group's start-up)."""
+        not during the first group's start-up); `restart_follows`: the run has a restart left after this group (the
+        stop ladder's rung for ranks held by a rank that is gone then comes at once)."""
         self.plan, self.workers, self.pump, self.tails = plan, workers, pump, tails
         self.on_training = on_training
         self.console, self.signals, self.reaper, self.control = console, signals, reaper, control
@@ -96,7 +97,7 @@ class Watch:
         self.suspect: Suspect | None = None  # a first error exit on a lost peer, waiting for the peer's own
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
         self.hangs = HangWatchdog(plan, workers, self.states, console, tails, control)
-        self.ladder = StopLadder(workers, self.states, plan.grace_period, console)
+        self.ladder = StopLadder(workers, self.states, plan.grace_period, console, restart_follows)
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
         self.verdicts = NodeVerdicts(plan.nnodes) if control is not None else None  # a stall's, across the nodes

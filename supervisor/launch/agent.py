@@ -444,7 +444,8 @@ class Launcher:
             # the standby starts once the first group trains, so that its imports slow no start-up
             warm = plan.trainer_entry and not plan.torchrun_contract and plan.max_restarts > 0 and self.standby is None
             watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control,
-                          on_training=(lambda: self.start_standby(reaper)) if warm else None)
+                          on_training=(lambda: self.start_standby(reaper)) if warm else None,
+                          restart_follows=restart < plan.max_restarts)
             if self.footer is not None:
                 from supervisor.report.footer import group_rows  # rich, in terminal mode only
                 self.footer.rows = lambda: group_rows(watch)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from trainer.diagnosis import fake_gpu_state
-from trainer.progress import RENDEZVOUS_PHASE, ProgressReporter
+from trainer.progress import RENDEZVOUS_PHASE, ProgressReporter, restart_count
 
 
 def parse() -> argparse.Namespace:
@@ -34,6 +34,7 @@ def parse() -> argparse.Namespace:
                         "exits --code; gpu_lost: the rank's GPU reads as lost in the fake NVML state, and it dies with "
                         "CUDA's error")
     p.add_argument("--fail-rank", type=int, default=1)
+    p.add_argument("--fail-once", action="store_true", help="--fail in the run's first group only, not a restart's")
     p.add_argument("--fail-step", type=int, default=3)
     p.add_argument("--code", type=int, default=3, help="exit code for --fail exit")
     p.add_argument("--fail-unless-resumed", type=int, metavar="CODE",
@@ -127,7 +128,7 @@ def main() -> None:
         if args.fail_unless_resumed is not None and step == args.fail_step and not resumed:
             print(f"rank {rank}: not resumed, failing", file=sys.stderr, flush=True)
             sys.exit(args.fail_unless_resumed)
-        if args.fail and rank == args.fail_rank and step == args.fail_step:
+        if args.fail and rank == args.fail_rank and step == args.fail_step and not (args.fail_once and restart_count()):
             fault(args, reporter)
         if args.chatter and rank != args.fail_rank:
             sys.stdout.write(f"rank {rank} step {step} " + "c" * args.chatter + "\n")
