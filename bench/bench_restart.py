@@ -10,8 +10,9 @@ gives the same model a longer step, which is what a fault's fixed costs are weig
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: with torchrun's default, its rendezvous store outlives a restart with the
 failed group's keys in it, and the restarted group's gloo connects to the dead ranks' addresses, failing or hanging
 until the trainer's `system.dist_timeout_s` (torch 2.13, every restart of this benchmark). The faults come from
-outside, the same way for both: each time rank 0 logs step `every`·i − 1 (0-based: `every`·i steps done) for the
-first time, rank 1 of the running group gets SIGKILL (under torchrun the process whose environment says ``RANK=1``
+outside, the same way for both: half a step after rank 0 logs step `every`·i − 1 (0-based: `every`·i steps done)
+for the first time, in the middle of the next step, where a fault that comes at a random moment lands on average
+(and clear of the checkpoint an interval may take at that step boundary), rank 1 of the running group gets SIGKILL (under torchrun the process whose environment says ``RANK=1``
 and the group's ``TORCHELASTIC_RESTART_COUNT``; under the supervisor the pid its supervisor.log gives for that
 group's CPU1). Each launcher also runs once without faults, for its final loss and its
 goodput without faults. Figures per run, from rank 0's step lines stamped as they arrive:
@@ -21,7 +22,8 @@ goodput without faults. Figures per run, from rank 0's step lines stamped as the
                    included; and after start-up: over the wall time from the first step line on (what the faults,
                    evaluations and checkpoints cost, without the one start-up every run pays)
   fault → step     seconds from the SIGKILL to rank 0's first step line after it (the restarted group's first step)
-  trained twice    step lines logged again after a restart: the steps between the resumed state and the fault
+  trained twice    step lines logged again after a restart: the steps between the resumed state and the fault (the
+                   half step the fault cut short is lost time, never logged)
   final loss       rank 0's mean loss over the ranks at the last step (`[all ranks] step N-1/N | mean loss`)
 
 and, from the supervisor's run without faults, what a memory snapshot costs as `checkpoint.memory_interval=auto`
@@ -152,6 +154,14 @@ def run(launcher: str, steps: int, interval: int, every: int | None, nproc: int,
     timer = threading.Timer(RUN_TIMEOUT, proc.kill)
     timer.start()
     result, tail = Run(launcher), []
+    pending: list[threading.Timer] = []  # the next fault's kill, due half a step after its step line
+
+    def kill() -> None:
+        if kill_rank_1(launcher, proc.pid, len(result.kills), work):
+            result.kills.append(time.monotonic() - started)
+            faults.pop(0)
+        pending.clear()  # (rank 1 not there yet: the fault waits for its step line again)
+
     for raw in proc.stdout:
         now = time.monotonic() - started
         tail = (tail + [raw.decode(errors="replace")])[-40:]
@@ -163,10 +173,12 @@ def run(launcher: str, steps: int, interval: int, every: int | None, nproc: int,
             continue
         step = int(m[1])
         result.steps.append((now, step))
-        if faults and step == faults[0] - 1 and kill_rank_1(launcher, proc.pid, len(result.kills), work):
-            result.kills.append(time.monotonic() - started)
-            faults.pop(0)
+        if not pending and faults and step == faults[0] - 1 and len(result.steps) > 1:
+            pending.append(threading.Timer((now - result.steps[-2][0]) / 2, kill))
+            pending[0].start()
     result.exit_code = proc.wait()
+    for late in pending:
+        late.cancel()
     timer.cancel()
     result.wall = time.monotonic() - started
     result.tail = "".join(tail)
@@ -216,7 +228,7 @@ def main() -> int:
     ours, theirs = runs["supervisor", True], runs["torchrun", True]
     overrides = "".join(f", {override}" for override in args.overrides)
     print(f"debug preset{overrides}, {args.nproc} CPU ranks (gloo), {args.steps} steps, a checkpoint every "
-          f"{args.interval} steps, rank 1 SIGKILLed when step {args.every}·i is reached\n")
+          f"{args.interval} steps, rank 1 SIGKILLed half a step after step {args.every}·i is reached\n")
     print("| launcher | faults | wall | goodput | goodput after start-up | fault → next step (mean; each) | steps "
           "trained twice | final loss (faults / without) |")
     print("|---|---|---|---|---|---|---|---|")
