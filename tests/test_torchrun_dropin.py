@@ -136,14 +136,14 @@ def test_a_hugging_face_trainer_script_trains_as_under_torchrun(tmp_path):
 
 
 def test_an_abort_in_the_interpreter_exit_is_named_with_its_fix(tmp_path):
-    """A rank aborted by libstdc++ as its process ends (a process group left alive) fails the run as under torchrun,
-    and the headline says what the abort was and how to end the program cleanly."""
+    """A rank aborted by libstdc++ as its process ends (gloo's group torn down in the exit) fails the run as under
+    torchrun, and the headline says what the abort was and how to end the program cleanly."""
     run = supervise(tmp_path, "--nproc-per-node", "2", str(PROGRAMS / "teardown_abort.py"))
     assert run.returncode == 134, run.stderr[-3000:]
     assert re.search(r"run failed after [\d.]+ s: CPU1 \(rank 1\) failed: SIGABRT \(134\), C\+\+ threads still running "
-                     r"as the process ended \(\"terminate called without an active exception\"\): most often a "
-                     r"process group left alive at exit; end the program with "
-                     r"torch\.distributed\.destroy_process_group\(\)$", run.stderr, re.M), run.stderr[-3000:]
+                     r"as the process ended \(\"terminate called without an active exception\"\): most often a gloo "
+                     r"process group torn down in the interpreter's exit \(a PyTorch race\); end the program with "
+                     r"os\._exit\(0\) once its output is flushed$", run.stderr, re.M), run.stderr[-3000:]
 
 
 def test_the_root_cause_of_a_recorded_exception_is_in_the_report(tmp_path):

@@ -45,9 +45,9 @@ SETTLE_WAIT = 1.0  # the longest a rank's stderr lines wait for the watcher to h
 OUTPUT_WAIT = 0.5  # the longest the watcher waits for the pump to take an exited rank's last stderr lines
 PEER_LOSS_LINES = 10  # where the error a rank ended with is: its last lines of stderr
 PEER_EXIT_WAIT = 3.0  # how long a lost-peer exit waits for the peer's own error exit before it is the failure
-# What libstdc++ prints when a C++ thread object is destroyed while its thread still runs: in a rank, almost always
-# a process group left alive at the interpreter's exit (gloo's worker threads), which aborts the process (SIGABRT)
-# after its work is done, under torchrun as here.
+# What libstdc++ prints when a C++ thread object is destroyed while its thread still runs: in a rank, most often
+# gloo's process group torn down in the interpreter's exit (a DDP model freed there), whose worker thread still frees
+# a finished collective's tensors: the process aborts (SIGABRT) after its work is done, under torchrun as here.
 TEARDOWN_ABORT = "terminate called without an active exception"
 SIGABRT_EXIT = 128 + signal.SIGABRT
 
@@ -108,8 +108,8 @@ class FailureRule:
         """The failure's headline."""
         if code == SIGABRT_EXIT and self.aborted_at_teardown(w, gate):
             return (f"{w.label} (rank {w.spec.rank}) failed: {describe_exit(code)}, C++ threads still running as the "
-                    f"process ended (\"{TEARDOWN_ABORT}\"): most often a process group left alive at exit; end the "
-                    f"program with torch.distributed.destroy_process_group()")
+                    f"process ended (\"{TEARDOWN_ABORT}\"): most often a gloo process group torn down in the "
+                    f"interpreter's exit (a PyTorch race); end the program with os._exit(0) once its output is flushed")
         if code == OOM_EXIT_CODE:
             return oom.describe(self.run_dir, w.label, w.spec.rank)
         if w.killed:
