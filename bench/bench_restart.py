@@ -12,9 +12,9 @@ failed group's keys in it, and the restarted group's gloo connects to the dead r
 until the trainer's `system.dist_timeout_s` (torch 2.13, every restart of this benchmark). The faults come from
 outside, the same way for both: half a step after rank 0 logs step `every`·i − 1 (0-based: `every`·i steps done)
 for the first time, in the middle of the next step, where a fault that comes at a random moment lands on average
-(and clear of the checkpoint an interval may take at that step boundary), rank 1 of the running group gets SIGKILL (under torchrun the process whose environment says ``RANK=1``
-and the group's ``TORCHELASTIC_RESTART_COUNT``; under the supervisor the pid its supervisor.log gives for that
-group's CPU1). Each launcher also runs once without faults, for its final loss and its
+(and clear of the checkpoint an interval may take at that step boundary), rank 1 of the running group gets SIGKILL
+(under torchrun the process whose environment says ``RANK=1`` and the group's ``TORCHELASTIC_RESTART_COUNT``; under
+the supervisor the pid its supervisor.log gives for that group's CPU1). Each launcher also runs once without faults, for its final loss and its
 goodput without faults. Figures per run, from rank 0's step lines stamped as they arrive:
 
   goodput          useful steps' time / wall time: the distinct steps × the median step time of the same launcher's
