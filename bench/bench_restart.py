@@ -14,8 +14,8 @@ outside, the same way for both: half a step after rank 0 logs step `every`·i �
 for the first time, in the middle of the next step, where a fault that comes at a random moment lands on average
 (and clear of the checkpoint an interval may take at that step boundary), rank 1 of the running group gets SIGKILL
 (under torchrun the process whose environment says ``RANK=1`` and the group's ``TORCHELASTIC_RESTART_COUNT``; under
-the supervisor the pid its supervisor.log gives for that group's CPU1). Each launcher also runs once without faults, for its final loss and its
-goodput without faults. Figures per run, from rank 0's step lines stamped as they arrive:
+the supervisor the pid its supervisor.log gives for that group's CPU1). Each launcher also runs once without faults,
+for its final loss and its goodput without faults. Figures per run, from rank 0's step lines stamped as they arrive:
 
   goodput          useful steps' time / wall time: the distinct steps × the median step time of the same launcher's
                    run without faults (consecutive lines of one group), over the whole run's wall time, start-up

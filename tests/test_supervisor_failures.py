@@ -52,8 +52,8 @@ def test_ranks_held_by_a_failed_rank_that_is_gone_are_killed_at_once_when_a_rest
             entry_args=("--fail", "sigkill", "--fail-rank", "1", "--fail-once", "--steps", "150", "--on-term",
                         "ignore"), env=FAKE)  # 3 s of steps: a held rank would still be training 2 s after SIGTERM
     assert r.returncode == 0, r.stderr[-3000:]
-    held = r.stderr.index("GPU0, GPU2 still training while GPU1 is gone, with a restart to follow: its collectives wait "
-                          "for GPU1, so it cannot reach a checkpoint, and the restart resumes from what was saved "
+    held = r.stderr.index("GPU0, GPU2 still training while GPU1 is gone, with a restart to follow: its collectives "
+                          "wait for GPU1, so it cannot reach a checkpoint, and the restart resumes from what was saved "
                           "before the fault; SIGKILL now rather than after the 60 s grace period")
     assert r.stderr.count("still training while GPU1 is gone") == 1, r.stderr[-3000:]
     assert r.stderr.index("SIGTERM sent; a rank still running in 60 s (--grace-period) gets SIGKILL\n") < held

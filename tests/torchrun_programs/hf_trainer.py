@@ -3,9 +3,10 @@
     torchrun --nproc-per-node 2 hf_trainer.py --out DIR [--max-steps N]
 
 `Trainer` (through accelerate) finds the world in torchrun's environment and joins it itself: no process group is set
-up here (see the end of `main` for how it leaves). It trains a tiny Llama causal LM on fixed random tokens from a fixed seed, on the CPU where there is no CUDA
-(gloo), with its own DDP wrapping, its own distributed sampler, its own logging and tqdm bar. Each rank writes
-``DIR/rank<RANK>.json``: the world Trainer saw (its process index and count) and the loss history it logged.
+up here (see the end of `main` for how it leaves). It trains a tiny Llama causal LM on fixed random tokens from a
+fixed seed, on the CPU where there is no CUDA (gloo), with its own DDP wrapping, its own distributed sampler, its own
+logging and tqdm bar. Each rank writes ``DIR/rank<RANK>.json``: the world Trainer saw (its process index and count)
+and the loss history it logged.
 """
 
 import argparse
