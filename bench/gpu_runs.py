@@ -33,7 +33,7 @@ from trainer.metrics import HISTORY_JSON, peak_flops  # noqa: E402
 GIB = 2**30
 RUN_KINDS = ("eager", "compiled", "shipped")  # the rank's rows, the choices of --runs
 ANCHOR_LABEL = "textbook loop (anchors/gpu_textbook_loop.py)"
-CONSOLES = "bench_gpu_consoles.txt"  # with --out: every rank run's console, appended
+CONSOLES = "bench_gpu_consoles.txt"  # every rank run's console, appended as it is printed (under --out if given)
 
 
 @dataclass(frozen=True)
@@ -256,6 +256,21 @@ def rank_job(run: RankRun, shape: Shape, opts: Options) -> RankJob:
     return RankJob(run, tuple(flags), cfg, compile_enabled(cfg, cuda=not opts.smoke))
 
 
+def console_run(cmd: list[str], work: Path, env: dict[str, str], consoles: Path,
+                title: str) -> subprocess.CompletedProcess[str]:
+    """`cmd` with its console (stdout and stderr as a user sees them: rank 0's MFU lines, the compile time) appended
+    to `consoles` as it is printed, so that a run stopped from outside (a lease's deadline) leaves what it printed."""
+    consoles.parent.mkdir(parents=True, exist_ok=True)
+    with consoles.open("a") as sink:
+        sink.write(f"== {title}: {' '.join(cmd[1:])}\n")
+        sink.flush()
+        start = sink.tell()
+        code = subprocess.run(cmd, cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT).returncode
+    with consoles.open() as source:
+        source.seek(start)
+        return subprocess.CompletedProcess(cmd, code, source.read(), "")
+
+
 def rank_throughput(job: RankJob, shape: Shape, opts: Options) -> Result:
     """The rank as the supervisor starts it: tokens/s from rank 0's history records after the warm-up steps."""
     run = job.run
@@ -271,11 +286,8 @@ def rank_throughput(job: RankJob, shape: Shape, opts: Options) -> Result:
     cmd = [sys.executable, "-m", "supervisor", "--nproc", "1", "--no-footer", "--log-dir", str(work / "logs"),
            *job.flags]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
-    if opts.out is not None:  # the console as a user sees it (rank 0's MFU lines, the compile time), beside the tables
-        opts.out.mkdir(parents=True, exist_ok=True)
-        with (opts.out / CONSOLES).open("a") as consoles:
-            consoles.write(f"== {run.shape} {run.name}: {' '.join(cmd[1:])}\n{done.stdout}{done.stderr}\n")
+    done = console_run(cmd, work, env, opts.out / CONSOLES if opts.out is not None else work / CONSOLES,
+                       f"{run.shape} {run.name}")
     if not Path(job.cfg.checkpoint.dir).is_absolute():  # under `work`: gone, while the next run needs the disk
         shutil.rmtree(work / job.cfg.checkpoint.dir, ignore_errors=True)
     if done.returncode != 0:

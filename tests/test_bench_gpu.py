@@ -144,6 +144,31 @@ def test_a_failing_anchor_is_a_failed_cell(tmp_path: Path) -> None:
     assert "| rank eager | 1,000 | n/a | n/a |  |" in table
 
 
+def test_a_rank_run_s_console_is_on_disk_while_it_runs(tmp_path: Path) -> None:
+    """A run that outlasts a GPU lease is stopped from outside: what it printed by then (the compile time, the first
+    MFU lines) must already be in the consoles file, not held in a pipe that dies with the bench."""
+    import threading
+    import time
+
+    consoles, release = tmp_path / "out" / gpu_runs.CONSOLES, tmp_path / "release"
+    child = (f"import os, sys, time\nprint('step 1 | MFU 40.0%', flush=True)\nsys.stderr.write('a warning\\n')\n"
+             f"while not os.path.exists({str(release)!r}): time.sleep(0.05)\nprint('done')\nsys.exit(3)\n")
+    done: list[subprocess.CompletedProcess[str]] = []
+    runner = threading.Thread(target=lambda: done.append(gpu_runs.console_run(
+        [sys.executable, "-c", child], tmp_path, clean_env(), consoles, "1.1B shipped")))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while "a warning" not in (consoles.read_text() if consoles.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    text = consoles.read_text()
+    assert text.startswith("== 1.1B shipped: -c ") and "step 1 | MFU 40.0%\n" in text and not done
+    release.touch()
+    runner.join(60)
+    (run,) = done
+    assert run.returncode == 3 and run.stdout == "step 1 | MFU 40.0%\na warning\ndone\n"
+    assert gpu_runs.failure(run) == "exit 3: done"
+
+
 def test_anchor_line_parser() -> None:
     parse = textbook_loop.parse_anchor_line
     assert parse("anchor compile: params 1100.0M | 62,800 tokens/s | MFU 44.7% | peak mem 44.6 GiB\n") == \

@@ -323,10 +323,11 @@ def test_a_rank_failing_with_a_write_in_flight_ends_it_or_abandons_it_and_says_w
     assert_complete(latest)
 
 
-def test_the_stager_is_handed_tensors_alone_and_the_state_comes_back_whole() -> None:
-    """torch 2.11's stager cannot copy a tuple or a class (`KeyError: <class 'type'>`), which an optimizer's betas
-    and Python's RNG state hold: every background save failed there. The containers are rebuilt around the copies
-    instead, and the stager sees one flat dict of tensors."""
+def test_the_stager_is_handed_tensors_alone_and_later_saves_reuse_its_buffers() -> None:
+    """The stager lives for the run: every save after the first copies into the first one's host buffers. torch
+    2.11's `DefaultStager` closed its stager after every stage, so there the second save (the first after the
+    buffers are allocated at the start) failed with `KeyError: <class 'type'>`. The stager sees one flat dict of
+    tensors; the containers come back whole around the copies."""
     from collections import OrderedDict, namedtuple
 
     from trainer.checkpoint.background import HostStager
@@ -336,22 +337,26 @@ def test_the_stager_is_handed_tensors_alone_and_the_state_comes_back_whole() -> 
     model_sd = OrderedDict([("w", weight), ("w_view", weight[1:])])
     model_sd._metadata = {"": {"version": 1}}  # what Module.state_dict attaches
     state = {"model": model_sd, "groups": [{"betas": (0.9, 0.95), "params": [0, 1]}],
-             "rng": (3, tuple(range(5)), None), "pair": Pair(torch.ones(2), "x"), "shape": torch.Size([2, 3])}
+             "rng": (3, tuple(range(5)), None), "pair": Pair(torch.ones(2), "x"), "shape": torch.Size([2, 3]),
+             "cls": torch.float32, "kind": OrderedDict}
     stager = HostStager(torch.device("cpu"))
     seen: list[dict[str, Any]] = []
     original = stager.stager.stage
     stager.stager.stage = lambda flat, **kw: (seen.append(flat), original(flat, **kw))[1]
     try:
+        first = stager.stage(state)
+        buffer = first["model"]["w"].data_ptr()
+        weight.add_(1.0)  # training goes on: the copy keeps the staged step until the next save
+        assert not torch.equal(first["model"]["w"], weight)
         copy = stager.stage(state)
     finally:
         stager.close()
-    (flat,) = seen
-    assert all(isinstance(t, torch.Tensor) for t in flat.values()) and len(flat) == 3
+    assert len(seen) == 2 and all(isinstance(t, torch.Tensor) for t in seen[1].values()) and len(seen[1]) == 3
+    assert copy["model"]["w"].data_ptr() == buffer != weight.data_ptr()  # the first save's buffer, refilled
+    assert torch.equal(copy["model"]["w"], weight)
     assert type(copy["model"]) is OrderedDict and copy["model"]._metadata == {"": {"version": 1}}
-    assert torch.equal(copy["model"]["w"], weight) and copy["model"]["w"].data_ptr() != weight.data_ptr()
-    weight.add_(1.0)  # training goes on: the copy keeps the staged step
-    assert not torch.equal(copy["model"]["w"], weight)
     assert copy["model"]["w_view"].untyped_storage().data_ptr() == copy["model"]["w"].untyped_storage().data_ptr()
     assert copy["groups"] == [{"betas": (0.9, 0.95), "params": [0, 1]}] and copy["rng"] == (3, (0, 1, 2, 3, 4), None)
     assert type(copy["pair"]) is Pair and copy["pair"].second == "x" and torch.equal(copy["pair"].first, torch.ones(2))
     assert copy["shape"] == torch.Size([2, 3]) and type(copy["shape"]) is torch.Size
+    assert copy["cls"] is torch.float32 and copy["kind"] is OrderedDict

@@ -2,9 +2,10 @@
 it writes from.
 
 Training blocks only while a save is staged (`store.stage`: the tensors copied into host memory, pinned on GPUs, by
-DCP's `DefaultStager` through `HostStager`, which keeps its buffers from one save to the next: one copy of this
-rank's model and optimizer state for the whole run). The write (`store.write`: DCP's shards, state.pt, the agreement that every rank's files are
-written, the rename) then runs on a thread whose collectives use the writer group, never the loop's.
+DCP's `StateDictStager` through `HostStager`, which keeps its buffers from one save to the next: one copy of this
+rank's model and optimizer state for the whole run). The write (`store.write`: DCP's shards, state.pt, the agreement
+that every rank's files are written, the rename) then runs on a thread whose collectives use the writer group, never
+the loop's.
 
 How a write ends decides when the training thread hears of it:
 
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 
 from trainer.checkpoint.store import WriteFailed
 from trainer.errors import UserError
@@ -41,25 +42,27 @@ COLLECTIVE_FAILURES = (UserError, WriteFailed)  # raised alike on every rank (`s
 
 
 class HostStager:
-    """DCP's `DefaultStager` for this rank's device (pinned host buffers and non-blocking copies from a GPU, so the
+    """DCP's `StateDictStager` for this rank's device (pinned host buffers and non-blocking copies from a GPU, so the
     copy costs the device-to-host bandwidth only; plain host buffers on a CPU rank), handed the tensors alone.
 
-    The stager copies whatever it is given, but some releases (torch 2.11) cannot copy a tuple, or any class object,
-    and fail with `KeyError: <class 'type'>`: an optimizer's `betas` or Python's RNG state would end every background
-    save there. So the containers around the tensors (dicts, lists, tuples) are rebuilt here, and the stager gets one
-    flat dict of every tensor in a state: tensors sharing a storage share it in the copy too, as they do through
-    the stager's own walk."""
+    The stager keeps one host buffer per tensor storage it has copied, reused at every later stage, until `close`.
+    DCP's public wrapper around it, `DefaultStager`, is not used: some releases (torch 2.11) close the stager after
+    every stage, which empties both that cache (each save would allocate its pinned buffers again) and the table its
+    copy walks by, so that the second save fails with `KeyError: <class 'type'>`. The stager gets one flat dict of the
+    state's tensors; the containers around them (dicts, lists, tuples) are rebuilt here and the other leaves (numbers,
+    strings, RNG states), which training replaces rather than changes in place, are kept as they are."""
 
     def __init__(self, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                   use_async_staging=False, use_non_blocking_copy=cuda))
+        self.device, self.cuda = device, device.type == "cuda"
+        self.stager = StateDictStager(pin_memory=self.cuda, share_memory=False)
 
     def stage(self, state: Any) -> Any:
         """A copy of `state` whose tensors are in host memory (the stager's buffers, reused from save to save)."""
         tensors: list[torch.Tensor] = []
         skeleton = _hollow(state, tensors)
-        copies = self.stager.stage({str(i): t for i, t in enumerate(tensors)})
+        copies = self.stager.stage({str(i): t for i, t in enumerate(tensors)}, non_blocking=self.cuda)
+        if self.cuda:  # the copies were queued on the current stream: done before anything reads them
+            torch.cuda.current_stream(self.device).synchronize()
         return _fill(skeleton, [copies[str(i)] for i in range(len(tensors))])
 
     def close(self) -> None:
