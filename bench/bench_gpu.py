@@ -291,6 +291,8 @@ def parse(argv: list[str]) -> Options | Path:
                         help="the textbook loop script (gpu_textbook_loop.py) instead of bench/textbook_loop.py")
     parser.add_argument("--cache-dir", type=Path, default=ROOT / "cache" / "datasets",
                         help="token caches of the training runs (reused between runs)")
+    parser.add_argument("--run-timeout", type=float, default=300.0, metavar="S",
+                        help="stop a rank or loop run still going after S seconds (its row says so; the rest go on)")
     parser.add_argument("--corpus-tokens", type=float, default=100e6, help="size of the cache-scaling corpus")
     args = parser.parse_args(argv)
     if args.collect is not None:
@@ -308,7 +310,7 @@ def parse(argv: list[str]) -> Options | Path:
                    out=args.out, sections=sections, shapes=shapes, runs=runs,
                    anchor=None if args.anchor is None else args.anchor.resolve(),  # its runs start in `work`
                    corpus_tokens=0 if args.smoke else int(args.corpus_tokens), cores=sorted(set(cores)),
-                   ablations=() if chosen == ablation_names else chosen)
+                   ablations=() if chosen == ablation_names else chosen, run_timeout_s=args.run_timeout)
 
 
 def main() -> None:

@@ -9,9 +9,11 @@ A loop row is a child process printing one JSON line (bench/textbook_loop.py) or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -205,15 +207,18 @@ class Options:
     corpus_tokens: int
     cores: list[int] = field(default_factory=list)
     ablations: tuple[str, ...] = ()  # the ablation section's changes, by name; empty: every one
+    run_timeout_s: float = 300.0  # a run still going then is stopped and its row says so (the next rows still run)
     # rank rows this command has measured, by what their timed steps ran (`RankRun.timed`): the ablation's first row
     # is the training section's shipped row, and on a GPU a second run of it would cost minutes for the same figure
     measured: dict[tuple[str, ...], Result] = field(default_factory=dict)
 
 
-def failure(done: subprocess.CompletedProcess[str], what: str = "") -> str:
-    """A failed child in a table cell: its exit status (or what is missing) and its last line of output."""
+def failure(done: subprocess.CompletedProcess[str] | ConsoleRun, what: str = "") -> str:
+    """A failed child in a table cell: its exit status (or what is missing, or the time limit it ran past) and its
+    last line of output."""
     lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-    head = what or f"exit {done.returncode}"
+    stopped = done.stopped_after_s if isinstance(done, ConsoleRun) else None
+    head = what or (f"exit {done.returncode}" if stopped is None else f"stopped after {stopped:g} s (--run-timeout)")
     return f"{head}: {lines[-1].strip()[:160] if lines else 'no output'}"
 
 
@@ -256,19 +261,55 @@ def rank_job(run: RankRun, shape: Shape, opts: Options) -> RankJob:
     return RankJob(run, tuple(flags), cfg, compile_enabled(cfg, cuda=not opts.smoke))
 
 
-def console_run(cmd: list[str], work: Path, env: dict[str, str], consoles: Path,
-                title: str) -> subprocess.CompletedProcess[str]:
+@dataclass
+class ConsoleRun:
+    """A child run whose console went to the consoles file: its exit status, what it printed, and the time limit
+    it was stopped at, if it was."""
+
+    cmd: list[str]
+    returncode: int
+    stdout: str
+    stopped_after_s: float | None = None
+    stderr: str = ""  # merged into stdout, in the order printed
+
+
+STOP_GRACE_S = 30.0  # after SIGTERM to a run past its limit (the supervisor stops its ranks), before SIGKILL
+
+
+def console_run(cmd: list[str], work: Path, env: dict[str, str] | None, consoles: Path, title: str,
+                timeout_s: float) -> ConsoleRun:
     """`cmd` with its console (stdout and stderr as a user sees them: rank 0's MFU lines, the compile time) appended
-    to `consoles` as it is printed, so that a run stopped from outside (a lease's deadline) leaves what it printed."""
+    to `consoles` as it is printed, so that a run stopped from outside (a lease's deadline) leaves what it printed;
+    one still going after `timeout_s` gets SIGTERM, then SIGKILL with whatever it started, so that one run that hangs
+    does not take the rows after it."""
     consoles.parent.mkdir(parents=True, exist_ok=True)
+    stopped_after_s = None
     with consoles.open("a") as sink:
         sink.write(f"== {title}: {' '.join(cmd[1:])}\n")
         sink.flush()
         start = sink.tell()
-        code = subprocess.run(cmd, cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            stopped_after_s = timeout_s
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     with consoles.open() as source:
         source.seek(start)
-        return subprocess.CompletedProcess(cmd, code, source.read(), "")
+        return ConsoleRun(cmd, proc.returncode, source.read(), stopped_after_s)
+
+
+def consoles(opts: Options) -> Path:
+    """Where every run of this command appends its console: beside the tables, or in the scratch folder."""
+    return (opts.out if opts.out is not None else opts.work) / CONSOLES
 
 
 def rank_throughput(job: RankJob, shape: Shape, opts: Options) -> Result:
@@ -286,8 +327,7 @@ def rank_throughput(job: RankJob, shape: Shape, opts: Options) -> Result:
     cmd = [sys.executable, "-m", "supervisor", "--nproc", "1", "--no-footer", "--log-dir", str(work / "logs"),
            *job.flags]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = console_run(cmd, work, env, opts.out / CONSOLES if opts.out is not None else work / CONSOLES,
-                       f"{run.shape} {run.name}")
+    done = console_run(cmd, work, env, consoles(opts), f"{run.shape} {run.name}", opts.run_timeout_s)
     if not Path(job.cfg.checkpoint.dir).is_absolute():  # under `work`: gone, while the next run needs the disk
         shutil.rmtree(work / job.cfg.checkpoint.dir, ignore_errors=True)
     if done.returncode != 0:
@@ -314,15 +354,20 @@ def rank_throughput(job: RankJob, shape: Shape, opts: Options) -> Result:
 # The textbook loop
 
 
+def loop_title(shape: Shape, result: Result) -> str:
+    return f"{parameter_count(shape.config()) / 1e6:.0f}M {result.name}"
+
+
 def plain_throughput(result: Result, shape: Shape, opts: Options) -> None:
     """bench/textbook_loop.py's loop, in a child process."""
     cmd = [sys.executable, str(Path(__file__).with_name("textbook_loop.py")), json.dumps(shape.__dict__),
            str(int(result.compiled))]
-    done = subprocess.run(cmd + (["--smoke"] if opts.smoke else []), cwd=ROOT, capture_output=True, text=True)
+    done = console_run(cmd + (["--smoke"] if opts.smoke else []), ROOT, None, consoles(opts),
+                       loop_title(shape, result), opts.run_timeout_s)
     if done.returncode != 0:
         result.error = failure(done)
         return
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = json.loads(next(line for line in reversed(done.stdout.splitlines()) if line.startswith("{")))
     result.tokens_per_s, result.peak_bytes, result.device = found["tokens_per_s"], found["peak_bytes"], found["device"]
 
 
@@ -333,7 +378,7 @@ def anchor_throughput(result: Result, shape: Shape, opts: Options) -> None:
     numbers = (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.ffn, shape.vocab, shape.context,
                shape.batch, shape.accum, shape.steps - shape.warmup)
     cmd = [sys.executable, str(opts.anchor), *map(str, numbers), *(["compile"] if result.compiled else [])]
-    done = subprocess.run(cmd, cwd=opts.work, capture_output=True, text=True)
+    done = console_run(cmd, opts.work, None, consoles(opts), loop_title(shape, result), opts.run_timeout_s)
     figures = parse_anchor_line(done.stdout)
     if done.returncode != 0 or figures is None:
         result.error = failure(done, "" if done.returncode else "no figures line")

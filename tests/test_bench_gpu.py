@@ -151,22 +151,47 @@ def test_a_rank_run_s_console_is_on_disk_while_it_runs(tmp_path: Path) -> None:
     import time
 
     consoles, release = tmp_path / "out" / gpu_runs.CONSOLES, tmp_path / "release"
-    child = (f"import os, sys, time\nprint('step 1 | MFU 40.0%', flush=True)\nsys.stderr.write('a warning\\n')\n"
-             f"while not os.path.exists({str(release)!r}): time.sleep(0.05)\nprint('done')\nsys.exit(3)\n")
-    done: list[subprocess.CompletedProcess[str]] = []
+    child = tmp_path / "rank.py"  # a file, so that the console's header names it rather than quoting its lines
+    child.write_text(f"import os, sys, time\nprint('step 1 | MFU 40.0%', flush=True)\n"
+                     f"sys.stderr.write('a warning\\n')\n"
+                     f"while not os.path.exists({str(release)!r}): time.sleep(0.05)\nprint('done')\nsys.exit(3)\n")
+    done: list[gpu_runs.ConsoleRun] = []
     runner = threading.Thread(target=lambda: done.append(gpu_runs.console_run(
-        [sys.executable, "-c", child], tmp_path, clean_env(), consoles, "1.1B shipped")))
+        [sys.executable, str(child)], tmp_path, clean_env(), consoles, "1.1B shipped", timeout_s=120)))
     runner.start()
     deadline = time.monotonic() + 60
     while "a warning" not in (consoles.read_text() if consoles.exists() else "") and time.monotonic() < deadline:
         time.sleep(0.05)
     text = consoles.read_text()
-    assert text.startswith("== 1.1B shipped: -c ") and "step 1 | MFU 40.0%\n" in text and not done
+    assert text == f"== 1.1B shipped: {child}\nstep 1 | MFU 40.0%\na warning\n" and not done
     release.touch()
     runner.join(60)
     (run,) = done
     assert run.returncode == 3 and run.stdout == "step 1 | MFU 40.0%\na warning\ndone\n"
     assert gpu_runs.failure(run) == "exit 3: done"
+
+
+def test_a_run_past_its_time_limit_is_stopped_with_what_it_started(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One hung run must not take the rows after it: past `--run-timeout` it gets SIGTERM (the supervisor stops its
+    ranks), and SIGKILL with everything it started once the grace period ends; its row says so."""
+    import psutil
+
+    monkeypatch.setattr(gpu_runs, "STOP_GRACE_S", 0.5)
+    pid_file = tmp_path / "grandchild.pid"
+    child = ("import signal, subprocess, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid))\nprint('compiling', flush=True)\ntime.sleep(600)\n")
+    run = gpu_runs.console_run([sys.executable, "-c", child], tmp_path, clean_env(), tmp_path / gpu_runs.CONSOLES,
+                               "1.1B shipped", timeout_s=3)
+    assert run.stopped_after_s == 3 and run.returncode == -9 and run.stdout == "compiling\n"
+    assert gpu_runs.failure(run) == "stopped after 3 s (--run-timeout): compiling"
+    try:
+        grandchild = psutil.Process(int(pid_file.read_text()))
+    except psutil.NoSuchProcess:
+        return
+    _, alive = psutil.wait_procs([grandchild], timeout=10)  # SIGKILLed: gone as soon as the kernel has reaped it
+    assert alive == [], "the run's own child was left running"
 
 
 def test_anchor_line_parser() -> None:
