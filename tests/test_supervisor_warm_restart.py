@@ -81,14 +81,16 @@ def steps_logged(run_dir: Path) -> list[int]:
 def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir: Path, killed: int) -> None:
     """Rank 1 (or rank 0) SIGKILLed at the start of step 5, the last checkpoint step 3's: the restarted group loads the
     state after five steps from this node's memory, trains no step twice, and ends on the loss of the same run
-    without the fault; the run leaves nothing in /dev/shm. training_history.json holds every step and step 3's
-    checkpoint even where rank 0, which writes it, was killed before its group could save it (its journal)."""
+    without the fault (which, with no restart to come, takes no snapshots); the run leaves nothing in /dev/shm.
+    training_history.json holds every step and step 3's checkpoint even where rank 0, which writes it, was killed
+    before its group could save it (its journal)."""
     base = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 8},
                          "checkpoint": {"interval": 3, "memory_interval": 1,
                                         "async_save": False}})  # step 3's checkpoint complete before the fault
     clean = supervise(tmp_path / "clean", merged(base, {"checkpoint": {"dir": str(tmp_path / "clean" / "ckpt")}}),
                       "--nproc", "2")
     assert clean.returncode == 0, clean.stderr[-3000:]
+    assert "memory snapshots in" not in clean.stdout  # no restart to come: nothing would read them
     fault = {"inject_fault": "sigkill", "inject_fault_step": 5, "inject_fault_rank": killed, "inject_fault_restart": 0}
     proc = supervise(tmp_path / "fault", merged(base, {"checkpoint": {"dir": str(tmp_path / "fault" / "ckpt")},
                                                        "debug": fault}), "--nproc", "2", "--max-restarts", "1")
@@ -99,6 +101,7 @@ def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir
             "checkpoint if that copy fails their checks)") in proc.stderr
     assert re.search(rf"resumed from the memory copy in {memory}\w+ at step 5 \(checked and loaded in [\d.]+ s; on "
                      rf"disk: \S+step_000003\)", proc.stdout), proc.stdout[-3000:]
+    assert f"memory snapshots in {memory}" in proc.stdout
     assert steps_logged(run_dir) == list(range(8))
     assert final_loss(proc.stderr) == final_loss(clean.stderr)
     saved = json.loads((run_dir / HISTORY_JSON).read_text())

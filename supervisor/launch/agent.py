@@ -105,7 +105,9 @@ class Launcher:
         started = time.monotonic()
         try:
             become_subreaper()
-            if self.plan.trainer_entry:  # the ranks' memory copy of the latest state, which the sentinel removes
+            # the ranks' memory copy of the latest state, which the sentinel removes; read by a restart only, so a
+            # run with none to come takes no snapshots (on a GPU, a 1B model's first ones take seconds each)
+            if self.plan.trainer_entry and self.plan.max_restarts > 0:
                 memory = reaper.shared_folder(f"gpu-pretrain-{self.plan.run_dir.name}")
                 self.plan = replace(self.plan, memory_dir=memory)
             if self.plan.nnodes > 1:  # before the dataset: the nodes join (and are heard from) while each builds

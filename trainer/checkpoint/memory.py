@@ -3,8 +3,8 @@ does not take with it, which a restart on the same node loads at memory speed; t
 
 Where: the folder the supervisor names in ``SUPERVISOR_MEMORY_DIR`` (under /dev/shm). The supervisor owns it: it makes
 it new for each run, so whatever it holds is this run's, and removes it on every exit path, its sentinel included
-when the supervisor itself is killed (`supervisor.group.reaper`). A run without it (by hand, under torchrun) takes no
-snapshots: nothing would remove them.
+when the supervisor itself is killed (`supervisor.group.reaper`). A run without it (by hand, under torchrun, or under
+the supervisor with no restart to come) takes no snapshots: nothing would remove them, or nothing would read them.
 
 What: two copies per rank, written in turn (`local<i>.<slot>.bin` and `.json`, slot 0 and 1): each snapshot
 overwrites the older one, so the latest whole copy survives a rank killed while it writes the next, and ranks that
