@@ -26,8 +26,8 @@ for its final loss and its goodput without faults. Figures per run, from rank 0'
                    half step the fault cut short is lost time, never logged)
   final loss       rank 0's mean loss over the ranks at the last step (`[all ranks] step N-1/N | mean loss`)
 
-and, from the supervisor's run without faults, what a memory snapshot costs as `checkpoint.memory_interval=auto`
-measured it against the step.
+and, from the supervisor's run with faults (the run without any has no restart to come, so it takes no memory
+snapshots), what a memory snapshot costs as `checkpoint.memory_interval=auto` measured it against the step.
 
 The runs alternate launchers (supervisor, torchrun, supervisor, torchrun), so that the machine's other load falls on
 both alike; the ratios are the supervisor's figure over torchrun's in the same command. The supervisor's restarts'
@@ -234,7 +234,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|")
     for launcher in ("supervisor", "torchrun"):
         print(row(runs[launcher, True], runs[launcher, False]))
-    print(f"\nthe supervisor's ranks, without faults: {runs['supervisor', False].snapshots}")
+    print(f"\nthe supervisor's ranks, with faults: {runs['supervisor', True].snapshots}")
     goodput = ours.goodput(runs["supervisor", False]) / theirs.goodput(runs["torchrun", False])
     print(f"supervisor / torchrun: goodput {goodput:.2f}x, fault → next step "
           f"{statistics.mean(ours.fault_to_step()) / statistics.mean(theirs.fault_to_step()):.2f}x, steps trained "
