@@ -7,6 +7,9 @@
 * no import after the fault: the restarted group's ranks are forked by the run's standby, which imported what a rank
   needs once while the first group trained; a SIGKILL of the supervisor then leaves no rank, no standby and no memory
   folder (its sentinel); without its standby a restart spawns its ranks as ever.
+
+The compiled graphs, the restart without a standby and rank 0's kill are in the slow tier (CI runs it), for the
+default suite's time.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ def test_compile_caches_live_in_the_run_folder_unless_set(tmp_path: Path, monkey
     assert env["TRITON_CACHE_DIR"] == "/somewhere/mine"
 
 
+@pytest.mark.slow
 def test_a_restart_loads_the_compiled_graphs_from_the_run_folder(tmp_path: Path, token_cache_dir: Path) -> None:
     """One compiled CPU rank (inductor's C++ kernels), a fault at step 3: the first group compiles every graph, the
     restarted group's first compiled step (step 3, from the node's memory) finds each of them in the run folder's
@@ -77,7 +81,7 @@ def steps_logged(run_dir: Path) -> list[int]:
     return [int(s) for s in re.findall(r"\[GPU 0\] Step \[(\d+)/", (run_dir / "cpu0.log").read_text())]
 
 
-@pytest.mark.parametrize("killed", [1, 0])
+@pytest.mark.parametrize("killed", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir: Path, killed: int) -> None:
     """Rank 1 (or rank 0) SIGKILLed at the start of step 5, the last checkpoint step 3's: the restarted group loads the
     state after five steps from this node's memory, trains no step twice, and ends on the loss of the same run
@@ -182,6 +186,7 @@ def test_a_restart_forked_by_the_standby_then_the_supervisor_killed(tmp_path: Pa
     assert not folder.exists()
 
 
+@pytest.mark.slow
 def test_a_restart_without_its_standby_spawns_its_ranks(tmp_path: Path, token_cache_dir: Path) -> None:
     """The standby SIGKILLed once ready, then rank 1: the restart finds it gone, spawns its ranks as ever and trains
     on (then a SIGTERM ends the run as ever)."""
