@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from rank_scripts.harness import Run, clean_env, start, survivors
 from supervisor.launch import cli, torchrun_args
@@ -25,7 +26,7 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 # what differs by design between torchrun and the supervisor, and why (docs/torchrun.md)
 NOT_COMPARED = {
     "MASTER_PORT": "a free port, chosen anew by each launcher",
-    "TORCHELASTIC_RUN_ID": "a fresh id per run of --standalone (checked to be one)",
+    "TORCHELASTIC_RUN_ID": "a fresh id per run of --standalone (checked: one, or none as torch 2.11 gives)",
     "TORCHELASTIC_ERROR_FILE": "a path: torchrun's temporary folder, the run folder here (checked)",
     "TORCHELASTIC_USE_AGENT_STORE": "torchrun's agent hosts the store; here rank 0 does, as without an agent",
 }
@@ -79,7 +80,10 @@ def test_a_tutorial_program_trains_as_under_torchrun(tmp_path):
         assert mine["losses"] == real["losses"] and len(mine["losses"]) == 8
         assert {k: v for k, v in mine["env"].items() if k not in NOT_COMPARED} == \
             {k: v for k, v in real["env"].items() if k not in NOT_COMPARED}
-        uuid.UUID(mine["env"]["TORCHELASTIC_RUN_ID"])
+        if real["env"]["TORCHELASTIC_RUN_ID"] == "none":  # torch 2.11's torchrun and before: a static rendezvous
+            assert mine["env"]["TORCHELASTIC_RUN_ID"] == "none"
+        else:
+            uuid.UUID(mine["env"]["TORCHELASTIC_RUN_ID"])
     run_dir = run.run_dir()
     assert run_dir.name.endswith("-ddp_tutorial") and not (run_dir / "config.json").exists()
     assert records(ours, 2)[1]["env"]["TORCHELASTIC_ERROR_FILE"] == str(run_dir / "errors" / "cpu1.json")
@@ -263,6 +267,25 @@ def test_torchruns_flags_become_the_supervisors_launch():
     assert (args.gpus, args.nproc, launch.mode, str(launch.program)) == ("2,5", None, "module", "pkg.train")
     args, entry_args, launch, _ = read("--nproc-per-node", "2", "pretrain_main.py", "--debug", "--set", "a.b=1")
     assert launch is None and entry_args == [] and (args.nproc, args.debug, args.set) == (2, True, ["a.b=1"])
+
+
+@pytest.mark.parametrize("release, addr", [((2, 11), "127.0.0.1"), ((2, 12), "localhost"), ((2, 13), "localhost")])
+def test_a_single_node_without_an_endpoint_meets_where_the_installed_torchrun_would(monkeypatch, release, addr):
+    """`torchrun --nproc-per-node 2 train.py`: torch 2.12's torchrun on runs it as --standalone (localhost, a fresh
+    run id); 2.11's as a static rendezvous at --master-addr (127.0.0.1). MASTER_ADDR is what the program sees, so the
+    installed torch decides, as for its own torchrun."""
+    monkeypatch.setattr(torchrun_args, "torch_release", lambda: release)
+    args, _, launch, _ = read("--nproc-per-node", "2", str(PROGRAMS / "flaky.py"))
+    static = addr == "127.0.0.1"
+    # no address given: the supervisor's single-node default, 127.0.0.1 (supervisor.launch.cli), torchrun's too
+    assert (args.master_addr, args.master_port) == (None if static else "localhost", None)
+    assert (launch.run_id == "none") == static
+    args, _, _, _ = read("--standalone", str(PROGRAMS / "flaky.py"))  # --standalone itself: every release
+    assert args.master_addr == "localhost"
+
+
+def test_the_installed_torch_release_is_read_without_importing_torch():
+    assert torchrun_args.torch_release() == tuple(int(n) for n in torch.__version__.split(".")[:2])
 
 
 def test_flags_left_off_the_command_line_come_from_pet_variables(monkeypatch, tmp_path, capsys):

@@ -37,6 +37,7 @@ What each of torchrun's flags becomes:
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import shutil
@@ -44,6 +45,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 from supervisor.gpus import discovery
@@ -321,11 +323,29 @@ def program_of(t: argparse.Namespace) -> tuple[str, str]:
 
 def run_id(t: argparse.Namespace) -> str:
     """TORCHELASTIC_RUN_ID as torchrun sets it: a fresh id for --standalone, and for a single node given neither a
-    rendezvous endpoint nor --master-port (torchrun then runs a standalone rendezvous); else --rdzv-id."""
+    rendezvous endpoint nor --master-port (torch 2.12's torchrun on then runs a standalone rendezvous); else
+    --rdzv-id."""
     return str(uuid.uuid4()) if t.standalone or implicit_standalone(t) else t.rdzv_id
 
 
 def implicit_standalone(t: argparse.Namespace) -> bool:
-    """torchrun on one node with neither a rendezvous endpoint nor --master-port runs as with --standalone."""
+    """torchrun on one node with neither a rendezvous endpoint nor --master-port runs as with --standalone, since
+    torch 2.12 (`IMPLICIT_STANDALONE_SINCE`); before, it met at --master-addr (127.0.0.1) as any static rendezvous.
+    The installed torch decides, as it decides what its own torchrun would do."""
     single = (t.nnodes or "1").rpartition(":")[2] == "1"
-    return t.rdzv_backend == "static" and not t.rdzv_endpoint and t.master_port is None and single
+    return (t.rdzv_backend == "static" and not t.rdzv_endpoint and t.master_port is None and single
+            and torch_release() >= IMPLICIT_STANDALONE_SINCE)
+
+
+IMPLICIT_STANDALONE_SINCE = (2, 12)
+
+
+@functools.cache
+def torch_release() -> tuple[int, int]:
+    """The installed torch's major and minor version, read from its metadata (importing torch takes seconds); the
+    newest behaviour where it cannot be read."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        found = None
+    return (int(found[1]), int(found[2])) if found else (sys.maxsize, 0)
