@@ -177,3 +177,10 @@ def test_a_step_installs_the_wheels_and_writes_its_summary_after_every_stage(tmp
     text = (out / "check.md").read_text()
     assert f"| second | `{sys.executable} -c " in text and f" {out}/check.md` | 0 |" in text
     assert sorted(p.name for p in out.iterdir()) == ["check-first.txt", "check-second.txt", "check.md"]
+
+
+def test_the_tier_step_runs_every_gpu_test_file_but_the_memory_estimate() -> None:
+    """Its files are listed in the order a lease runs them: a file added to tests/gpu/ must be listed too."""
+    files = {str(path.relative_to(ROOT)) for path in (ROOT / "tests" / "gpu").glob("test_*.py")}
+    assert len(gpu_session.TIER_ORDER) == len(set(gpu_session.TIER_ORDER))
+    assert set(gpu_session.TIER_ORDER) == files - {gpu_session.MEMORY_TEST}
