@@ -17,7 +17,7 @@ import torch
 from rank_support import tiny_config
 from trainer.checkpoint import store
 from trainer.checkpoint.layout import MEMORY_DIR_ENV, memory_file, memory_step
-from trainer.checkpoint.memory import COST_SHARE, TIMED, MemoryCopy
+from trainer.checkpoint.memory import COST_SHARE, EARLY, TIMED, MemoryCopy
 from trainer.config import Config
 from trainer.model.build import build_model
 from trainer.model.distributed import DistContext, init_distributed, teardown
@@ -155,13 +155,30 @@ def test_no_copy_is_no_line(world: tuple[Config, DistContext]) -> None:
 
 def test_auto_keeps_a_snapshot_under_two_percent_of_a_step(world: tuple[Config, DistContext],
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Snapshots timed 10 ms each, 100 ms apart (90 ms of step): every 6 steps keeps them under 2 %."""
+    """Snapshots timed 3 ms each, 100 ms apart (97 ms of step, 3.1 %): not decided after the first timed one
+    (every 2 steps is under `EARLY`), then every 2 steps once ten are timed."""
     cfg, ctx = world
     cfg.checkpoint.memory_interval = "auto"
     copy, lines = memory(cfg, ctx, trained(cfg, seed=1, steps=1))
     for i in range(TIMED + 1):
-        copy.decide(started=i * 0.1, seconds=0.01)
-    assert copy.interval == 6 == -(-0.01 // (COST_SHARE * 0.09))
+        assert copy.interval is None
+        copy.decide(started=i * 0.1, seconds=0.003)
+    assert copy.interval == 2 == -(-0.003 // (COST_SHARE * 0.097))
+    assert lines.lines == ["memory snapshots every 2 steps: 3.0 ms each, 3.1% of a 97 ms step "
+                           "(checkpoint.memory_interval=auto keeps it under 2%)"]
+
+
+def test_auto_decides_after_one_timed_snapshot_that_costs_far_more(world: tuple[Config, DistContext]) -> None:
+    """The first snapshot allocates (50 ms), the second takes 10 ms of a 90 ms step (140 ms after the first began):
+    every 6 steps, decided there, without ten more snapshots at every step (on a GPU, seconds each for 1B)."""
+    cfg, ctx = world
+    cfg.checkpoint.memory_interval = "auto"
+    copy, lines = memory(cfg, ctx, trained(cfg, seed=1, steps=1))
+    copy.decide(started=0.0, seconds=0.05)
+    copy.decide(started=0.14, seconds=0.01)
+    assert copy.interval == 6 == -(-0.01 // (COST_SHARE * 0.09)) and EARLY <= 6
+    copy.decide(started=0.5, seconds=1.0)  # not timed any more
+    assert copy.interval == 6 and len(copy.timed) == 2
     assert lines.lines == ["memory snapshots every 6 steps: 10.0 ms each, 11.1% of a 90 ms step "
                            "(checkpoint.memory_interval=auto keeps it under 2%)"]
 

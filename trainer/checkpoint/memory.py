@@ -24,7 +24,8 @@ place. Anything wrong on any rank: every rank resumes from disk, rank 0 saying w
 
 Cost: the copy of the rank's share, its checksum and the header, on the training thread (on a GPU the copy waits for
 the step's kernels). `checkpoint.memory_interval=auto` times the first snapshots against the steps and keeps the cost
-under `COST_SHARE` of the step time: a snapshot every step where that holds, else every few steps, alike on every rank.
+under `COST_SHARE` of the step time: a snapshot every step where that holds, else every few steps, alike on every rank
+(decided after one timed snapshot where that one is far over: `EARLY`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from trainer.progress import restart_count
 
 COST_SHARE = 0.02  # `auto`: a snapshot may cost this share of the step time
 TIMED = 10  # `auto`: snapshots timed (after the first, which allocates) before the interval is decided
+EARLY = 4  # `auto`: decided after one timed snapshot where that one asks an interval of at least this many steps
 SLOTS = 2  # copies per rank: the latest snapshot and the one before, whole while the next one is written
 ALIGN = 64  # each tensor's offset in the copy: any dtype's view of it is aligned
 
@@ -277,17 +279,23 @@ class MemoryCopy:
 
     def decide(self, started: float, seconds: float) -> None:
         """`auto`: after the first snapshots, the interval that keeps their cost under `COST_SHARE` of the step time,
-        agreed on every rank (the largest wins: the copies of one node must be of the same steps)."""
+        agreed on every rank (the largest wins: the copies of one node must be of the same steps). Where the first
+        timed snapshot already asks `EARLY` steps or more (a large model's state: seconds a copy on a GPU), that is
+        the interval, rather than `TIMED` more snapshots at every step; both points are collective on every rank."""
         if self.interval is not None:
             return
         self.timed.append((started, seconds))
-        if len(self.timed) < TIMED + 1:
+        if len(self.timed) not in (2, TIMED + 1):
             return
         timed = self.timed[1:]
         cost = statistics.median(s for _, s in timed)
-        step = statistics.median(b - a for (a, _), (b, _) in zip(self.timed, self.timed[1:])) - cost
+        # between two snapshots' starts: the earlier snapshot, then a step
+        step = statistics.median(b - a - s for (a, s), (b, _) in zip(self.timed, self.timed[1:]))
         mine = max(1, math.ceil(cost / (COST_SHARE * step))) if step > 0 else 1
-        self.interval = max(gather_objects(mine, self.ctx))
+        agreed = max(gather_objects(mine, self.ctx))
+        if len(self.timed) == 2 and agreed < EARLY:
+            return
+        self.interval = agreed
         if self.ctx.is_main:
             every = "every step" if self.interval == 1 else f"every {self.interval} steps"
             self.log.info(f"memory snapshots {every}: {cost * 1000:.1f} ms each, {cost / step:.1%} of a "
