@@ -25,7 +25,7 @@ place. Anything wrong on any rank: every rank resumes from disk, rank 0 saying w
 Cost: the copy of the rank's share, its checksum and the header, on the training thread (on a GPU the copy waits for
 the step's kernels). `checkpoint.memory_interval=auto` times the first snapshots against the steps and keeps the cost
 under `COST_SHARE` of the step time: a snapshot every step where that holds, else every few steps, alike on every rank
-(decided after one timed snapshot where that one is far over: `EARLY`).
+(decided after one timed snapshot where that one is far over on every rank: `EARLY`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,10 @@ from trainer.progress import restart_count
 
 COST_SHARE = 0.02  # `auto`: a snapshot may cost this share of the step time
 TIMED = 10  # `auto`: snapshots timed (after the first, which allocates) before the interval is decided
-EARLY = 4  # `auto`: decided after one timed snapshot where that one asks an interval of at least this many steps
+# `auto`: decided after one timed snapshot where, on every rank, that one took at least EARLY_S and asks an interval
+# of at least EARLY steps (one copy of a large state, seconds on a GPU: far from the noise of a loaded machine, where a
+# rank descheduled mid-copy makes a millisecond snapshot look like a tenth of a step)
+EARLY, EARLY_S = 4, 0.25
 SLOTS = 2  # copies per rank: the latest snapshot and the one before, whole while the next one is written
 ALIGN = 64  # each tensor's offset in the copy: any dtype's view of it is aligned
 
@@ -280,8 +283,8 @@ class MemoryCopy:
     def decide(self, started: float, seconds: float) -> None:
         """`auto`: after the first snapshots, the interval that keeps their cost under `COST_SHARE` of the step time,
         agreed on every rank (the largest wins: the copies of one node must be of the same steps). Where the first
-        timed snapshot already asks `EARLY` steps or more (a large model's state: seconds a copy on a GPU), that is
-        the interval, rather than `TIMED` more snapshots at every step; both points are collective on every rank."""
+        timed snapshot is already far too costly on every rank (`EARLY`, `EARLY_S`: a large model's state, seconds a
+        copy on a GPU), that decides, rather than `TIMED` more snapshots at every step; both points are collective."""
         if self.interval is not None:
             return
         self.timed.append((started, seconds))
@@ -292,13 +295,15 @@ class MemoryCopy:
         # between two snapshots' starts: the earlier snapshot, then a step
         step = statistics.median(b - a - s for (a, s), (b, _) in zip(self.timed, self.timed[1:]))
         mine = max(1, math.ceil(cost / (COST_SHARE * step))) if step > 0 else 1
-        agreed = max(gather_objects(mine, self.ctx))
-        if len(self.timed) == 2 and agreed < EARLY:
+        ranks = gather_objects((mine, cost), self.ctx)
+        if len(self.timed) == 2 and not all(asks >= EARLY and took >= EARLY_S for asks, took in ranks):
             return
-        self.interval = agreed
+        self.interval = max(asks for asks, _ in ranks)
         if self.ctx.is_main:
             every = "every step" if self.interval == 1 else f"every {self.interval} steps"
-            self.log.info(f"memory snapshots {every}: {cost * 1000:.1f} ms each, {cost / step:.1%} of a "
+            slowest = [r for r, (asks, _) in enumerate(ranks) if asks == self.interval]
+            whose = f", as rank {slowest[0]}'s asks" if self.interval > mine else ""  # (these figures are rank 0's)
+            self.log.info(f"memory snapshots {every}{whose}: {cost * 1000:.1f} ms each, {cost / step:.1%} of a "
                           f"{step * 1000:.0f} ms step (checkpoint.memory_interval=auto keeps it under "
                           f"{COST_SHARE:.0%})")
 
