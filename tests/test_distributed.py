@@ -4,13 +4,13 @@ environment and device rules."""
 
 from __future__ import annotations
 
-import importlib
 import socket
 import threading
 import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -61,22 +61,28 @@ def test_cpu_device_and_label(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_fsdp_mesh_is_the_ranks_own_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """fully_shard gets a mesh of the rank's device. Its default mesh is a CUDA one wherever CUDA exists, so CPU ranks
-    on a GPU machine would fail (`invalid device ordinal`); the default is made to fail here on any machine."""
+    """fully_shard is handed a mesh of the rank's device on every call. Its default mesh is a CUDA one wherever CUDA
+    exists, so CPU ranks on a GPU machine would fail (`invalid device ordinal`); on a machine without CUDA the default
+    would pass unseen, hence the calls are watched, not only the parameters' meshes."""
+    from trainer.model import distributed
+
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    fully_shard_module = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+    given, real = [], distributed.fully_shard
 
-    def no_default_mesh(*args: object, **kwargs: object) -> None:
-        raise AssertionError("fully_shard fell back to its default mesh")
+    def watched(module: torch.nn.Module, **kwargs: Any) -> Any:
+        given.append(kwargs.get("mesh"))
+        return real(module, **kwargs)
 
-    monkeypatch.setattr(fully_shard_module, "_init_default_mesh", no_default_mesh)
+    monkeypatch.setattr(distributed, "fully_shard", watched)
     cfg = tiny_config(tmp_path, tmp_path, training={"strategy": "fsdp"})
     ctx = init_distributed(cfg)
     try:
         model = wrap_model(fresh(cfg), cfg, ctx, None)
         meshes = {(p.device_mesh.device_type, tuple(p.device_mesh.shape)) for p in model.parameters()}
         assert meshes == {("cpu", (1,))}
+        assert len(given) == cfg.model.num_layers + 1  # every layer, then the model
+        assert all(mesh is not None and mesh.device_type == "cpu" for mesh in given), given
     finally:
         teardown()
 
