@@ -24,7 +24,8 @@ from rank_scripts.harness import clean_env, project_pythonpath, start
 from supervisor.console import Console
 from supervisor.group.pump import PROMPT_WAIT, Pump
 from supervisor.launch import cli
-from supervisor.plan.spec import SIGNALS_TO_HANDLE, Plan, node_ranks
+from supervisor.plan import spec
+from supervisor.plan.spec import SIGNALS_TO_HANDLE, SIGNALS_TO_HANDLE_SINCE, Plan, node_ranks
 from trainer.config import PROJECT_ROOT
 
 PROGRAMS = Path(__file__).resolve().parent / "torchrun_programs"
@@ -87,6 +88,11 @@ def under_supervisor(tmp_path: Path, env: dict[str, str], *argv: str) -> Any:
     return run
 
 
+def torchruns_signals() -> str | None:
+    """TORCHELASTIC_SIGNALS_TO_HANDLE as the installed torch's torchrun leaves it to its workers (since torch 2.10)."""
+    return SIGNALS_TO_HANDLE if spec.torch_release() >= SIGNALS_TO_HANDLE_SINCE else None
+
+
 def test_a_torchrun_programs_imports_argv_and_console_are_as_under_torchrun(tmp_path):
     """The user's ``trainer`` package, not the project's, and PYTHONPATH exactly as given; ``./whoami.py`` as typed;
     PYTHON_EXEC's interpreter; OMP_NUM_THREADS=1 for 2 ranks; torchrun's signals; ``--local-ranks-filter 1``: rank
@@ -97,7 +103,7 @@ def test_a_torchrun_programs_imports_argv_and_console_are_as_under_torchrun(tmp_
         assert record == {"trainer": str(user / "trainer" / "__init__.py"), "argv0": "./whoami.py",
                           "python": str(tmp_path / "python"),
                           "PYTHONPATH": f"{user}{os.pathsep}{project_pythonpath()}", "OMP_NUM_THREADS": "1",
-                          "TORCHELASTIC_SIGNALS_TO_HANDLE": SIGNALS_TO_HANDLE}
+                          "TORCHELASTIC_SIGNALS_TO_HANDLE": torchruns_signals()}
     assert run.stdout == "CPU1:rank 1 here\n" and "CPU0:" not in run.stderr
     assert (run.run_dir() / "cpu0.log").read_text() == "rank 0 here\n"
 
@@ -118,7 +124,8 @@ def test_the_same_process_under_torchrun(tmp_path):
 
 def test_the_environment_is_torchruns_for_its_programs_and_the_projects_for_its_own(tmp_path, monkeypatch):
     """OMP_NUM_THREADS: torchrun's 1 for several ranks, nothing for one, the cores shared out for the project's
-    programs, a value set by hand kept by all; PYTHONPATH: the user's, the project's root first for its programs."""
+    programs, a value set by hand kept by all; PYTHONPATH: the user's, the project's root first for its programs;
+    TORCHELASTIC_SIGNALS_TO_HANDLE where the installed torch's torchrun sets it (2.10 on)."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("PYTHONPATH", raising=False)
 
@@ -128,8 +135,11 @@ def test_the_environment_is_torchruns_for_its_programs_and_the_projects_for_its_
         return made.rank_env(made.ranks[0], 29500, None, 0)
 
     assert "OMP_NUM_THREADS" not in env(1) and "PYTHONPATH" not in env(1)
+    monkeypatch.setattr(spec, "torch_release", lambda: SIGNALS_TO_HANDLE_SINCE)
     assert env(2)["OMP_NUM_THREADS"] == "1" and env(2)["TORCHELASTIC_SIGNALS_TO_HANDLE"] == SIGNALS_TO_HANDLE
     assert env(2, signals_to_handle="SIGUSR1")["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGUSR1"
+    monkeypatch.setattr(spec, "torch_release", lambda: (2, 9))  # torchrun before --signals-to-handle sets none
+    assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in env(2)
     monkeypatch.setenv("PYTHONPATH", "/users/own")
     assert env(2)["PYTHONPATH"] == "/users/own"
     ours = env(2, torchrun_contract=False)

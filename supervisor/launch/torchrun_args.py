@@ -37,7 +37,6 @@ What each of torchrun's flags becomes:
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import shutil
@@ -45,11 +44,15 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 
 from supervisor.gpus import discovery
-from supervisor.plan.spec import SIGNALS_TO_HANDLE, available_cores
+from supervisor.plan.spec import (
+    IMPLICIT_STANDALONE_SINCE,
+    SIGNALS_TO_HANDLE,
+    available_cores,
+    torch_release,
+)
 from trainer.errors import UserError
 
 DEFAULT_C10D_PORT = 29400  # torchrun's port for a c10d endpoint given without one
@@ -336,16 +339,3 @@ def implicit_standalone(t: argparse.Namespace) -> bool:
     return (t.rdzv_backend == "static" and not t.rdzv_endpoint and t.master_port is None and single
             and torch_release() >= IMPLICIT_STANDALONE_SINCE)
 
-
-IMPLICIT_STANDALONE_SINCE = (2, 12)
-
-
-@functools.cache
-def torch_release() -> tuple[int, int]:
-    """The installed torch's major and minor version, read from its metadata (importing torch takes seconds); the
-    newest behaviour where it cannot be read."""
-    try:
-        found = re.match(r"(\d+)\.(\d+)", metadata.version("torch"))
-    except metadata.PackageNotFoundError:
-        found = None
-    return (int(found[1]), int(found[2])) if found else (sys.maxsize, 0)

@@ -17,9 +17,12 @@ labels, prefixes and log names stay ``GPU<id>``.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import sys
 from dataclasses import dataclass, field, replace
+from importlib import metadata
 from pathlib import Path
 
 from supervisor.control.wire import SECRET_ENV, Timing
@@ -37,6 +40,9 @@ RUN_CONFIG_ENV = "SUPERVISOR_RUN_CONFIG"  # every rank: the resolved config of i
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where torch's @record writes an uncaught exception (a foreign program)
 ERRORS_DIR = "errors"
 SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle default
+# What torchrun does depends on the installed torch's release (`torch_release`): since 2.10 its workers get
+# TORCHELASTIC_SIGNALS_TO_HANDLE; since 2.12 one node given no endpoint nor --master-port runs as --standalone.
+SIGNALS_TO_HANDLE_SINCE, IMPLICIT_STANDALONE_SINCE = (2, 10), (2, 12)
 FLIGHT_RECORDER_ENTRIES = 2000  # collectives kept per rank: a few steps' worth, enough to see who fell behind
 COMPILE_CACHE_DIR = "compile-cache"  # in the run folder: torch.compile's caches, shared by the ranks and every restart
 # the compiler caches the project's ranks keep there, each variable under its own folder, unless the user set it
@@ -175,10 +181,11 @@ class Plan:
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             # torchrun's agent hosts the store its workers join; here rank 0 hosts it, as without an agent
             "TORCHELASTIC_USE_AGENT_STORE": "False",
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": self.signals_to_handle,  # as torchrun's agent leaves it to its workers
             "PYTHONUNBUFFERED": "1",
             RESTART_COUNT_ENV: str(restart),
         })
+        if torch_release() >= SIGNALS_TO_HANDLE_SINCE:  # as torchrun's agent leaves it to its workers
+            env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = self.signals_to_handle
         env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's default: a failed collective raises
         env.pop(RUN_CONFIG_ENV, None)
         if config_path is not None:
@@ -230,3 +237,14 @@ def node_ranks(gpus: list[int], cpu_ranks: int, node_rank: int) -> list[RankSpec
     """One spec per GPU (or per CPU rank when `gpus` is empty); global rank = node_rank × ranks per node + local."""
     count = len(gpus) if gpus else cpu_ranks
     return [RankSpec(node_rank * count + i, i, gpus[i] if gpus else None) for i in range(count)]
+
+
+@functools.cache
+def torch_release() -> tuple[int, int]:
+    """The installed torch's major and minor version, read from its metadata (importing torch takes seconds); the
+    newest behaviour where it cannot be read."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        found = None
+    return (int(found[1]), int(found[2])) if found else (sys.maxsize, 0)
