@@ -30,10 +30,10 @@ and, from the supervisor's run with faults (the run without any has no restart t
 snapshots), what a memory snapshot costs as `checkpoint.memory_interval=auto` measured it against the step.
 
 The runs alternate launchers (supervisor, torchrun, supervisor, torchrun), so that the machine's other load falls on
-both alike; the ratios are the supervisor's figure over torchrun's in the same command. The supervisor's restarts'
-ranks are forked by its standby (started once the first group trains, importing once for the run): a fault that
-comes before its imports are done waits for them, which its supervisor.log and restart lines say (`--keep DIR` keeps
-every run's logs).
+both alike; the ratios are the supervisor's figure over torchrun's in the same command. The supervisor's ranks, the
+first group's and every restart's, are forked by its standby (importing once for the run, before the first group; in
+the run without faults, `--max-restarts 0`, there is no standby and the ranks are spawned, each importing); `--keep DIR`
+keeps every run's logs.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
   first compiled step loads its graphs from inductor's cache instead of compiling them (the rank's log says how many);
 * resumed from memory: the ranks' snapshot of the latest state in the node's shared memory is what a restart loads (no
   step trained twice, the same final loss as without the fault), and nothing of the run is left in /dev/shm;
-* no import after the fault: the restarted group's ranks are forked by the run's standby, which imported what a rank
-  needs once while the first group trained; a SIGKILL of the supervisor then leaves no rank, no standby and no memory
-  folder (its sentinel); without its standby a restart spawns its ranks as ever.
+* no import after the fault: every group's ranks are forked by the run's standby, which imported what a rank needs
+  once before the first group; a SIGKILL of the supervisor then leaves no rank, no standby and no memory folder (its
+  sentinel); without its standby a restart spawns its ranks as ever.
 
 The compiled graphs, the restart without a standby and rank 0's kill are in the slow tier (CI runs it), for the
 default suite's time.
@@ -95,6 +95,8 @@ def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir
                       "--nproc", "2")
     assert clean.returncode == 0, clean.stderr[-3000:]
     assert "memory snapshots in" not in clean.stdout  # no restart to come: nothing would read them
+    (clean_run,) = (tmp_path / "clean" / "logs").iterdir()  # nor a standby: the ranks spawned, each importing
+    assert re.search(r"group 0: CPU0 pid \d+, CPU1 pid \d+$", (clean_run / "supervisor.log").read_text(), re.M)
     fault = {"inject_fault": "sigkill", "inject_fault_step": 5, "inject_fault_rank": killed, "inject_fault_restart": 0}
     proc = supervise(tmp_path / "fault", merged(base, {"checkpoint": {"dir": str(tmp_path / "fault" / "ckpt")},
                                                        "debug": fault}), "--nproc", "2", "--max-restarts", "1")
@@ -114,19 +116,6 @@ def test_a_restart_resumes_from_the_nodes_memory(tmp_path: Path, token_cache_dir
     assert not list(Path("/dev/shm").glob(f"gpu-pretrain-{run_dir.name}-*"))
 
 
-def children_environments(supervisor: int) -> dict[int, dict[str, str]]:
-    """The environment each of the supervisor's children was started with (a rank's, a standby's), by pid."""
-    found = {}
-    for child in psutil.Process(supervisor).children():
-        try:
-            env = child.environ()
-        except psutil.Error:  # gone, or a zombie
-            continue
-        if "RANK" in env:
-            found[child.pid] = env
-    return found
-
-
 def wait_until(condition: Callable[[], object], run: Run, what: str, timeout: float = 120) -> None:
     """Poll `condition` while the supervisor runs, never a fixed sleep."""
     deadline = time.monotonic() + timeout
@@ -136,17 +125,22 @@ def wait_until(condition: Callable[[], object], run: Run, what: str, timeout: fl
         time.sleep(0.05)
 
 
-def start_with_standby(tmp_path: Path, token_cache_dir: Path, restarts: int) -> tuple[Run, psutil.Process]:
-    """A run of 2 CPU ranks that would train for ever, once its standby has imported what a rank needs; and the
-    standby."""
+def start_with_standby(tmp_path: Path, token_cache_dir: Path, restarts: int) -> tuple[Run, psutil.Process, list[int]]:
+    """A run of 2 CPU ranks that would train for ever, once its first group trains; its standby, and the first
+    group's pids (CPU0's, CPU1's: a forked rank's /proc environment is the standby's, so supervisor.log names them)."""
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 100_000},
                           "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory_interval": 1}})
     run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", str(restarts),
                 *set_flags(layer), entry=None)
-    wait_until(lambda: list(run.log_dir.glob("*/supervisor.log")) and "the standby ready: " in
-               next(run.log_dir.glob("*/supervisor.log")).read_text(), run, "had its standby ready")
-    (standby,) = [p for p in psutil.Process(run.proc.pid).children() if "trainer.standby" in p.cmdline()]
-    return run, standby
+    wait_until(lambda: list(run.log_dir.glob("*/cpu0.log")) and "Step [" in (run.run_dir() / "cpu0.log").read_text(),
+               run, "trained")
+    log = (run.run_dir() / "supervisor.log").read_text()
+    assert "the standby ready: " in log.split("group 0: ")[0]  # the first group waited for its imports
+    (first,) = re.findall(r"group 0: CPU0 pid (\d+)(?: \(forked by the standby\))?, CPU1 pid (\d+)", log)
+    ranks = [int(pid) for pid in first]
+    (standby,) = [p for p in psutil.Process(run.proc.pid).children()
+                  if "trainer.standby" in p.cmdline() and p.pid not in ranks]  # (a forked rank's command line too)
+    return run, standby, ranks
 
 
 def wait_for_a_step_after_restart(run: Run, restarts: int) -> None:
@@ -156,27 +150,27 @@ def wait_for_a_step_after_restart(run: Run, restarts: int) -> None:
 
 
 def test_a_restart_forked_by_the_standby_then_the_supervisor_killed(tmp_path: Path, token_cache_dir: Path) -> None:
-    """Once the standby has imported what a rank needs, rank 1 is SIGKILLed: the restarted group's ranks are forked by
-    the standby (no import, no exec after the fault: their command line is the standby's; the restart's line says
-    so), each the supervisor's own child in a session of its own, and train on from the node's memory. Then SIGKILL
-    to the supervisor: its sentinel kills every rank and the standby, and removes the memory folder."""
-    run, standby = start_with_standby(tmp_path, token_cache_dir, restarts=2)
-    ranks = children_environments(run.proc.pid)
-    assert standby.pid not in ranks  # the ranks' common environment: no RANK of its own
-    (rank_1,) = [pid for pid, env in ranks.items() if env["RANK"] == "1"]
-    os.kill(rank_1, signal.SIGKILL)
+    """The first group's ranks are forked by the standby once it has imported what a rank needs; rank 1 is SIGKILLed:
+    the restarted group's ranks are forked by the standby too (no import, no exec after the fault: their command line
+    is the standby's; the restart's line says so), each the supervisor's own child in a session of its own, and train
+    on from the node's memory. Then SIGKILL to the supervisor: its sentinel kills every rank and the standby, and
+    removes the memory folder."""
+    run, standby, ranks = start_with_standby(tmp_path, token_cache_dir, restarts=2)
+    assert "RANK" not in standby.environ()  # the ranks' common environment: no RANK of its own
+    os.kill(ranks[1], signal.SIGKILL)
     run.wait_for_stderr("restart 1 of 2 after CPU1 (rank 1) failed: SIGKILL (137); the ranks resume from step ")
     wait_for_a_step_after_restart(run, restarts=2)
-    assert "; forked from the standby, whose imports were done before the fault" in run.err_path.read_text()
-    (line,) = re.findall(r"group 1: CPU0 pid (\d+) \(forked by the standby\), CPU1 pid (\d+) \(forked by the standby\)",
-                         (run.run_dir() / "supervisor.log").read_text())
-    for pid in map(int, line):
+    assert re.search(r"the ranks resume from step \d+ .*; forked from the standby$", run.err_path.read_text(), re.M)
+    first, restarted = re.findall(r"group [01]: CPU0 pid (\d+) \(forked by the standby\), CPU1 pid (\d+) \(forked by "
+                                  r"the standby\)", (run.run_dir() / "supervisor.log").read_text())
+    assert list(map(int, first)) == ranks
+    for pid in map(int, restarted):
         rank = psutil.Process(pid)
         assert rank.ppid() == run.proc.pid and os.getsid(pid) == pid
         assert rank.cmdline() == standby.cmdline()  # forked, never exec'd: nothing imported after the fault
     assert "resumed from the memory copy in " in (run.run_dir() / "cpu0.log").read_text()
     everything = [p.pid for p in psutil.Process(run.proc.pid).children(recursive=True)]
-    (folder,) = {Path(env[MEMORY_DIR_ENV]) for env in ranks.values()}
+    folder = Path(standby.environ()[MEMORY_DIR_ENV])  # the ranks' common environment
     os.kill(run.proc.pid, signal.SIGKILL)
     run.proc.wait()
     assert survivors(everything) == []
@@ -188,12 +182,11 @@ def test_a_restart_forked_by_the_standby_then_the_supervisor_killed(tmp_path: Pa
 
 @pytest.mark.slow
 def test_a_restart_without_its_standby_spawns_its_ranks(tmp_path: Path, token_cache_dir: Path) -> None:
-    """The standby SIGKILLed once ready, then rank 1: the restart finds it gone, spawns its ranks as ever and trains
+    """The standby SIGKILLed once the first group (which it forked) trains, then rank 1: the restart finds it gone, spawns its ranks as ever and trains
     on (then a SIGTERM ends the run as ever)."""
-    run, standby = start_with_standby(tmp_path, token_cache_dir, restarts=1)
+    run, standby, ranks = start_with_standby(tmp_path, token_cache_dir, restarts=1)
     standby.kill()
-    (rank_1,) = [pid for pid, env in children_environments(run.proc.pid).items() if env["RANK"] == "1"]
-    os.kill(rank_1, signal.SIGKILL)
+    os.kill(ranks[1], signal.SIGKILL)
     wait_for_a_step_after_restart(run, restarts=1)
     err = run.err_path.read_text()
     assert "restart 1 of 1 after CPU1 (rank 1) failed: SIGKILL (137)" in err and "forked" not in err

@@ -1,11 +1,11 @@
-"""The node's standby: one process that imports what a rank needs once per run and forks each restart's ranks
+"""The node's standby: one process that imports what a rank needs once per run and forks every group's ranks
 (`python -m trainer.standby`; the supervisor's side is `supervisor.group.standby`).
 
 Importing torch and transformers takes a rank seconds of CPU; a restart that spawned its ranks then would pay them
-after every fault, and a standby per rank started anew for every group would pay them once per group, on the cores the
-training ranks use. So, once the first group trains, the supervisor starts this one process (its own session, the
+after every fault, and a standby started beside a training group would pay them on the cores the training ranks use.
+So, in a run with restarts, the supervisor starts this one process before the first group (its own session, the
 parent-death signal, the ranks' common environment), which imports, says ``ready <seconds>`` on its socket and waits.
-A restart asks it for each rank: one message holding the rank's environment and command line, with the rank's
+Every group, the first included, asks it for each rank: one message holding the rank's environment and command line, with the rank's
 stdout, stderr and progress pipes (and, for rank 0, the supervisor's stdin) attached as descriptors. The standby
 forks twice; the first child exits at once, so the rank is re-parented to the supervisor (a child subreaper) and is
 its child as a spawned rank is: reaped, signalled and killed by pid and process group as ever. The rank then makes
@@ -15,7 +15,7 @@ its own session, sets the parent-death signal, takes its pipes as 0, 1 and 2 and
 Forking needs a process that has not initialised CUDA (a CUDA context does not survive a fork): the imports do not
 touch the GPU (the standby runs with ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, so an import that asks whether CUDA is
 available is answered from NVML), and if one ever did (the driver library is loaded), the standby says ``unfit`` and
-exits, and the restarts spawn their ranks. A socket closed without a word (the run ended) ends the standby quietly.
+exits, and the ranks are spawned. A socket closed without a word (the run ended) ends the standby quietly.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 * `worker` — one rank: its own process group, the parent-death signal, signalled and reaped by pid;
 * `reaper` — the sentinel that kills every rank's group if the supervisor dies without cleaning up (SIGKILL) and
   removes the supervisor's folders in /dev/shm, and the sweep of what is left below the supervisor after a group;
-* `standby` — one process per run that imports what a rank needs once, while the first group trains, and forks each
-  restart's ranks (re-parented to the supervisor) instead of spawning them;
+* `standby` — one process per run with restarts that imports what a rank needs once, before the first group, and forks
+  every group's ranks (re-parented to the supervisor) instead of spawning them;
 * `pump` — rank output → ``GPU<id>:`` lines on the console and plain lines in ``gpu<id>.log``;
 * `signals` — signals as readable events in the watcher's ``select`` loop;
 * `liveness` — what each rank last said on the progress channel (or, for a program that says nothing, its output and

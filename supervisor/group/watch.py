@@ -26,7 +26,6 @@ import selectors
 import signal
 import time
 from dataclasses import dataclass
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from supervisor.console import Console
@@ -81,12 +80,10 @@ class GroupResult:
 class Watch:
     def __init__(self, plan: Plan, workers: list[Worker], pump: Pump, tails: dict[int, Stream], console: Console,
                  signals: SignalInbox, reaper: Reaper, control: ControlChannel | None = None,
-                 on_training: Callable[[], None] | None = None, restart_follows: bool = False) -> None:
-        """`on_training`: called once, when every rank has reported a step (the agent starts the run's standby then,
-        not during the first group's start-up); `restart_follows`: the run has a restart left after this group (the
-        stop ladder's rung for ranks held by a rank that is gone then comes at once)."""
+                 restart_follows: bool = False) -> None:
+        """`restart_follows`: the run has a restart left after this group (the stop ladder's rung for ranks held by a
+        rank that is gone then comes at once)."""
         self.plan, self.workers, self.pump, self.tails = plan, workers, pump, tails
-        self.on_training = on_training
         self.console, self.signals, self.reaper, self.control = console, signals, reaper, control
         now, wall = time.monotonic(), time.time()
         self.states = {w.spec.rank: RankState(now, wall, console.writing_time()) for w in workers}
@@ -404,11 +401,3 @@ class Watch:
                 self.straggler_history.append(found)
                 if failure := stragglers.record(self.plan.run_dir, self.straggler_history):
                     self.console.say(failure, style="yellow")
-        if self.on_training is not None and self.training():
-            on_training, self.on_training = self.on_training, None
-            on_training()
-
-    def training(self) -> bool:
-        """Every rank running, no stop under way, and each one's last record a step."""
-        return self.stop is None and all(w.alive for w in self.workers) and \
-            all(s.event == "step" for s in self.states.values())

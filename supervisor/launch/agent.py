@@ -90,7 +90,7 @@ class Launcher:
         self.plan, self.cfg, self.console = plan, cfg, console
         self.exclusions: list[Exclusion] = []
         self.verdict: gpu_fault.Verdict | None = None  # the last failure's diagnosis (GPU runs only)
-        self.standby: Standby | None = None  # forks the restarts' ranks; started once the first group trains
+        self.standby: Standby | None = None  # forks every group's ranks in a run with restarts
         self.footer: Any = None  # supervisor.report.footer.Footer, in terminal mode only (rich loads only then)
         if console.terminal:
             from supervisor.report.footer import Footer
@@ -119,7 +119,10 @@ class Launcher:
                     if control is not None and self.plan.node_rank_assigned:
                         failed = self.join(control)
                     if failed is None:
+                        self.start_standby(reaper)  # its imports overlap the dataset's lookup (or build)
                         failed = self.prepare(control)
+                    if failed is None and self.standby is not None:
+                        self.standby.wait_ready()
                 except Interrupted as e:
                     failed = 128 + e.signum
                     self.console.say(f"{e}: interrupted during dataset preparation; no rank was started")
@@ -162,7 +165,7 @@ class Launcher:
                     resumes = self.resumes(saved)
                 else:
                     resumes = f"the ranks start again with TORCHELASTIC_RESTART_COUNT={restarts}"
-                warm = self.standby.summary(result.stop.at) if self.standby is not None else ""
+                warm = "; forked from the standby" if self.standby is not None and self.standby.usable() else ""
                 self.console.say(f"restart {restarts} of {self.plan.max_restarts} after {result.stop.detail}; "
                                  f"{resumes}{layout}{warm}", style="bold yellow")
             self.console.stop_footer()
@@ -394,12 +397,16 @@ class Launcher:
         return self.plan.run_dir / ("config.json" if restart == 0 else f"config.restart{restart}.json")
 
     def start_standby(self, reaper: Reaper) -> None:
-        """The standby that forks the restarts' ranks (`supervisor.group.standby`), once the first group trains; where
-        the machine cannot give it (no process or descriptor left), the restarts spawn their ranks."""
+        """In a run of the project's trainer with restarts to come, the standby that forks every group's ranks
+        (`supervisor.group.standby`); where the machine cannot give it (no process or descriptor left), the ranks are
+        spawned. A run without restarts spawns its ranks: the import is paid once either way."""
+        plan = self.plan
+        if not (plan.trainer_entry and not plan.torchrun_contract and plan.max_restarts > 0):
+            return
         try:
-            self.standby = Standby(self.plan, reaper, self.console)
+            self.standby = Standby(plan, reaper, self.console)
         except OSError as e:
-            self.console.log(f"no standby ({e.strerror or e}): restarts spawn their ranks")
+            self.console.log(f"no standby ({e.strerror or e}): the ranks are spawned")
 
     def run_group(self, config_path: Path | None, restart: int, signals: SignalInbox, reaper: Reaper,
                   control: ControlChannel | None) -> GroupResult:
@@ -443,10 +450,7 @@ class Launcher:
             pump.start()
             self.console.log(f"group {restart}: " + ", ".join(
                 f"{w.label} pid {w.pid}{' (forked by the standby)' if w.forked else ''}" for w in workers))
-            # the standby starts once the first group trains, so that its imports slow no start-up
-            warm = plan.trainer_entry and not plan.torchrun_contract and plan.max_restarts > 0 and self.standby is None
             watch = Watch(plan, workers, pump, tails, self.console, signals, reaper, control,
-                          on_training=(lambda: self.start_standby(reaper)) if warm else None,
                           restart_follows=restart < plan.max_restarts)
             if self.footer is not None:
                 from supervisor.report.footer import group_rows  # rich, in terminal mode only

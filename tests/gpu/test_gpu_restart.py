@@ -23,8 +23,8 @@ COMPILE_LINE = re.compile(r"torch\.compile: the first forward and backward \(ste
 
 def test_a_restart_forked_by_the_standby_trains_on_the_gpu(machine: Machine, tmp_path: Path,
                                                             token_cache_dir: Path) -> None:
-    """Compiled, one rank: once the standby is ready and the rank trains, SIGKILL to the rank; the restart's rank is
-    forked by the standby, holds a CUDA context of its own on the GPU (NVML lists it), resumes from memory, finds
+    """Compiled, one rank, forked by the standby (as every group's of a run with restarts): once it trains, SIGKILL to
+    the rank; the restart's rank is forked by the standby too, holds a CUDA context of its own on the GPU (NVML lists it), resumes from memory, finds
     every graph in the cache, and trains; SIGTERM then ends the run with the GPU let go."""
     layer = gpu_layer(tmp_path, token_cache_dir, system={"compile": True}, training={"max_steps": 100_000},
                       checkpoint={"memory_interval": 1})
@@ -35,7 +35,7 @@ def test_a_restart_forked_by_the_standby_trains_on_the_gpu(machine: Machine, tmp
         logs = list((tmp_path / "logs").glob("*/supervisor.log"))
         log = logs[0].read_text() if logs else ""
         if "killed" not in seen and "the standby ready" in log and "Step [" in text:
-            (pid,) = re.findall(rf"group 0: {machine.label} pid (\d+)", log)
+            (pid,) = re.findall(rf"group 0: {machine.label} pid (\d+) \(forked by the standby\)", log)
             os.kill(int(pid), signal.SIGKILL)
             seen["killed"] = int(pid)
         forked = re.findall(rf"group 1: {machine.label} pid (\d+) \(forked by the standby\)", log)
@@ -45,7 +45,8 @@ def test_a_restart_forked_by_the_standby_trains_on_the_gpu(machine: Machine, tmp
 
     run = supervise(machine, tmp_path, layer, "--max-restarts", "1", on_output=drive)
     assert run.code == 128 + signal.SIGTERM, run.output[-4000:]
-    assert "forked from the standby, whose imports were done before the fault" in run.output, run.output[-4000:]
+    assert re.search(r"the ranks resume from step \d+ .*; forked from the standby$", run.output, re.M), \
+        run.output[-4000:]
     assert seen.get("holding") is True, "the forked rank holds no CUDA context on the GPU"
     assert "resumed from the memory copy in " in run.output
     compiled = COMPILE_LINE.findall(run.output)
