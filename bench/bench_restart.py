@@ -1,6 +1,6 @@
 """Restart benchmark: training under repeated faults, the supervisor against torchrun --max-restarts, one trainer.
 
-    python bench/bench_restart.py [--steps 60] [--every 13] [--interval 10] [--nproc 2] [--set KEY=VALUE ...]
+    python bench/bench_restart.py [--steps 60] [--every 13] [--interval 10] [--nproc 2] [--rounds 1] [--set KEY=VALUE ...]
 
 Both launchers run `pretrain_main.py` on the debug preset, `--nproc` CPU ranks on gloo (2 by default), a checkpoint
 every `--interval` steps (and any `--set` override of the trainer's config, for both: `--set training.batch_size=16`
@@ -30,7 +30,8 @@ and, from the supervisor's run with faults (the run without any has no restart t
 snapshots), what a memory snapshot costs as `checkpoint.memory_interval=auto` measured it against the step.
 
 The runs alternate launchers (supervisor, torchrun, supervisor, torchrun), so that the machine's other load falls on
-both alike; the ratios are the supervisor's figure over torchrun's in the same command. The supervisor's ranks, the
+both alike, `--rounds` times (a row per launcher and round, then the medians over the rounds: a fault's cost is a
+few tenths of a second, of the order of what other load moves a run of 100 steps by); the ratios are the supervisor's figure over torchrun's in the same command. The supervisor's ranks, the
 first group's and every restart's, are forked by its standby (importing once for the run, before the first group; in
 the run without faults, `--max-restarts 0`, there is no standby and the ranks are spawned, each importing); `--keep DIR`
 keeps every run's logs.
@@ -192,13 +193,20 @@ def prepare(work: Path) -> None:
                    stdout=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(work)})
 
 
-def row(r: Run, clean: Run) -> str:
+def row(label: str, r: Run, clean: Run) -> str:
     faults = r.fault_to_step()
     each = f" ({', '.join(f'{v:.2f}' for v in faults)})" if faults else ""
     mean = f"{statistics.mean(faults):.2f} s{each}" if faults else "—"
-    return (f"| {r.launcher} | {len(r.kills)} | {r.wall:.1f} s | {r.goodput(clean):.2f} (without faults "
+    return (f"| {label} | {len(r.kills)} | {r.wall:.1f} s | {r.goodput(clean):.2f} (without faults "
             f"{clean.goodput(clean):.2f}) | {r.goodput(clean, True):.2f} ({clean.goodput(clean, True):.2f}) | {mean} | "
             f"{r.twice()} | {r.final_loss} / {clean.final_loss} |")
+
+
+def medians(rounds: list[dict[tuple[str, bool], Run]], launcher: str) -> tuple[float, float, float]:
+    """The medians over the rounds of the launcher's goodput, goodput after start-up and mean fault → next step."""
+    pairs = [(r[launcher, True], r[launcher, False]) for r in rounds]
+    return (statistics.median(f.goodput(c) for f, c in pairs), statistics.median(f.goodput(c, True) for f, c in pairs),
+            statistics.median(statistics.mean(f.fault_to_step()) for f, _ in pairs))
 
 
 def main() -> int:
@@ -207,38 +215,48 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=13, help="rank 1 killed every N steps (default 13)")
     parser.add_argument("--interval", type=int, default=10, help="checkpoint.interval (default 10)")
     parser.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument("--rounds", type=int, default=1, help="the four runs this many times (default 1)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
                         help="a trainer config override for every run (repeatable)")
     parser.add_argument("--keep", metavar="DIR", help="run in DIR (a new folder) and keep the runs' logs there")
     args = parser.parse_args()
+    rounds: list[dict[tuple[str, bool], Run]] = []
     with tempfile.TemporaryDirectory() if args.keep is None else nullcontext(args.keep) as tmp:
         base = Path(tmp)
         base.mkdir(exist_ok=True)
         prepare(base)
-        runs: dict[tuple[str, bool], Run] = {}
-        for faulted in (False, True):
-            for launcher in ("supervisor", "torchrun"):
-                name = f"{launcher}-{'faults' if faulted else 'clean'}"
-                r = run(launcher, args.steps, args.interval, args.every if faulted else None, args.nproc,
-                        base / name, args.overrides)
-                if r.exit_code != 0 or (faulted and not r.kills):
-                    print(f"{name} failed (exit {r.exit_code}, {len(r.kills)} faults):\n{r.tail}", file=sys.stderr)
-                    return 1
-                runs[launcher, faulted] = r
-    ours, theirs = runs["supervisor", True], runs["torchrun", True]
+        for n in range(args.rounds):
+            runs: dict[tuple[str, bool], Run] = {}
+            for faulted in (False, True):
+                for launcher in ("supervisor", "torchrun"):
+                    name = f"{launcher}-{'faults' if faulted else 'clean'}{f'-{n + 1}' if args.rounds > 1 else ''}"
+                    r = run(launcher, args.steps, args.interval, args.every if faulted else None, args.nproc,
+                            base / name, args.overrides)
+                    if r.exit_code != 0 or (faulted and not r.kills):
+                        print(f"{name} failed (exit {r.exit_code}, {len(r.kills)} faults):\n{r.tail}", file=sys.stderr)
+                        return 1
+                    runs[launcher, faulted] = r
+            rounds.append(runs)
     overrides = "".join(f", {override}" for override in args.overrides)
     print(f"debug preset{overrides}, {args.nproc} CPU ranks (gloo), {args.steps} steps, a checkpoint every "
           f"{args.interval} steps, rank 1 SIGKILLed half a step after step {args.every}·i is reached\n")
     print("| launcher | faults | wall | goodput | goodput after start-up | fault → next step (mean; each) | steps "
           "trained twice | final loss (faults / without) |")
     print("|---|---|---|---|---|---|---|---|")
-    for launcher in ("supervisor", "torchrun"):
-        print(row(runs[launcher, True], runs[launcher, False]))
-    print(f"\nthe supervisor's ranks, with faults: {runs['supervisor', True].snapshots}")
-    goodput = ours.goodput(runs["supervisor", False]) / theirs.goodput(runs["torchrun", False])
-    print(f"supervisor / torchrun: goodput {goodput:.2f}x, fault → next step "
-          f"{statistics.mean(ours.fault_to_step()) / statistics.mean(theirs.fault_to_step()):.2f}x, steps trained "
-          f"twice {ours.twice()} against {theirs.twice()}, wall {ours.wall / theirs.wall:.2f}x")
+    for n, runs in enumerate(rounds):
+        for launcher in ("supervisor", "torchrun"):
+            label = f"{launcher}{f' ({n + 1})' if args.rounds > 1 else ''}"
+            print(row(label, runs[launcher, True], runs[launcher, False]))
+    print(f"\nthe supervisor's ranks, with faults: {rounds[-1]['supervisor', True].snapshots}")
+    ours, theirs = medians(rounds, "supervisor"), medians(rounds, "torchrun")
+    if args.rounds > 1:
+        for launcher, (whole, after, fault) in (("supervisor", ours), ("torchrun", theirs)):
+            print(f"{launcher}, medians of {args.rounds} rounds: goodput {whole:.2f}, after start-up {after:.2f}, "
+                  f"fault → next step {fault:.2f} s")
+    last = rounds[-1]
+    print(f"supervisor / torchrun: goodput {ours[0] / theirs[0]:.2f}x, fault → next step {ours[2] / theirs[2]:.2f}x, "
+          f"steps trained twice {last['supervisor', True].twice()} against {last['torchrun', True].twice()} (the last "
+          f"round), wall {last['supervisor', True].wall / last['torchrun', True].wall:.2f}x")
     return 0
 
 

@@ -143,6 +143,11 @@ def start_with_standby(tmp_path: Path, token_cache_dir: Path, restarts: int) -> 
     return run, standby, ranks
 
 
+def pipes_held(pid: int) -> set[str]:
+    fds = Path(f"/proc/{pid}/fd")
+    return {link for fd in fds.iterdir() if (link := os.readlink(fd)).startswith("pipe:")}
+
+
 def wait_for_a_step_after_restart(run: Run, restarts: int) -> None:
     marker = f"----- restart 1 of {restarts} -----"
     wait_until(lambda: marker in (log := (run.run_dir() / "cpu0.log").read_text()) and "Step [" in log.split(marker)[1],
@@ -168,6 +173,8 @@ def test_a_restart_forked_by_the_standby_then_the_supervisor_killed(tmp_path: Pa
         rank = psutil.Process(pid)
         assert rank.ppid() == run.proc.pid and os.getsid(pid) == pid
         assert rank.cmdline() == standby.cmdline()  # forked, never exec'd: nothing imported after the fault
+    # forked in one request, the two hold no pipe in common (else a rank's end of output would wait for the other's)
+    assert not set.intersection(*(pipes_held(int(pid)) for pid in restarted))
     assert "resumed from the memory copy in " in (run.run_dir() / "cpu0.log").read_text()
     everything = [p.pid for p in psutil.Process(run.proc.pid).children(recursive=True)]
     folder = Path(standby.environ()[MEMORY_DIR_ENV])  # the ranks' common environment

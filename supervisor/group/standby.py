@@ -5,13 +5,14 @@ It is spawned as a rank is (its own session, the parent-death signal, from the m
 looked up, so that its imports overlap that; with the environment the ranks share (`Plan.rank_env` of every rank of
 a group, less what differs between them, between groups or is learnt before a group starts: `PER_RANK`), stdout and
 stderr to /dev/null, and one more descriptor: its end of a socket pair (SOCK_SEQPACKET: one message each way per
-request). It says ``ready <seconds>`` once imported, and the first group waits for that (`wait_ready`): one process
+group). It says ``ready <seconds>`` once imported, and the first group waits for that (`wait_ready`): one process
 importing takes the cores for as long as every rank importing at once did, and none is left to slow the training
-later. `fork` creates the rank's pipes as `Worker.spawn` does, sends the rank's environment and command line with
-the pipes' write ends attached, and gets the pid of the rank, which is by then the supervisor's own child (the
-standby forks twice); the Worker it returns is watched, signalled and reaped as a spawned one. A request whose
-environment differs from the standby's beyond `PER_RANK` (what the imports may have read) is not sent, nor is any
-once the standby is unfit (not ready in time, an import that loaded CUDA, gone): that rank is spawned as ever.
+later. `fork` creates each rank's pipes as `Worker.spawn` does, sends every rank's environment and command line with
+the pipes' write ends attached, in one request, and gets the ranks' pids, each by then the supervisor's own child
+(the standby forks one child, which forks the ranks and exits); the Workers it returns are watched, signalled and
+reaped as spawned ones. A group with a rank whose environment differs from the standby's beyond `PER_RANK` (what the
+imports may have read) is not sent, nor is any once the standby is unfit (not ready in time, an import that loaded
+CUDA, gone): its ranks are spawned as ever.
 
 The sentinel knows the standby's process group (`Reaper.watch`), a group's final sweep spares it (`Reaper.kept`), and
 `close` at the run's end closes its socket (it exits), then kills its group and reaps it. A thread reads its
@@ -37,7 +38,7 @@ from supervisor.plan.spec import ERROR_FILE_ENV, RUN_CONFIG_ENV, Plan, RankSpec
 from trainer.data import TOKEN_CACHE_ENV
 from trainer.diagnosis.flight_recorder import PIPE_ENV as FLIGHT_RECORDER_PIPE_ENV
 from trainer.progress import PROGRESS_FD_ENV, RESTART_COUNT_ENV
-from trainer.standby import STANDBY_FD_ENV
+from trainer.standby import MAX_FDS, STANDBY_FD_ENV
 
 # what a rank's environment may hold that the standby's does not: who the rank is, which group and rendezvous it is in,
 # the token cache the supervisor finds while the standby imports (read by the rank once started, never by an import)
@@ -51,7 +52,7 @@ IMPORTED = frozenset({"OMP_NUM_THREADS"})
 # the driver (PyTorch's check that does not poison a fork); a forked rank takes its own environment, without it
 FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 READY_TIMEOUT_S = 120.0  # the first group waits this long for the imports; then its ranks are spawned
-REPLY_TIMEOUT_S = 10.0  # a fork's answer (two forks and a re-parenting)
+REPLY_TIMEOUT_S = 10.0  # a fork's answer (a fork per rank and one more, and a re-parenting)
 
 
 @dataclass
@@ -144,29 +145,39 @@ class Standby:
     def usable(self) -> bool:
         return self.readiness.ready_at is not None and not self.readiness.unfit and self.process.poll() is None
 
-    def fork(self, spec: RankSpec, env: dict[str, str], argv: list[str]) -> Worker | None:
-        """The rank `spec`, forked by the standby with `env` (without the progress descriptor, which the rank gets
-        with its pipe) and `argv`, once it is ready (`wait_ready`); None where the standby cannot give it (its rank is
-        then spawned as ever)."""
+    def fork(self, ranks: list[tuple[RankSpec, dict[str, str], list[str]]]) -> list[Worker] | None:
+        """A group's ranks, each given as its spec, environment (without the progress descriptor, which the rank gets
+        with its pipe) and command line, forked by the standby in one request once it is ready (`wait_ready`); None
+        where the standby cannot give them (the group's ranks are then spawned as ever)."""
         self.stop_reader()
-        if not self.usable() or any(env.get(k) != v for k, v in self.env.items() if k not in PER_RANK):
+        if not self.usable() or any(env.get(k) != v for _, env, _ in ranks for k, v in self.env.items()
+                                    if k not in PER_RANK):
             return None
-        pipes = rank_pipes()
-        attached = [*pipes.write_ends(), *([0] if spec.rank == 0 and stdin_open() else [])]
-        request = {"env": env, "argv": argv, "supervisor": os.getpid()}
+        pipes = [rank_pipes() for _ in ranks]
+        attached: list[int] = []
+        entries = []
+        for (spec, env, argv), rank_pipe in zip(ranks, pipes):
+            fds = [*rank_pipe.write_ends(), *([0] if spec.rank == 0 and stdin_open() else [])]
+            entries.append({"env": env, "argv": argv, "fds": len(fds)})
+            attached += fds
         try:
+            if len(attached) > MAX_FDS:
+                raise OSError(f"{len(ranks)} ranks' pipes are more descriptors than one message carries")
             self.channel.settimeout(REPLY_TIMEOUT_S)
-            socket.send_fds(self.channel, [json.dumps(request).encode()], attached)
-            reply = json.loads(self.channel.recv(4096) or b"{}")
+            socket.send_fds(self.channel, [json.dumps({"ranks": entries, "supervisor": os.getpid()}).encode()],
+                            attached)
+            reply = json.loads(self.channel.recv(65536) or b"{}")
         except (OSError, ValueError) as e:
             reply = {"error": str(e)}
         finally:
-            pipes.close_write_ends()
-        if "pid" not in reply:
-            pipes.close_read_ends()
-            self.unfit(f"{spec.label} not forked: {reply.get('error', 'no answer')}")
+            for rank_pipe in pipes:
+                rank_pipe.close_write_ends()
+        if len(reply.get("pids", ())) != len(ranks):
+            for rank_pipe in pipes:
+                rank_pipe.close_read_ends()
+            self.unfit(f"the group not forked: {reply.get('error', 'no answer')}")
             return None
-        return Worker.adopt(spec, int(reply["pid"]), pipes)
+        return [Worker.adopt(spec, pid, rank_pipe) for (spec, _, _), pid, rank_pipe in zip(ranks, reply["pids"], pipes)]
 
     def kill(self) -> None:
         try:

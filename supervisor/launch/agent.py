@@ -426,12 +426,15 @@ class Launcher:
                     make_pipe(recorder_pipe(plan.run_dir, spec.label))
                     if (error_file := plan.error_file(spec, restart)) is not None:
                         error_file.parent.mkdir(exist_ok=True)
-            for spec in plan.ranks:
-                env = {**plan.rank_env(spec, master_port, config_path, restart), TOKEN_ENV: reaper.token}
-                argv = plan.argv(config_path)
+            argv = plan.argv(config_path)
+            ranks = [(spec, {**plan.rank_env(spec, master_port, config_path, restart), TOKEN_ENV: reaper.token}, argv)
+                     for spec in plan.ranks]
+            for worker in (self.standby.fork(ranks) if self.standby is not None else None) or []:
+                reaper.watch(worker.pid)
+                workers.append(worker)
+            for spec, env, _ in ranks[len(workers):]:  # none forked: each spawned
                 try:
-                    worker = (self.standby.fork(spec, env, argv) if self.standby is not None else None) or \
-                        Worker.spawn(spec, argv, env, stdin=spec.rank == 0)
+                    worker = Worker.spawn(spec, argv, env, stdin=spec.rank == 0)
                 except OSError as e:
                     program = " ".join(argv[:len(argv) - len(plan.entry_args)])
                     raise UserError(f"cannot start {program}: {e.strerror or e}") from None
