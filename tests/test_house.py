@@ -19,7 +19,7 @@ LENGTH_REASON = "Length:"  # how a longer module's docstring begins the line tha
 # The trainer's rooms from the bottom up: a module imports only modules of its own room or of a room before it.
 # The leaves come first; the rank's run (the modules at the top of trainer/) comes last and may import anything.
 TRAINER_ROOMS = (
-    ("trainer.errors", "trainer.progress", "trainer.durable"),
+    ("trainer.errors", "trainer.progress", "trainer.durable", "trainer.torch_release"),
     ("trainer.config",),
     ("trainer.model",),
     ("trainer.data",),

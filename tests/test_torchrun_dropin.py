@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from rank_scripts.harness import Run, clean_env, start, survivors
 from supervisor.launch import cli, torchrun_args
@@ -282,10 +281,6 @@ def test_a_single_node_without_an_endpoint_meets_where_the_installed_torchrun_wo
     assert (launch.run_id == "none") == static
     args, _, _, _ = read("--standalone", str(PROGRAMS / "flaky.py"))  # --standalone itself: every release
     assert args.master_addr == "localhost"
-
-
-def test_the_installed_torch_release_is_read_without_importing_torch():
-    assert torchrun_args.torch_release() == tuple(int(n) for n in torch.__version__.split(".")[:2])
 
 
 def test_flags_left_off_the_command_line_come_from_pet_variables(monkeypatch, tmp_path, capsys):

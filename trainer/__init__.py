@@ -4,7 +4,8 @@ The rooms, each a package whose docstring says what it holds, from the bottom up
 before it, and the leaves; `tests/test_house.py` checks it):
 
 * leaves any room may import — `errors` (`UserError`: one line, exit 2), `progress` (the progress channel to the
-  supervisor, the device label), `durable` (temporary name → fsync → rename);
+  supervisor, the device label), `durable` (temporary name → fsync → rename), `torch_release` (the installed torch's
+  release and the trainer's floor);
 * `config` — the run's configuration: types, bounds, layers, presets, sizes (no torch);
 * `model` — the model, its loss, optimizer, process groups and wrapping, memory estimate;
 * `data` — the token cache (built once per run) and the batches each rank reads from it;
@@ -15,7 +16,7 @@ before it, and the leaves; `tests/test_house.py` checks it):
   `run_dir` (the run folder), `wandb_run`, `rank_cli` (`pretrain_main.py`), `preflight` (a run's config checked
   before anything starts: the supervisor's one call into the trainer), `replay` (the config that replays a step of an
   earlier run: `--replay RUN --step N`), `standby` (the node's standby: imports what a rank needs once,
-  then forks each rank a restart asks it for).
+  then forks every group's ranks).
 
 Nothing here imports `supervisor`: the supervisor uses the run's description; the rank never needs the supervisor.
 """

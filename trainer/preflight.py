@@ -2,7 +2,7 @@
 is built and every rank has started (minutes in, on every rank at once), refused as one line by the supervisor.
 
 The one call the supervisor makes into the trainer before a run of it (`supervisor.launch.cli`), and what a rank
-started by hand would also find, in this order: the W&B run's console line (or a missing wandb); the checkpoint to
+started by hand would also find, in this order: a torch older than the trainer runs on; the W&B run's console line (or a missing wandb); the checkpoint to
 resume from (a ``--resume`` without one, an earlier unfinished run in the checkpoint folder, a folder the run cannot
 write); on CPU ranks, a config meant for GPUs (a model too large to train on CPUs, NCCL, liger-kernel's loss); the
 model's source and vocabulary; fault injection aimed at a rank the run does not have.
@@ -15,6 +15,7 @@ from trainer.config import Config, check_world_size
 from trainer.config.choices import cpu_rank_refusal, cpu_refusal
 from trainer.errors import UserError
 from trainer.model.source import check_model_source
+from trainer.torch_release import check_torch_release
 from trainer.wandb_run import check_wandb
 
 
@@ -22,6 +23,7 @@ def check_run(cfg: Config, world_size: int, on_gpus: bool, notes: list[str]) -> 
     """Raise `UserError` for the first thing the run would refuse; lines the console shows go into `notes`.
     `on_gpus`: the ranks compute on GPUs (fake ones included); when not, `cfg.system.device` is still what the config
     asked for."""
+    check_torch_release()
     if wandb_note := check_wandb(cfg):
         notes.append(wandb_note)
     find_resume(cfg, notes)

@@ -25,6 +25,7 @@ from trainer.data import TOKEN_CACHE_ENV
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.torch_release import check_torch_release
 
 FAILURE_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, run_dir = load_config(args)
         if cfg is None:
             return 0
+        check_torch_release()
         if args.dry_run:
             from trainer.model.estimate import dry_run_report, torch_gpus
 

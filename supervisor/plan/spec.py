@@ -17,12 +17,9 @@ labels, prefixes and log names stay ``GPU<id>``.
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 import sys
 from dataclasses import dataclass, field, replace
-from importlib import metadata
 from pathlib import Path
 
 from supervisor.control.wire import SECRET_ENV, Timing
@@ -34,6 +31,7 @@ from trainer.config import PROJECT_ROOT
 from trainer.data import TOKEN_CACHE_ENV
 from trainer.diagnosis.flight_recorder import PIPE_ENV
 from trainer.progress import RESTART_COUNT_ENV
+from trainer.torch_release import torch_release
 
 TRAINER_ENTRY = "pretrain_main.py"
 RUN_CONFIG_ENV = "SUPERVISOR_RUN_CONFIG"  # every rank: the resolved config of its attempt
@@ -237,14 +235,3 @@ def node_ranks(gpus: list[int], cpu_ranks: int, node_rank: int) -> list[RankSpec
     """One spec per GPU (or per CPU rank when `gpus` is empty); global rank = node_rank × ranks per node + local."""
     count = len(gpus) if gpus else cpu_ranks
     return [RankSpec(node_rank * count + i, i, gpus[i] if gpus else None) for i in range(count)]
-
-
-@functools.cache
-def torch_release() -> tuple[int, int]:
-    """The installed torch's major and minor version, read from its metadata (importing torch takes seconds); the
-    newest behaviour where it cannot be read."""
-    try:
-        found = re.match(r"(\d+)\.(\d+)", metadata.version("torch"))
-    except metadata.PackageNotFoundError:
-        found = None
-    return (int(found[1]), int(found[2])) if found else (sys.maxsize, 0)
