@@ -213,11 +213,11 @@ class Options:
     measured: dict[tuple[str, ...], Result] = field(default_factory=dict)
 
 
-def failure(done: subprocess.CompletedProcess[str] | ConsoleRun, what: str = "") -> str:
+def failure(done: ConsoleRun, what: str = "") -> str:
     """A failed child in a table cell: its exit status (or what is missing, or the time limit it ran past) and its
     last line of output."""
-    lines = [line for line in (done.stderr or done.stdout).splitlines() if line.strip()]
-    stopped = done.stopped_after_s if isinstance(done, ConsoleRun) else None
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    stopped = done.stopped_after_s
     head = what or (f"exit {done.returncode}" if stopped is None else f"stopped after {stopped:g} s (--run-timeout)")
     return f"{head}: {lines[-1].strip()[:160] if lines else 'no output'}"
 
@@ -263,14 +263,13 @@ def rank_job(run: RankRun, shape: Shape, opts: Options) -> RankJob:
 
 @dataclass
 class ConsoleRun:
-    """A child run whose console went to the consoles file: its exit status, what it printed, and the time limit
-    it was stopped at, if it was."""
+    """A child run whose console went to the consoles file: its exit status, what it printed (stdout and stderr
+    merged, in the order printed), and the time limit it was stopped at, if it was."""
 
     cmd: list[str]
     returncode: int
     stdout: str
     stopped_after_s: float | None = None
-    stderr: str = ""  # merged into stdout, in the order printed
 
 
 STOP_GRACE_S = 30.0  # after SIGTERM to a run past its limit (the supervisor stops its ranks), before SIGKILL
