@@ -202,6 +202,25 @@ def test_a_restart_without_its_standby_spawns_its_ranks(tmp_path: Path, token_ca
     assert run.proc.wait(timeout=60) == 128 + signal.SIGTERM
 
 
+def test_a_stop_signal_while_the_standby_imports_starts_no_rank_and_leaves_nothing(tmp_path: Path,
+                                                                                 token_cache_dir: Path) -> None:
+    """The first group waits for the standby's imports; a Ctrl-C meanwhile is the interruption before any rank, as
+    during the dataset's preparation: exit 130, no rank started, the standby gone with the supervisor."""
+    layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "checkpoint": {"dir": str(tmp_path / "ckpt")}})
+    run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", "1", *set_flags(layer),
+                entry=None)
+    supervisor = psutil.Process(run.proc.pid)
+    wait_until(lambda: any("trainer.standby" in p.cmdline() for p in supervisor.children()), run, "started its standby")
+    (standby,) = [p for p in supervisor.children() if "trainer.standby" in p.cmdline()]
+    log = next(run.log_dir.glob("*/supervisor.log")).read_text()
+    assert "the standby ready" not in log and "group 0" not in log  # still importing (seconds of CPU)
+    run.proc.send_signal(signal.SIGINT)
+    assert run.proc.wait(timeout=60) == 130
+    assert "SIGINT: interrupted during dataset preparation; no rank was started" in run.err_path.read_text()
+    assert "group 0" not in next(run.log_dir.glob("*/supervisor.log")).read_text()
+    assert survivors([standby.pid]) == []
+
+
 def test_the_standby_knows_when_an_import_loaded_cuda(tmp_path: Path) -> None:
     """A fork after CUDA is initialised gives the rank a GPU it cannot use: the standby reads its own memory map for
     the driver library (what a CUDA call loads) and serves no fork where it is there."""

@@ -19,7 +19,9 @@ starts again with a config that says ``checkpoint.resume=auto`` (``config.restar
 starts again as it first did (an earlier run's checkpoints in the folder are not this run's to resume). A user error
 (exit 2) and an interrupt are never restarted. Per-rank logs continue in the same files, after a marker line. The
 trainer's ranks also keep the latest state in this node's shared memory (a folder the sentinel removes on every exit
-path), which a restart loads first: the restart's line says from which step.
+path), which a restart loads first: the restart's line says from which step. Their ranks, every group's, are forked
+by the node's standby (`supervisor.group.standby`), started before the dataset step so that its one import overlaps
+it, and waited for (interruptibly) before the first group.
 A program launched with torchrun's command line is restarted as torchrun restarts it: after any failure or hang,
 exit 2 included (2 means a user error only to programs of this project), with ``TORCHELASTIC_RESTART_COUNT`` telling
 it which attempt it is; where it keeps its checkpoints is its own business, and the messages do not speak of them.
