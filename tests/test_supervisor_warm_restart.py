@@ -30,6 +30,9 @@ import pytest
 from rank_scripts.harness import Run, clean_env, start, survivors
 from rank_support import TINY, merged, set_flags
 
+from supervisor.console import Console
+from supervisor.group.reaper import Reaper
+from supervisor.group.standby import Standby
 from supervisor.plan.spec import COMPILE_CACHE_DIR, Plan, RankSpec
 from trainer.checkpoint.layout import MEMORY_DIR_ENV
 from trainer.metrics import HISTORY_JSON
@@ -219,6 +222,24 @@ def test_a_stop_signal_while_the_standby_imports_starts_no_rank_and_leaves_nothi
     assert "SIGINT: interrupted during dataset preparation; no rank was started" in run.err_path.read_text()
     assert "group 0" not in next(run.log_dir.glob("*/supervisor.log")).read_text()
     assert survivors([standby.pid]) == []
+
+
+def test_a_standby_not_ready_in_time_is_stopped_and_forks_nothing(tmp_path: Path) -> None:
+    """Its imports take seconds; given a hundredth of one it is unfit (the ranks are then spawned), said so in
+    supervisor.log, and stopped."""
+    plan = Plan(entry="pretrain_main.py", entry_args=[], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)])
+    console, reaper = Console(terminal=False), Reaper()
+    console.open_log(tmp_path / "supervisor.log")
+    try:
+        standby = Standby(plan, reaper, console)
+        assert not standby.wait_ready(timeout=0.01)
+        assert standby.process.wait(timeout=30) == -signal.SIGKILL
+        assert standby.fork([(plan.ranks[0], {}, [])]) is None
+        standby.close()
+    finally:
+        reaper.close()
+    assert "the standby cannot fork ranks (not ready within 0 s): the ranks are spawned" in \
+        (tmp_path / "supervisor.log").read_text()
 
 
 def test_the_standby_knows_when_an_import_loaded_cuda(tmp_path: Path) -> None:

@@ -15,19 +15,17 @@ imports may have read) is not sent, nor is any once the standby is unfit (not re
 CUDA, gone): its ranks are spawned as ever.
 
 The sentinel knows the standby's process group (`Reaper.watch`), a group's final sweep spares it (`Reaper.kept`), and
-`close` at the run's end closes its socket (it exits), then kills its group and reaps it. A thread reads its
-``ready`` line, for supervisor.log.
+`close` at the run's end closes its socket (it exits), then kills its group and reaps it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import selectors
+import select
 import signal
 import socket
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 
@@ -99,22 +97,6 @@ class Standby:
         reaper.watch(self.process.pid)
         reaper.kept.add(self.process.pid)
         self.readiness = Readiness()
-        self.settled = threading.Event()  # it said ready or unfit (or exited)
-        self.stop_reading, self.wake = os.pipe()
-        self.reader = threading.Thread(target=self.read_ready, name="standby", daemon=True)
-        self.reader.start()
-
-    def read_ready(self) -> None:
-        """Until the standby says it is ready (or unfit, or `fork` wants the socket): note it, and say so in
-        supervisor.log."""
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.stop_reading, selectors.EVENT_READ)
-            selector.register(self.channel, selectors.EVENT_READ)
-            for key, _ in selector.select():
-                if key.fileobj == self.stop_reading:
-                    return
-        self.heard(self.channel.recv(256).decode(errors="replace"))
-        self.settled.set()
 
     def heard(self, line: str) -> None:
         if line.startswith("ready "):
@@ -129,18 +111,16 @@ class Standby:
         self.console.log(f"the standby cannot fork ranks ({why}): the ranks are spawned")
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> bool:
-        """Wait for its imports (a stop signal meanwhile raises, under `interruptible`); whether it can fork ranks.
-        One not ready in `timeout` is unfit, and stopped."""
-        if not self.settled.wait(timeout):
-            self.stop_reader()
+        """Wait for its imports to end (a stop signal meanwhile raises, under `interruptible`) and say how in
+        supervisor.log: ready, or unfit (its word, or its exit); one silent for `timeout` is unfit, and stopped.
+        Whether it can fork ranks."""
+        readable, _, _ = select.select([self.channel], [], [], timeout)
+        if readable:
+            self.heard(self.channel.recv(256).decode(errors="replace"))
+        else:
             self.unfit(f"not ready within {timeout:.0f} s")
             self.kill()
         return self.usable()
-
-    def stop_reader(self) -> None:
-        if self.reader.is_alive():
-            os.write(self.wake, b"x")
-            self.reader.join()
 
     def usable(self) -> bool:
         return self.readiness.ready_at is not None and not self.readiness.unfit and self.process.poll() is None
@@ -149,7 +129,6 @@ class Standby:
         """A group's ranks, each given as its spec, environment (without the progress descriptor, which the rank gets
         with its pipe) and command line, forked by the standby in one request once it is ready (`wait_ready`); None
         where the standby cannot give them (the group's ranks are then spawned as ever)."""
-        self.stop_reader()
         if not self.usable() or any(env.get(k) != v for _, env, _ in ranks for k, v in self.env.items()
                                     if k not in PER_RANK):
             return None
@@ -187,10 +166,7 @@ class Standby:
 
     def close(self) -> None:
         """End it: its socket closed (it exits), then its group killed and reaped."""
-        self.stop_reader()
         self.channel.close()
-        for fd in (self.stop_reading, self.wake):
-            os.close(fd)
         self.kill()
         self.process.wait()
         self.reaper.forget(self.process.pid)
