@@ -129,14 +129,16 @@ def wait_until(condition: Callable[[], object], run: Run, what: str, timeout: fl
 
 
 def start_with_standby(tmp_path: Path, token_cache_dir: Path, restarts: int) -> tuple[Run, psutil.Process, list[int]]:
-    """A run of 2 CPU ranks that would train for ever, once its first group trains; its standby, and the first
+    """A run of 2 CPU ranks that would train for ever, once its first group has trained a step past its first memory
+    snapshot (a fault before it, on a loaded machine, would find no copy to resume from); its standby, and the first
     group's pids (CPU0's, CPU1's: a forked rank's /proc environment is the standby's, so supervisor.log names them)."""
     layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 100_000},
                           "checkpoint": {"dir": str(tmp_path / "ckpt"), "memory_interval": 1}})
     run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", str(restarts),
                 *set_flags(layer), entry=None)
-    wait_until(lambda: list(run.log_dir.glob("*/cpu0.log")) and "Step [" in (run.run_dir() / "cpu0.log").read_text(),
-               run, "trained")
+    snapshot = "memory snapshots in "
+    wait_until(lambda: list(run.log_dir.glob("*/cpu0.log")) and "Step [" in
+               (run.run_dir() / "cpu0.log").read_text().partition(snapshot)[2], run, "trained past a memory snapshot")
     log = (run.run_dir() / "supervisor.log").read_text()
     assert "the standby ready: " in log.split("group 0: ")[0]  # the first group waited for its imports
     (first,) = re.findall(r"group 0: CPU0 pid (\d+)(?: \(forked by the standby\))?, CPU1 pid (\d+)", log)
