@@ -21,7 +21,12 @@ for its final loss and its goodput without faults. Figures per run, from rank 0'
                    run without faults (consecutive lines of one group), over the whole run's wall time, start-up
                    included; and after start-up: over the wall time from the first step line on (what the faults,
                    evaluations and checkpoints cost, without the one start-up every run pays)
+                   a free restart: the goodput after start-up a restart costing nothing would reach, the run
+                   without faults' wall time after start-up plus half a step per fault (the step a fault cuts short
+                   is lost whatever follows): no launcher can do better on this run
   fault → step     seconds from the SIGKILL to rank 0's first step line after it (the restarted group's first step)
+  wall per fault   the wall time after start-up each fault added to the launcher's run without faults (the half step
+                   it cut short, the restart, the steps trained twice, a slower first step)
   trained twice    step lines logged again after a restart: the steps between the resumed state and the fault (the
                    half step the fault cut short is lost time, never logged)
   final loss       rank 0's mean loss over the ranks at the last step (`[all ranks] step N-1/N | mean loss`)
@@ -87,7 +92,22 @@ class Run:
         """With the step time of `clean`, the launcher's run without faults: a run's own steps are slowed by what
         else it does (a standby's imports), which is no useful time. `after_start`: over the wall time from the first
         step line on (the start-up, which a run pays once with or without faults, left out)."""
-        return self.distinct() * clean.step_time() / (self.wall - (self.steps[0][0] if after_start else 0.0))
+        return self.distinct() * clean.step_time() / (self.after_start() if after_start else self.wall)
+
+    def after_start(self) -> float:
+        """The wall time from the first step line on."""
+        return self.wall - self.steps[0][0]
+
+    def cost_per_fault(self, clean: Run) -> float:
+        """The wall time after start-up each fault added to the launcher's run without faults, the half step it cut
+        short included."""
+        return (self.after_start() - clean.after_start()) / len(self.kills)
+
+    def bound(self, clean: Run) -> float:
+        """The goodput after start-up a restart costing nothing would reach: the run without faults' wall time after
+        start-up plus, per fault, the half step it cut short (lost whatever comes next). The ceiling of any
+        launcher on this run; a fault's own cost is measured against it."""
+        return self.distinct() * clean.step_time() / (clean.after_start() + len(self.kills) * clean.step_time() / 2)
 
     def twice(self) -> int:
         return len(self.steps) - self.distinct()
@@ -198,15 +218,18 @@ def row(label: str, r: Run, clean: Run) -> str:
     each = f" ({', '.join(f'{v:.2f}' for v in faults)})" if faults else ""
     mean = f"{statistics.mean(faults):.2f} s{each}" if faults else "—"
     return (f"| {label} | {len(r.kills)} | {r.wall:.1f} s | {r.goodput(clean):.2f} (without faults "
-            f"{clean.goodput(clean):.2f}) | {r.goodput(clean, True):.2f} ({clean.goodput(clean, True):.2f}) | {mean} | "
-            f"{r.twice()} | {r.final_loss} / {clean.final_loss} |")
+            f"{clean.goodput(clean):.2f}) | {r.goodput(clean, True):.2f} ({clean.goodput(clean, True):.2f}; a free "
+            f"restart {r.bound(clean):.2f}) | {mean} | {r.cost_per_fault(clean):.2f} s | {r.twice()} | "
+            f"{r.final_loss} / {clean.final_loss} |")
 
 
-def medians(rounds: list[dict[tuple[str, bool], Run]], launcher: str) -> tuple[float, float, float]:
-    """The medians over the rounds of the launcher's goodput, goodput after start-up and mean fault → next step."""
+def medians(rounds: list[dict[tuple[str, bool], Run]], launcher: str) -> tuple[float, float, float, float, float]:
+    """The medians over the rounds of the launcher's goodput, goodput after start-up, mean fault → next step, wall per
+    fault and a free restart's goodput after start-up."""
     pairs = [(r[launcher, True], r[launcher, False]) for r in rounds]
     return (statistics.median(f.goodput(c) for f, c in pairs), statistics.median(f.goodput(c, True) for f, c in pairs),
-            statistics.median(statistics.mean(f.fault_to_step()) for f, _ in pairs))
+            statistics.median(statistics.mean(f.fault_to_step()) for f, _ in pairs),
+            statistics.median(f.cost_per_fault(c) for f, c in pairs), statistics.median(f.bound(c) for f, c in pairs))
 
 
 def main() -> int:
@@ -240,9 +263,9 @@ def main() -> int:
     overrides = "".join(f", {override}" for override in args.overrides)
     print(f"debug preset{overrides}, {args.nproc} CPU ranks (gloo), {args.steps} steps, a checkpoint every "
           f"{args.interval} steps, rank 1 SIGKILLed half a step after step {args.every}·i is reached\n")
-    print("| launcher | faults | wall | goodput | goodput after start-up | fault → next step (mean; each) | steps "
-          "trained twice | final loss (faults / without) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| launcher | faults | wall | goodput | goodput after start-up | fault → next step (mean; each) | wall per "
+          "fault | steps trained twice | final loss (faults / without) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n, runs in enumerate(rounds):
         for launcher in ("supervisor", "torchrun"):
             label = f"{launcher}{f' ({n + 1})' if args.rounds > 1 else ''}"
@@ -250,9 +273,9 @@ def main() -> int:
     print(f"\nthe supervisor's ranks, with faults: {rounds[-1]['supervisor', True].snapshots}")
     ours, theirs = medians(rounds, "supervisor"), medians(rounds, "torchrun")
     if args.rounds > 1:
-        for launcher, (whole, after, fault) in (("supervisor", ours), ("torchrun", theirs)):
-            print(f"{launcher}, medians of {args.rounds} rounds: goodput {whole:.2f}, after start-up {after:.2f}, "
-                  f"fault → next step {fault:.2f} s")
+        for launcher, (whole, after, fault, cost, bound) in (("supervisor", ours), ("torchrun", theirs)):
+            print(f"{launcher}, medians of {args.rounds} rounds: goodput {whole:.2f}, after start-up {after:.2f} (a "
+                  f"free restart {bound:.2f}), fault → next step {fault:.2f} s, wall per fault {cost:.2f} s")
     last = rounds[-1]
     print(f"supervisor / torchrun: goodput {ours[0] / theirs[0]:.2f}x, fault → next step {ours[2] / theirs[2]:.2f}x, "
           f"steps trained twice {last['supervisor', True].twice()} against {last['torchrun', True].twice()} (the last "

@@ -26,7 +26,6 @@ import select
 import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 
 from supervisor.console import Console
@@ -55,8 +54,7 @@ REPLY_TIMEOUT_S = 10.0  # a fork's answer (a fork per rank and one more, and a r
 
 @dataclass
 class Readiness:
-    ready_at: float | None = None  # monotonic, once it said its imports were done
-    import_s: float | None = None  # how long they took, as it said
+    import_s: float | None = None  # how long its imports took, as it said once they were done (None: not yet)
     unfit: str = ""  # why it cannot fork ranks (it has exited)
 
 
@@ -100,7 +98,7 @@ class Standby:
 
     def heard(self, line: str) -> None:
         if line.startswith("ready "):
-            self.readiness.ready_at, self.readiness.import_s = time.monotonic(), float(line.split()[1])
+            self.readiness.import_s = float(line.split()[1])
             self.console.log(f"the standby ready: {self.readiness.import_s:.1f} s to import what a rank needs, once "
                              f"for every group of this run")
         else:
@@ -123,7 +121,7 @@ class Standby:
         return self.usable()
 
     def usable(self) -> bool:
-        return self.readiness.ready_at is not None and not self.readiness.unfit and self.process.poll() is None
+        return self.readiness.import_s is not None and not self.readiness.unfit and self.process.poll() is None
 
     def fork(self, ranks: list[tuple[RankSpec, dict[str, str], list[str]]]) -> list[Worker] | None:
         """A group's ranks, each given as its spec, environment (without the progress descriptor, which the rank gets
