@@ -75,6 +75,10 @@ def test_a_restart_loads_the_compiled_graphs_from_the_run_folder(tmp_path: Path,
     assert first_hits == "0" and int(graphs) > 0 and hits == graphs
 
 
+def is_standby(process: psutil.Process) -> bool:
+    return any("trainer.standby" in arg for arg in process.cmdline())
+
+
 def final_loss(output: str) -> str:
     (loss,) = re.findall(r"^supervisor: run finished in .*, final loss (\S+);", output, re.M)
     return loss
@@ -144,7 +148,7 @@ def start_with_standby(tmp_path: Path, token_cache_dir: Path, restarts: int) -> 
     (first,) = re.findall(r"group 0: CPU0 pid (\d+)(?: \(forked by the standby\))?, CPU1 pid (\d+)", log)
     ranks = [int(pid) for pid in first]
     (standby,) = [p for p in psutil.Process(run.proc.pid).children()
-                  if "trainer.standby" in p.cmdline() and p.pid not in ranks]  # (a forked rank's command line too)
+                  if is_standby(p) and p.pid not in ranks]  # (a forked rank's command line is the standby's too)
     return run, standby, ranks
 
 
@@ -215,8 +219,8 @@ def test_a_stop_signal_while_the_standby_imports_starts_no_rank_and_leaves_nothi
     run = start(tmp_path, "--debug", "--no-footer", "--nproc", "2", "--max-restarts", "1", *set_flags(layer),
                 entry=None)
     supervisor = psutil.Process(run.proc.pid)
-    wait_until(lambda: any("trainer.standby" in p.cmdline() for p in supervisor.children()), run, "started its standby")
-    (standby,) = [p for p in supervisor.children() if "trainer.standby" in p.cmdline()]
+    wait_until(lambda: any(is_standby(p) for p in supervisor.children()), run, "started its standby")
+    (standby,) = [p for p in supervisor.children() if is_standby(p)]
     log = next(run.log_dir.glob("*/supervisor.log")).read_text()
     assert "the standby ready" not in log and "group 0" not in log  # still importing (seconds of CPU)
     run.proc.send_signal(signal.SIGINT)
@@ -224,6 +228,48 @@ def test_a_stop_signal_while_the_standby_imports_starts_no_rank_and_leaves_nothi
     assert "SIGINT: interrupted during dataset preparation; no rank was started" in run.err_path.read_text()
     assert "group 0" not in next(run.log_dir.glob("*/supervisor.log")).read_text()
     assert survivors([standby.pid]) == []
+
+
+def test_the_standby_imports_what_a_spawned_rank_imports_not_the_working_folders(tmp_path: Path,
+                                                                                token_cache_dir: Path) -> None:
+    """Started from a folder holding a `transformers.py` and a `trainer/` package of the user's (which a spawned rank,
+    `python pretrain_main.py`, never sees): the standby imports the project's and the installed ones, and forks both
+    groups; a fault at step 2 is restarted from it."""
+    (tmp_path / "transformers.py").write_text("raise SystemExit('the working folder shadowed transformers')\n")
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "__init__.py").write_text("raise SystemExit('the working folder shadowed trainer')\n")
+    layer = merged(TINY, {"data": {"cache_dir": str(token_cache_dir)}, "training": {"max_steps": 4},
+                          "checkpoint": {"dir": str(tmp_path / "ckpt")},
+                          "debug": {"inject_fault": "exit", "inject_fault_step": 2, "inject_fault_restart": 0}})
+    proc = supervise(tmp_path, layer, "--nproc", "2", "--max-restarts", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = next((tmp_path / "logs").glob("*/supervisor.log")).read_text()
+    assert "shadowed" not in log and "cannot fork" not in log, log
+    assert len(re.findall(r"group [01]: CPU0 pid \d+ \(forked by the standby\), CPU1 pid \d+ \(forked by the "
+                          r"standby\)", log)) == 2, log
+
+
+def test_a_standby_that_fails_to_import_says_why_and_the_ranks_are_spawned(tmp_path: Path) -> None:
+    """A standby whose import fails (here: a `trainer.rank_cli` of the entry's folder that raises) is unfit with its
+    last line of stderr in supervisor.log; nothing forks from it."""
+    entry = tmp_path / "project"
+    (entry / "trainer").mkdir(parents=True)
+    project = Path(__file__).resolve().parent.parent
+    for name in ("__init__.py", "standby.py", "progress.py"):
+        (entry / "trainer" / name).write_text((project / "trainer" / name).read_text())
+    (entry / "trainer" / "rank_cli.py").write_text("raise ImportError('a broken install')\n")
+    plan = Plan(entry=str(entry / "pretrain_main.py"), entry_args=[], run_dir=tmp_path, ranks=[RankSpec(0, 0, None)])
+    console, reaper = Console(terminal=False), Reaper()
+    console.open_log(tmp_path / "supervisor.log")
+    try:
+        standby = Standby(plan, reaper, console)
+        assert not standby.wait_ready()
+        assert standby.fork([(plan.ranks[0], {}, [])]) is None
+        standby.close()
+    finally:
+        reaper.close()
+    assert "the standby cannot fork ranks (it exited (1) before it was ready: ImportError: a broken install): the " \
+           "ranks are spawned" in (tmp_path / "supervisor.log").read_text()
 
 
 def test_a_standby_not_ready_in_time_is_stopped_and_forks_nothing(tmp_path: Path) -> None:

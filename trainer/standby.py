@@ -1,5 +1,6 @@
 """The node's standby: one process that imports what a rank needs once per run and forks every group's ranks
-(`python -m trainer.standby`; the supervisor's side is `supervisor.group.standby`).
+(the module run as `python -m trainer.standby` would be, from the entry script's folder; the supervisor's side is
+`supervisor.group.standby`).
 
 Importing torch and transformers takes a rank seconds of CPU; a restart that spawned its ranks then would pay them
 after every fault, and a standby started beside a training group would pay them on the cores the training ranks use.

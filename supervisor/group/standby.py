@@ -3,9 +3,10 @@ that neither the start nor a restart pays an import per rank (the rank's side: `
 
 It is spawned as a rank is (its own session, the parent-death signal, from the main thread), before the dataset is
 looked up, so that its imports overlap that; with the environment the ranks share (`Plan.rank_env` of every rank of
-a group, less what differs between them, between groups or is learnt before a group starts: `PER_RANK`), stdout and
-stderr to /dev/null, and one more descriptor: its end of a socket pair (SOCK_SEQPACKET: one message each way per
-group). It says ``ready <seconds>`` once imported, and the first group waits for that (`wait_ready`): one process
+a group, less what differs between them, between groups or is learnt before a group starts: `PER_RANK`), importing
+from the entry script's folder as a spawned rank does (never the working folder first, as `-m` would), stdout to
+/dev/null, stderr to an unnamed file (its last line is the log's reason when it fails before it is ready), and one
+more descriptor: its end of a socket pair (SOCK_SEQPACKET: one message each way per group). It says ``ready <seconds>`` once imported, and the first group waits for that (`wait_ready`): one process
 importing takes the cores for as long as every rank importing at once did, and none is left to slow the training
 later. `fork` creates each rank's pipes as `Worker.spawn` does, sends every rank's environment and command line with
 the pipes' write ends attached, in one request, and gets the ranks' pids, each by then the supervisor's own child
@@ -26,6 +27,7 @@ import select
 import signal
 import socket
 import subprocess
+import tempfile
 from dataclasses import dataclass
 
 from supervisor.console import Console
@@ -48,6 +50,13 @@ IMPORTED = frozenset({"OMP_NUM_THREADS"})
 # the standby's own: should an import ask whether CUDA is available, torch answers from NVML instead of initialising
 # the driver (PyTorch's check that does not poison a fork); a forked rank takes its own environment, without it
 FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+# `python -m trainer.standby` would import from the supervisor's working folder first (`-m` puts it at the head of
+# sys.path), where a user's `transformers.py` or `trainer/` would then be what every forked rank runs; a spawned rank
+# (`python pretrain_main.py`) imports from the entry script's folder instead, and so does the standby: that folder in
+# place of the working one, then the module as `-m` runs it
+STANDBY_MAIN = ("import runpy, sys; sys.path[0] = sys.argv[1]; "
+                "runpy.run_module('trainer.standby', run_name='__main__', alter_sys=True)")
+EXITED_WAIT_S = 5.0  # a standby that closed its socket before it was ready: its exit, for the log line
 READY_TIMEOUT_S = 120.0  # the first group waits this long for the imports; then its ranks are spawned
 REPLY_TIMEOUT_S = 10.0  # a fork's answer (a fork per rank and one more, and a re-parenting)
 
@@ -81,14 +90,16 @@ class Standby:
         self.reaper, self.console = reaper, console
         self.env = standby_env(plan, reaper)
         self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.stderr = tempfile.TemporaryFile()  # what it says if it fails before it is ready (no file left behind)
         try:
             self.process = subprocess.Popen(
-                [plan.python, "-m", "trainer.standby"],
+                [plan.python, "-c", STANDBY_MAIN, os.path.dirname(os.path.abspath(plan.entry))],
                 env={**self.env, STANDBY_FD_ENV: str(theirs.fileno()), **FORK_SAFE_CUDA_CHECK},
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr,
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
         except BaseException:
             self.channel.close()
+            self.stderr.close()
             raise
         finally:
             theirs.close()
@@ -101,8 +112,21 @@ class Standby:
             self.readiness.import_s = float(line.split()[1])
             self.console.log(f"the standby ready: {self.readiness.import_s:.1f} s to import what a rank needs, once "
                              f"for every group of this run")
+        elif line:
+            self.unfit(line)
         else:
-            self.unfit(line or f"it exited ({self.process.poll()}) before it was ready")
+            try:
+                code = self.process.wait(EXITED_WAIT_S)
+            except subprocess.TimeoutExpired:
+                code = None
+            self.unfit(f"it {'closed its socket' if code is None else f'exited ({code})'} before it was ready"
+                       f"{f': {said}' if (said := self.last_words()) else ''}")
+
+    def last_words(self) -> str:
+        """The last line the standby wrote to its stderr (an import's error), shortened for a log line."""
+        self.stderr.seek(0)
+        lines = [line for line in self.stderr.read()[-4096:].decode(errors="replace").splitlines() if line.strip()]
+        return lines[-1].strip()[:300] if lines else ""
 
     def unfit(self, why: str) -> None:
         self.readiness.unfit = why
@@ -167,5 +191,6 @@ class Standby:
         self.channel.close()
         self.kill()
         self.process.wait()
+        self.stderr.close()
         self.reaper.forget(self.process.pid)
         self.reaper.kept.discard(self.process.pid)
