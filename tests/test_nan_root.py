@@ -97,6 +97,26 @@ def test_replay_prints_the_runs_losses_bit_exact_and_the_batchs_documents(tmp_pa
 
 
 
+def test_a_replay_leaves_out_the_runs_injected_process_fault(tmp_path: Path, token_cache_dir: Path) -> None:
+    """Rank 1 SIGKILLed at step 3 of the first group, the run restarted and finished: its replay of step 4 runs
+    through step 3 (the injection left out, said so), with the run's losses."""
+    layer = merged(TINY, {"model": {"num_layers": 2}, "data": {"cache_dir": str(token_cache_dir)},
+                          "training": {"max_steps": 6}, "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": 5},
+                          "debug": {"inject_fault": "sigkill", "inject_fault_step": 3, "inject_fault_rank": 1,
+                                    "inject_fault_restart": 0}})
+    original = supervise(tmp_path, "--nproc", "2", "--debug", "--max-restarts", "1", *set_flags(layer))
+    assert original.returncode == 0 and "restart 1 of 1" in original.stdout, original.stdout
+    replay = supervise(tmp_path, "--replay", str(run_folder(original.stdout)), "--step", "4")
+    out = replay.stdout
+    assert replay.returncode == 0, out
+    assert ("supervisor: the run's injected debug.inject_fault sigkill at step 3 on rank 1 is left out: a replay "
+            "reproduces the steps' numbers") in out, out
+    assert "fault injection" not in out
+    replayed = step_lines(out, 0, 5)
+    assert set(replayed) == {(label, s) for label in ("CPU0", "CPU1") for s in range(5)}
+    assert replayed == {key: line for key, line in step_lines(original.stdout, 0, 4).items() if key in replayed}
+
+
 def test_replay_refuses_what_it_cannot_replay_in_one_line(tmp_path: Path) -> None:
     run = tmp_path / "logs" / "run"
     run.mkdir(parents=True)

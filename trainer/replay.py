@@ -8,7 +8,12 @@ The ranks resume from it, train the same batches up to step N (the batch order i
 diagnostics of debug mode on (the first non-finite module, every NaN gradient, the dumps), say which documents step
 N's batch holds, and stop (`training.replay_step`, read by `trainer.loop`). N is the step as the log lines count it.
 The config keeps the run's `debug` keys: the loop turns the diagnostics on for a replay itself, so that the `auto`
-choices they would change (`trainer.config.choices`: compiled layers, the loss path) stay the run's.
+choices they would change (`trainer.config.choices`: compiled layers, the loss path) stay the run's. What a replay
+reproduces is the steps' numbers: a NaN or loss-spike injection stays (it is part of them), while an injected fault of
+a process or a device (`debug.inject_fault`, a `corrupt` result among them, and the checkpoint write stall) is left
+out, said in the banner: the run met it once and went on after it (a restart, or the recompute that did not
+reproduce a corrupted result), and fired again it would end the replay, or make a device's fault look like the
+numerics'.
 
 Bit-exact: with the same number of ranks on the same kind of device the replayed steps print the losses the run
 printed (checked on CPU ranks, compiled layers included: the hooks are traced into them). `--nproc M` folds the run's W ranks onto M (the accumulation raised by W/M, the same global batch and
@@ -24,17 +29,19 @@ import argparse
 import copy
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from trainer.checkpoint.layout import META_FILE, damage, list_checkpoints, step_of
-from trainer.config import Config
+from trainer.config import Config, DebugConfig
 from trainer.errors import UserError
 from trainer.metrics import HISTORY_JSON, recorded
 from trainer.rank_cli import resolving_flags
 
 REPLAY_CHECKPOINTS = "checkpoints"  # the replay's own checkpoint folder, inside its run folder
 RESTART_CONFIG = re.compile(r"config\.restart(\d+)\.json")
+# the injections of a process's or a device's fault, which a replay leaves out (a NaN or a spike injection stays)
+FAULT_KEYS = (*(f.name for f in fields(DebugConfig) if f.name.startswith("inject_fault")), "inject_write_stall_step")
 
 
 @dataclass
@@ -93,6 +100,8 @@ def plan(source: Path, step: int, nproc: int | None, log_dir: Path) -> Replay:
         replay.notes.append(f"--nproc {nproc}: the run's {world_size} ranks folded onto {nproc} (accumulation "
                             f"{t.grad_accum_nums}): the same batches, losses equal to rounding, not bit-exact")
         replay.world_size = nproc
+    if (left_out := leave_out_faults(replay.config.debug)) is not None:
+        replay.notes.append(left_out)
     c = replay.config.checkpoint
     c.resume = str(checkpoint) if checkpoint is not None else None
     c.dir = str(log_dir)
@@ -103,6 +112,23 @@ def plan(source: Path, step: int, nproc: int | None, log_dir: Path) -> Replay:
                            f"{'s' * (replay.world_size != 1)}, with the NaN diagnostics on; then it stops")
     replay.config.notes = [*cfg.notes, *replay.notes]
     return replay
+
+
+def leave_out_faults(debug: DebugConfig) -> str | None:
+    """Reset the injected faults of processes and devices in `debug` (a replay's copy) to none; the line that says
+    which, None where there were none."""
+    injected = []
+    if debug.inject_fault is not None or debug.inject_fault_step is not None:
+        injected.append(f"debug.inject_fault {debug.inject_fault or 'raise'} at step {debug.inject_fault_step} on "
+                        f"rank {debug.inject_fault_rank}")
+    if debug.inject_write_stall_step is not None:
+        injected.append(f"the write stall after step {debug.inject_write_stall_step}")
+    if not injected:
+        return None
+    for name, value in ((name, getattr(DebugConfig(), name)) for name in FAULT_KEYS):
+        setattr(debug, name, value)
+    return (f"the run's injected {' and '.join(injected)} is left out: a replay reproduces the steps' numbers, not "
+            f"what happened to a process or a device (a NaN or loss-spike injection stays)")
 
 
 def run_config(source: Path) -> Config:
