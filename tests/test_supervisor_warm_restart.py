@@ -32,7 +32,7 @@ from rank_support import TINY, merged, set_flags
 
 from supervisor.console import Console
 from supervisor.group.reaper import Reaper
-from supervisor.group.standby import Standby
+from supervisor.group.standby import RUN_FROM, Standby
 from supervisor.plan.spec import COMPILE_CACHE_DIR, Plan, RankSpec
 from trainer.checkpoint.layout import MEMORY_DIR_ENV
 from trainer.metrics import HISTORY_JSON
@@ -247,6 +247,32 @@ def test_the_standby_imports_what_a_spawned_rank_imports_not_the_working_folders
     assert "shadowed" not in log and "cannot fork" not in log, log
     assert len(re.findall(r"group [01]: CPU0 pid \d+ \(forked by the standby\), CPU1 pid \d+ \(forked by the "
                           r"standby\)", log)) == 2, log
+
+
+@pytest.mark.parametrize("safe_path", [False, True])
+def test_the_standby_s_import_path_is_a_spawned_script_s(tmp_path: Path, safe_path: bool) -> None:
+    """`python -c RUN_FROM FOLDER MODULE` (how the standby is started) sees the sys.path that `python FOLDER/script.py`
+    sees, from a working folder of its own, with PYTHONPATH (where the module is found under PYTHONSAFEPATH: no script
+    folder on the path at all)."""
+    folder, work, extra = tmp_path / "project", tmp_path / "work", tmp_path / "extra"
+    for d in (folder, work, extra):
+        d.mkdir()
+    (folder / "script.py").write_text("import json, sys\nprint(json.dumps(sys.path))\n")
+    (extra / "path_probe.py").write_text("import json, sys\nprint(json.dumps(sys.path))\n")  # as trainer.standby
+    env = {**clean_env(), "PYTHONPATH": str(extra)}
+    if safe_path:
+        env["PYTHONSAFEPATH"] = "1"
+    else:
+        env.pop("PYTHONSAFEPATH", None)
+
+    def path_of(argv: list[str]) -> list[str]:
+        done = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, check=True)
+        return json.loads(done.stdout)
+
+    spawned = path_of([sys.executable, str(folder / "script.py")])
+    assert path_of([sys.executable, "-c", RUN_FROM, str(folder), "path_probe"]) == spawned
+    assert (str(folder) in spawned) is not (safe_path and sys.version_info >= (3, 11))
+    assert str(work) not in spawned and str(extra) in spawned
 
 
 def test_a_standby_that_fails_to_import_says_why_and_the_ranks_are_spawned(tmp_path: Path) -> None:

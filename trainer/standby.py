@@ -87,7 +87,8 @@ def become_rank(rank: dict, fds: list[int], supervisor: int, channel: socket.soc
             torch.set_num_threads(int(threads))
         script, *args = rank["argv"][1:]
         sys.argv = [script, *args]
-        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
+        if not getattr(sys.flags, "safe_path", False):  # (PYTHONSAFEPATH, 3.11: no script folder on the path)
+            sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` sets it
         runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as e:

@@ -52,10 +52,13 @@ IMPORTED = frozenset({"OMP_NUM_THREADS"})
 FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 # `python -m trainer.standby` would import from the supervisor's working folder first (`-m` puts it at the head of
 # sys.path), where a user's `transformers.py` or `trainer/` would then be what every forked rank runs; a spawned rank
-# (`python pretrain_main.py`) imports from the entry script's folder instead, and so does the standby: that folder in
-# place of the working one, then the module as `-m` runs it
-STANDBY_MAIN = ("import runpy, sys; sys.path[0] = sys.argv[1]; "
-                "runpy.run_module('trainer.standby', run_name='__main__', alter_sys=True)")
+# (`python pretrain_main.py`) imports from the entry script's folder instead, and so does the standby: `python -c
+# RUN_FROM FOLDER MODULE` puts FOLDER in place of the working one (under PYTHONSAFEPATH neither is on the path), then
+# runs MODULE as `-m` does
+RUN_FROM = ("import runpy, sys\n"
+            "if not getattr(sys.flags, 'safe_path', False):\n"
+            "    sys.path[0] = sys.argv[1]\n"
+            "runpy.run_module(sys.argv[2], run_name='__main__', alter_sys=True)\n")
 EXITED_WAIT_S = 5.0  # a standby that closed its socket before it was ready: its exit, for the log line
 READY_TIMEOUT_S = 120.0  # the first group waits this long for the imports; then its ranks are spawned
 REPLY_TIMEOUT_S = 10.0  # a fork's answer (a fork per rank and one more, and a re-parenting)
@@ -93,7 +96,7 @@ class Standby:
         self.stderr = tempfile.TemporaryFile()  # what it says if it fails before it is ready (no file left behind)
         try:
             self.process = subprocess.Popen(
-                [plan.python, "-c", STANDBY_MAIN, os.path.dirname(os.path.abspath(plan.entry))],
+                [plan.python, "-c", RUN_FROM, os.path.dirname(os.path.abspath(plan.entry)), "trainer.standby"],
                 env={**self.env, STANDBY_FD_ENV: str(theirs.fileno()), **FORK_SAFE_CUDA_CHECK},
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr,
                 pass_fds=(theirs.fileno(),), start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
