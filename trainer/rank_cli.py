@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from trainer.checkpoint.claim import FolderClaim
 from trainer.checkpoint.layout import check_checkpoint_dir, check_resume, earlier_run, find_resume
 from trainer.config import RUNS_DIR, Config
 from trainer.config.choices import cpu_refusal
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         # under the supervisor, the token cache it found for this config (trainer.data.TOKEN_CACHE_ENV)
         cache = Path(os.environ[TOKEN_CACHE_ENV]) if run_dir is not None and TOKEN_CACHE_ENV in os.environ else None
+        claim: FolderClaim | None = None
         if run_dir is None:
             # By hand or under torchrun, what the supervisor checks before starting ranks: a config meant for GPUs,
             # the folders the run writes, the data and the checkpoint to resume, before the seconds that importing
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             info = prepare(cfg, show_progress=None if os.environ.get("RANK", "0") == "0" else False)
             check_resume(cfg, info.key, info.vocab_size)
             cache = info.path
+            if os.environ.get("RANK", "0") == "0":  # checkpoint.dir, this run's alone (the supervisor claims it there)
+                claim = FolderClaim.take(Path(cfg.checkpoint.dir), None)
         from trainer.diagnosis.nan_guard import NonFiniteError
         from trainer.diagnosis.nan_verdict import SuspectDevice
         from trainer.loop import OutOfMemory, train
@@ -130,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         except OutOfMemory as e:  # one line here; the traceback is in the report file
             print(f"error: {e}", file=sys.stderr, flush=True)
             return OOM_EXIT_CODE
+        finally:
+            if claim is not None:
+                claim.release()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE

@@ -9,6 +9,9 @@ is prepared (a stop signal there, a Ctrl-C or ``kill -TERM``, is an exception, `
 build child gets SIGINT and cleans up, the other nodes are told, and a second signal is ignored while it unwinds);
 only then do signals become loop events.
 
+Once the data is ready, node 0 claims `checkpoint.dir` for the run (`trainer.checkpoint.claim`): a run given the folder
+another run holds is refused there, before any rank starts.
+
 The dataset step looks for the token cache in this process (a hit costs a stat per source file); a build runs as a
 child process (`prepare_dataset.py`), so that a build the kernel's out-of-memory killer ends is reported here, with
 the host's memory and the build's largest resident set, instead of the whole supervisor vanishing with `Killed`.
@@ -65,6 +68,7 @@ from supervisor.group.worker import Worker, become_subreaper, die_with_parent
 from supervisor.plan.rendezvous import PortReservation, check_port_free
 from supervisor.plan.spec import Plan, node_ranks
 from supervisor.report.summary import failure_report, success_report
+from trainer.checkpoint.claim import FolderClaim
 from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints, memory_step
 from trainer.config import PROJECT_ROOT, Config
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
@@ -93,6 +97,7 @@ class Launcher:
         self.exclusions: list[Exclusion] = []
         self.verdict: gpu_fault.Verdict | None = None  # the last failure's diagnosis (GPU runs only)
         self.standby: Standby | None = None  # forks every group's ranks in a run with restarts
+        self.claim: FolderClaim | None = None  # checkpoint.dir, this run's alone while it runs
         self.footer: Any = None  # supervisor.report.footer.Footer, in terminal mode only (rich loads only then)
         if console.terminal:
             from supervisor.report.footer import Footer
@@ -125,6 +130,8 @@ class Launcher:
                         failed = self.prepare(control)
                     if failed is None and self.standby is not None:
                         self.standby.wait_ready()
+                    if failed is None:
+                        self.claim_checkpoints()
                 except Interrupted as e:
                     failed = 128 + e.signum
                     self.console.say(f"{e}: interrupted during dataset preparation; no rank was started")
@@ -182,6 +189,8 @@ class Launcher:
             return result.exit_code
         finally:
             self.console.stop_footer()
+            if self.claim is not None:
+                self.claim.release()
             if self.standby is not None:
                 self.standby.close()
             if control is not None:
@@ -397,6 +406,13 @@ class Launcher:
 
     def config_path(self, restart: int) -> Path:
         return self.plan.run_dir / ("config.json" if restart == 0 else f"config.restart{restart}.json")
+
+    def claim_checkpoints(self) -> None:
+        """checkpoint.dir, claimed for this run once its data is ready (`trainer.checkpoint.claim`): node 0 claims it
+        for every rank and group; a run given a folder another run holds is refused before any rank starts. A program
+        launched with torchrun's command line claims its own (pretrain_main.py's rank 0 does) or keeps none."""
+        if self.plan.trainer_entry and not self.plan.torchrun_contract and self.plan.node_rank == 0:
+            self.claim = FolderClaim.take(Path(self.cfg.checkpoint.dir), self.plan.run_dir)
 
     def start_standby(self, reaper: Reaper) -> None:
         """In a run of the project's trainer with restarts to come, the standby that forks every group's ranks
