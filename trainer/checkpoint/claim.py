@@ -7,7 +7,8 @@ removed as an earlier run's, resumed as the latest.
 
 Who holds it: the supervisor of node 0, for every rank and group of its run; by hand and under torchrun, rank 0. It
 is claimed once the data is ready, so a run that fails before leaves no folder; `.run.owner` beside the lock says who
-holds it (pid, host, run folder), for the refusal's line. No torch import (the supervisor claims it).
+holds it (pid, host, run folder), for the refusal's line; both files go with the claim (a killed holder leaves them,
+and the next run takes them over). No torch import (the supervisor claims it).
 """
 
 from __future__ import annotations
@@ -52,9 +53,15 @@ class FolderClaim:
         return cls(lock)
 
     def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+        """Let go, leaving the folder as the run left it: the owner's note and the lock file removed while the lock is
+        still held (a run starting meanwhile makes its own, and this one writes nothing more there)."""
+        if self.lock is None:
+            return
+        folder = Path(self.lock.lock_file).parent
+        for name in (OWNER_FILE, LOCK_FILE):
+            (folder / name).unlink(missing_ok=True)
+        self.lock.release()
+        self.lock = None
 
 
 def holder(folder: Path) -> str:
