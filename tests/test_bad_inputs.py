@@ -59,7 +59,8 @@ def torch_archive(cut: bool = False) -> bytes:
 def planted_checkpoint(step: int, cache_key: str = "0" * 32, cut: bool = False) -> dict[str, str | bytes]:
     """A checkpoint folder as the checkpoint layout sees it (meta.json and state.pt), without torch."""
     folder = f"ckpt/step_{step:06d}"
-    meta = {"step": step, "format": "full", "cache_key": cache_key, "config": {"training": {"max_steps": 10}}}
+    meta = {"step": step, "format": "full", "cache_key": cache_key, "world_size": 1, "data": {}, "model_shapes": {},
+            "config": {"training": {"max_steps": 10}}}
     return {f"{folder}/meta.json": json.dumps(meta), f"{folder}/state.pt": torch_archive(cut)}
 
 
@@ -128,6 +129,21 @@ CASES = {
     "missing data path": BadInput(
         "pretrain_main.py", ("--debug", "--set", "data.source=data/corpus.jsonl", *SMALL_DATA),
         "data.source data/corpus.jsonl does not exist"),
+    "missing data path under the supervisor": BadInput(
+        "supervisor", ("--debug", "--set", "data.source=data/corpus.jsonl", *SMALL_DATA),
+        "data.source data/corpus.jsonl does not exist"),
+    "missing data path in a dry run": BadInput(
+        "supervisor", ("--debug", "--dry-run", "--set", "data.source=data/*.jsonl", *SMALL_DATA),
+        "data.source glob 'data/*.jsonl' matches no files"),
+    "GPUs a dry run would not get": BadInput(
+        "supervisor", ("--debug", "--dry-run", "--gpus", "0,1,2,3,4"),
+        "GPU 4 does not exist; this machine has GPUs 0-3", env={"SUPERVISOR_FAKE_GPUS": "0,1,2,3"}),
+    "CPU ranks beyond the host's memory": BadInput(
+        "supervisor", ("--debug", "--max-steps", "1", "--batch-size", "10000000"),
+        "2 CPU ranks would need about 113.8 TiB of host memory (56.9 TiB each) by the estimate, more than 1.5 times "),
+    "CPU rank by hand beyond the host's memory": BadInput(
+        "pretrain_main.py", ("--debug", "--max-steps", "1", "--batch-size", "10000000"),
+        "1 CPU rank would need about 56.9 TiB of host memory by the estimate"),
     "empty corpus": BadInput(
         "prepare_dataset.py", ("--debug", "--set", "data.source=corpus", *SMALL_DATA),
         "data.source corpus holds no documents", files={"corpus/empty.txt": ""}, before_any_work=False),
@@ -203,7 +219,7 @@ CASES = {
         "model.gradient_checkpointing must be one of none, selective, full, got 'half'"),
     "production preset on a CPU": BadInput(
         "run_training.sh", ("--preset", "production"),
-        "preset 'production' (7.2B parameters, fsdp, bf16) needs GPUs and none was found"),
+        "preset 'production' (7.2B parameters, fsdp, bf16) needs GPUs and none was found; use --debug"),
     "GPU preset by hand on a CPU": BadInput(
         "pretrain_main.py", ("--preset", "1b"),
         "preset '1b' (1.1B parameters, ddp, auto) needs GPUs and none was found"),
@@ -315,6 +331,10 @@ CONFIG_FILES: dict[str, bytes] = {
     "nan.json": b'{"training": {"learning_rate": NaN}}',
     "utf16.json": '{"training": {"max_steps": 5}}'.encode("utf-16"),
     "binary.json": bytes(range(256)) * 4,
+    "dup.json": b'{"training": {"batch_size": 2}, "training": {"max_steps": 3}}',
+    "dupkey.json": b'{"training": {"batch_size": 2, "batch_size": 3}}',
+    "small.json": b'{"preset": "small"}',
+    "nope.json": b'{"preset": "nope"}',
 }
 BAD_VALUES = {
     "max samples beyond any corpus": (("--max-samples", "99999999999999999999b"),
@@ -372,6 +392,17 @@ BAD_VALUES = {
                                                      "UTF-8 JSON"),
     "binary config": (("--config", "binary.json"), "binary.json is not UTF-8 text (byte 128)"),
     "newline in a key": (("--set", "data.\nsplit=x"), "unknown key '\\nsplit' in section 'data'"),
+    "section twice in a config": (("--config", "dup.json"), "dup.json: key 'training' appears twice in one object; "
+                                                            "give each key once"),
+    "key twice in a config": (("--config", "dupkey.json"),
+                              "dupkey.json: key 'batch_size' appears twice in one object"),
+    "key twice in a --set value": (("--set", 'data.mixture={"a": 1, "a": 2}'),
+                                   """--set data.mixture={"a": 1, "a": 2}: key 'a' appears twice in one object"""),
+    "empty preset": (("--preset", ""), "--preset is empty; give a preset's name (1b, debug, production, small)"),
+    "empty config path": (("--config", ""), "--config is empty; give a JSON config file's path"),
+    "config file naming another preset than --debug": (
+        ("--config", "small.json"), "small.json names preset 'small', which conflicts with --debug"),
+    "config file naming an unknown preset": (("--config", "nope.json"), "nope.json: unknown preset 'nope'"),
 }
 
 

@@ -59,6 +59,11 @@ def test_a_second_run_in_a_held_checkpoint_folder_is_refused_and_the_claim_ends_
             f"give this run a folder of its own with --set checkpoint.dir=DIR")
         assert "CPU0:" not in second.stdout + second.stderr  # no rank started,
         assert not list(second.log_dir.glob("*/"))  # and no run folder left behind
+        # without --resume: the live run's checkpoints are not taken for an unfinished earlier run's
+        fresh = start(tmp_path, *run_flags(token_cache_dir, checkpoints, **SLOW), entry=None, tag="fresh").wait(120)
+        assert fresh.returncode == 2, fresh.stderr
+        assert fresh.stderr.strip().splitlines()[-1].startswith(
+            f"error: checkpoint.dir {checkpoints} is in use by another run (pid {first.proc.pid} on "), fresh.stderr
         assert first.proc.poll() is None  # the first run trains on, the folder still its own
         first.proc.send_signal(signal.SIGKILL)  # its ranks die with it (the sentinel); the OS drops the lock
         first.proc.wait(30)

@@ -176,6 +176,55 @@ def test_a_resume_passes_over_damaged_checkpoints_in_one_line_and_refuses_one_na
     assert "resuming from" not in capsys.readouterr().out  # nothing was resumed: the one line alone
 
 
+def test_a_hand_edited_meta_json_or_a_file_that_is_no_checkpoint_is_damage_and_later_ones_are_superseded(
+        tmp_path: Path, ctx: DistContext, capsys: pytest.CaptureFixture[str]) -> None:
+    """meta.json has no checksum of its own: another step written into it, `split` turned off or a key deleted is found
+    (against the copy state.pt keeps, or by its structure) and passed over, never resumed under the wrong step; a
+    torch.save file that is not a checkpoint named by --resume is one line. The checkpoints after the one resumed are
+    removed by the run's first save, so that pruning (which keeps the newest) never removes that save for them."""
+    cfg = make_cfg(tmp_path)
+    root = Path(cfg.checkpoint.dir)
+    held = split_saves(cfg, make_state(cfg), ctx, 4)
+    step = {n: layout.step_path(root, n) for n in held}
+
+    def edit(path: Path, change: Callable[[dict[str, Any]], None]) -> None:
+        meta = json.loads((path / layout.META_FILE).read_text())
+        change(meta)
+        (path / layout.META_FILE).write_text(json.dumps(meta, indent=1))
+
+    def checkpointer(spec: str) -> tuple[Checkpointer, store.TrainState]:
+        cfg.checkpoint.resume = spec
+        state = make_state(cfg)
+        return Checkpointer(cfg, ctx, state, SimpleNamespace(key=KEY), get_logger(),  # type: ignore[arg-type]
+                            ProgressReporter(fd=None)), state
+
+    edit(step[4], lambda meta: meta.update(step=1))
+    edit(step[3], lambda meta: meta.update(split=False))
+    edit(step[2], lambda meta: meta.pop("model_shapes"))
+    capsys.readouterr()
+    checkpoints, state = checkpointer("auto")
+    assert checkpoints.resume() == 1 and same(snapshot(state), held[1])
+    out = capsys.readouterr().out
+    assert f"--resume: {step[2] / layout.META_FILE} lacks model_shapes; resuming from {step[1]}" in out, out
+    for n, key in ((4, "step"), (3, "split")):
+        assert (f"--resume: {step[n] / layout.META_FILE} differs from the copy state.pt keeps of it ({key}): it was "
+                f"changed after the save; resuming from {step[1]}") in out, out
+    assert (f"{root} holds 3 checkpoints after step 1 (step_000002, step_000003, step_000004) that this run does not "
+            f"continue: its first checkpoint removes them") in out, out
+
+    cfg.checkpoint.keep = 1
+    checkpoints.save(2)
+    checkpoints.wait()
+    assert layout.list_checkpoints(root) == [step[2]]  # the others superseded, the new one kept
+    assert layout.damage(step[2]) is None
+
+    plain = tmp_path / "weights.pt"
+    torch.save({"model": {}}, plain)
+    with pytest.raises(UserError, match=rf"^--resume {re.escape(str(plain))} cannot be resumed: {re.escape(str(plain))} "
+                                        rf"is a torch.save file but not a checkpoint \(it holds no checkpoint record\)"):
+        checkpointer(str(plain))[0].resume()
+
+
 def test_background_staging_is_allocated_before_the_first_step_without_changing_it(
         tmp_path: Path, ctx: DistContext, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The optimizer's state, made before its first step (`store.prime_optimizer`), is the one that step makes: the

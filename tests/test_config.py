@@ -117,6 +117,21 @@ def test_config_file_may_name_its_base_preset(tmp_path: Path) -> None:
     assert cfg.preset == "debug" and cfg.model.num_layers == 2 and cfg.training.max_steps == 4
 
 
+def test_a_config_file_may_repeat_the_preset_the_flags_chose(tmp_path: Path) -> None:
+    cfg = parse("--debug", "--config", write(tmp_path, "c.json", {"preset": "debug", "training": {"max_steps": 4}}))
+    assert cfg.preset == "debug" and cfg.model.num_layers == 2 and cfg.training.max_steps == 4
+
+
+def test_config_files_naming_presets_name_the_same_one(tmp_path: Path) -> None:
+    """Only one preset is the base: a second one named would be silently ignored."""
+    first = write(tmp_path, "a.json", {"preset": "debug"})
+    second = write(tmp_path, "b.json", {"preset": "small", "training": {"max_steps": 4}})
+    with pytest.raises(UserError, match=r"b.json names preset 'small', which conflicts with .*a.json's preset 'debug'"):
+        parse("--config", first, "--config", second)
+    with pytest.raises(UserError, match=r"b.json names preset 'small', which conflicts with --preset debug"):
+        parse("--preset", "debug", "--config", second)
+
+
 def test_set_parses_json_else_string() -> None:
     cfg = parse("--debug", "--set", "data.source=/data/corpus/*.txt", "--set", "training.use_amp=true",
                 "--set", "debug.inject_nan_step=3", "--set", "debug.inject_nan_module=lm_head",

@@ -162,6 +162,8 @@ def test_a_mixture_trains_resumes_bit_identically_and_reports_each_source(
     assert "dataset: mixture" in log and all(f"source {name}: weight" in log for name in sources)
     assert log.count(f"source {tiny} ran out after") == 1
     by_source = log.split("val loss by source ")[1].splitlines()[0]  # the tiny source holds out no document
+    assert log.count(f"WARNING | training.eval_interval is 3, but no validation window of 33 tokens fits in source "
+                     f"{tiny} (0 validation tokens): the validation leaves it out") == 1
     assert [part.rsplit(" ", 1)[0] for part in by_source.split(" | ")[0].split(", ")] == list(sources)[:2]
     recorded = history(Path(straight.logging.run_dir))["run"]["sources"]
     assert [r["source"] for r in recorded] == list(sources) and [r["weight"] for r in recorded] == [0.5, 0.3, 0.2]

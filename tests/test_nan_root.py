@@ -95,6 +95,18 @@ def test_replay_prints_the_runs_losses_bit_exact_and_the_batchs_documents(tmp_pa
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").iterdir()} == checkpoints
     assert json.loads((target / "config.json").read_text())["checkpoint"]["dir"] == str(target / "checkpoints")
 
+    # step_000020 damaged where only its checksum shows it: passed over, said, and the replay starts further back
+    state = tmp_path / "ckpt" / "step_000020" / "state.pt"
+    with open(state, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xa5" * 256)
+    again = supervise(tmp_path, "--replay", str(source), "--step", "21")
+    assert again.returncode == 0, again.stdout
+    assert re.search(rf"supervisor: {re.escape(str(state.parent))} passed over: {re.escape(str(state))} has checksum "
+                     rf"[0-9a-f]+, meta.json recorded [0-9a-f]+\n", again.stdout), again.stdout
+    assert "from step 0 (no checkpoint of the run at or before it) on 2 ranks" in again.stdout
+    assert step_lines(again.stdout, 0, 21) == step_lines(original.stdout, 0, 21)
+
 
 
 def test_a_replay_leaves_out_the_runs_injected_process_fault(tmp_path: Path, token_cache_dir: Path) -> None:
@@ -249,6 +261,26 @@ def test_a_loss_spike_rolls_back_skipping_batches_and_a_resumed_run_decides_alik
     assert step_lines(resumed.stdout, 10, 19) == step_lines(out, 10, 19)
     meta = json.loads((again / "ckpt" / "step_000015" / "meta.json").read_text())
     assert meta["config"]["training"]["skip_batches"] == {"10": 4} and len(meta["loop"]["spike_window"]) == 4
+
+    # the run's own checkpoint before the spike found damaged at the rollback: it goes back to the one before that,
+    # and says the step it loaded (resumed here from an intact copy of step 10 kept elsewhere)
+    damaged = tmp_path / "damaged"
+    for folder, names in ((damaged / "ckpt", ("step_000005", "step_000010")), (damaged / "copy", ("step_000010",))):
+        for name in names:
+            shutil.copytree(tmp_path / "ckpt" / name, folder / name)
+    with open(damaged / "ckpt" / "step_000010" / "state.pt", "r+b") as f:
+        f.seek(4096)
+        f.write(b"\xa5" * 256)
+    fell_back = train(damaged, token_cache_dir, 20,
+                      **{**spiky, "checkpoint": {**spiky["checkpoint"], "resume": str(damaged / "copy" / "step_000010")}})
+    out = fell_back.stdout
+    assert fell_back.returncode == 0, out
+    assert re.search(rf"CPU0:WARNING \| --resume: {re.escape(str(damaged / 'ckpt' / 'step_000010' / 'state.pt'))} has "
+                     rf"checksum [0-9a-f]+, meta.json recorded [0-9a-f]+; resuming from "
+                     rf"{re.escape(str(damaged / 'ckpt' / 'step_000005'))}, the newest intact checkpoint", out), out
+    assert (f"CPU0:WARNING | rolled back to {damaged / 'ckpt' / 'step_000005'} (step 5), skipping 4 batches: from "
+            f"step 10 on") in out, out
+    assert "step 20/20, final loss" in out
 
 
 def test_the_spike_rule_judges_a_full_window_and_keeps_spikes_out_of_it() -> None:

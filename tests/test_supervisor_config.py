@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
+import psutil
 import pytest
 
 from rank_scripts.harness import WORKER, clean_env, run
@@ -13,6 +15,7 @@ from trainer.config import Config, apply_layer
 from trainer.config.resolve import preset_layer
 from trainer.data import TOKEN_CACHE_ENV
 from trainer.errors import UserError
+from trainer.model.estimate import GiB
 from trainer.preflight import check_run
 
 
@@ -83,21 +86,59 @@ def preset(name: str, **overrides: dict) -> Config:
     return cfg
 
 
+def host_with(monkeypatch: pytest.MonkeyPatch, gib: float) -> None:
+    """This machine as one with `gib` of host memory available and no swap: what CPU ranks are sized against."""
+    memory = SimpleNamespace(available=int(gib * GiB), total=int(gib * GiB))
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory)
+    monkeypatch.setattr(psutil, "swap_memory", lambda: SimpleNamespace(free=0))
+
+
 def test_gpu_presets_refuse_a_cpu_unless_forced(tmp_path, monkeypatch):
     """The trainer's check of a run (`trainer.preflight.check_run`) on CPU ranks; on GPUs none of this applies."""
     monkeypatch.chdir(tmp_path)  # the checkpoint folder it checks
+    host_with(monkeypatch, 1024)  # room for any of them: here only the kind of run matters
 
     def on_cpus(cfg: Config) -> None:
-        check_run(cfg, 1, on_gpus=False, notes=[])
+        check_run(cfg, 1, 1, on_gpus=False, notes=[])
 
     with pytest.raises(UserError, match=r"preset 'production' \([\d.]+B parameters, fsdp, bf16\) needs GPUs.*--debug"):
         on_cpus(preset("production"))
     on_cpus(preset("production", system={"device": "cpu"}))
     on_cpus(preset("debug"))
     on_cpus(preset("small"))
-    check_run(preset("production"), 8, on_gpus=True, notes=[])
+    check_run(preset("production"), 8, 8, on_gpus=True, notes=[])
     with pytest.raises(UserError, match="system.device=cuda but no GPU"):
         on_cpus(preset("debug", system={"device": "cuda"}))
+
+
+@pytest.mark.parametrize("gib, advice", [
+    (1024, "use --debug or --preset small on this CPU, or force it with --set system.device=cpu"),
+    (64, "use --debug or --preset small on this CPU; forced onto CPU ranks (--set system.device=cpu) it would need "
+         "about 127.6 GiB of host memory, 64.0 GiB available"),
+    (16, "use --debug on this CPU; forced onto CPU ranks (--set system.device=cpu) it would need about 127.6 GiB of "
+         "host memory, 16.0 GiB available"),
+])
+def test_a_gpu_preset_on_a_cpu_points_only_at_what_fits_the_host(tmp_path, monkeypatch, gib, advice):
+    """Two CPU ranks of `small` take about 41 GiB in fp32 with the full loss: recommended only where they fit."""
+    monkeypatch.chdir(tmp_path)
+    host_with(monkeypatch, gib)
+    with pytest.raises(UserError) as refused:
+        check_run(preset("production"), 2, 2, on_gpus=False, notes=[])
+    why = "preset 'production' (7.2B parameters, fsdp, bf16) needs GPUs and none was found"
+    assert str(refused.value) == f"{why}; {advice}"
+
+
+def test_cpu_ranks_clearly_beyond_the_host_memory_are_refused(tmp_path, monkeypatch):
+    """By a margin: the estimate is approximate, so a run somewhat above what is available still starts."""
+    monkeypatch.chdir(tmp_path)
+    host_with(monkeypatch, 30)
+    check_run(preset("small"), 2, 2, on_gpus=False, notes=[])  # 41.4 GiB: over 30, within the margin
+    host_with(monkeypatch, 16)
+    with pytest.raises(UserError) as refused:
+        check_run(preset("small"), 2, 2, on_gpus=False, notes=[])
+    assert str(refused.value).startswith("2 CPU ranks would need about 41.4 GiB of host memory (20.7 GiB each) by the "
+                                         "estimate, more than 1.5 times the 16.0 GiB this machine has available")
+    check_run(preset("small"), 2, 2, on_gpus=True, notes=[])  # on GPUs the host is not what holds it
 
 
 def test_production_on_a_cpu_machine_is_refused_before_anything_starts(tmp_path):

@@ -32,11 +32,12 @@ def free_bytes(folder: Path) -> int | None:
 
 def check_writable(folder: Path, what: str, fix: str) -> None:
     """Write a scratch file where `folder` is or would be created (the folder itself, else its nearest existing
-    parent): a folder the run cannot write (permissions, a read-only mount, a file in the way, a full disk) is one line naming
-    `what` it is for and the `fix`, before any work that would write there. Nothing is created, so a run that cannot
-    start leaves no folder behind, and ranks or runs checking the same folder at once cannot trip each other up."""
-    existing = next((p for p in (folder, *folder.parents) if p.exists()), folder)
+    parent): a folder the run cannot write (permissions, a read-only mount, a file in the way, a symbolic link that
+    leads nowhere, a name too long, a full disk) is one line naming `what` it is for and the `fix`, before any work
+    that would write there. Nothing is created, so a run that cannot start leaves no folder behind, and ranks or runs
+    checking the same folder at once cannot trip each other up."""
     try:
+        existing = nearest_existing(folder)
         if not existing.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
         with tempfile.TemporaryFile(dir=existing):
@@ -47,6 +48,19 @@ def check_writable(folder: Path, what: str, fix: str) -> None:
     except OSError as e:
         raise UserError(f"{what} {folder} is not writable ({e.strerror or e}); {fix}") from None
 
+
+def nearest_existing(folder: Path) -> Path:
+    """`folder`, else its nearest parent that exists. A symbolic link on the way that leads nowhere (to nothing, or
+    round in a loop) is an OSError naming it: creating the folder there would fail with a baffling 'File exists'."""
+    for path in (folder, *folder.parents):
+        if path.is_symlink() and not path.exists():
+            try:
+                os.stat(path)
+            except OSError as e:
+                raise OSError(e.errno, f"{path} is a symbolic link that leads nowhere: {e.strerror}") from None
+        if path.exists():
+            return path
+    return folder
 
 
 def fsync_dir(path: Path) -> None:

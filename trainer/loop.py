@@ -519,7 +519,9 @@ class Trainer:
             if self.ctx.is_main:
                 self.log.warning(f"no checkpoint at or before step {spike.step} in {root}: not rolled back")
             return {}
-        back = layout.step_of(target) or 0
+        # a damaged `target` is passed over for the newest intact checkpoint before it: the step is the one loaded
+        target, meta = self.checkpoints.load_intact(target)
+        back = meta.step
         skip_from = max(back, spike.step - t.spike_skip // 2)
         skips = dict(t.skip_batches or {})
         skips[str(skip_from)] = skips.get(str(skip_from), 0) + t.spike_skip
@@ -528,7 +530,6 @@ class Trainer:
             for later in layout.list_checkpoints(root):
                 if (layout.step_of(later) or 0) > back:
                     store.remove(later)
-        _, meta = self.checkpoints.load_intact(target)
         if self.spikes is not None:
             self.spikes.restore(meta.loop.get("spike_window", []))
         self.checkpoints.last_saved = back

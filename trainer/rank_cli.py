@@ -20,12 +20,12 @@ from pathlib import Path
 from trainer.checkpoint.claim import FolderClaim
 from trainer.checkpoint.layout import check_checkpoint_dir, check_resume, earlier_run, find_resume
 from trainer.config import RUNS_DIR, Config
-from trainer.config.choices import cpu_refusal
 from trainer.config.resolve import FLAG_KEYS, add_config_arguments, handle_inspection_flags, print_presets_table
 from trainer.data import TOKEN_CACHE_ENV
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.preflight import cpu_refusal, dry_run
 from trainer.torch_release import check_torch_release
 
 FAILURE_EXIT_CODE = 1
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="print parameters, tokens per step, FLOPs per token and a per-GPU memory estimate "
                              "(DDP and FSDP), then exit; nothing is allocated")
-    parser.add_argument("--nproc", type=int, metavar="N", help="the GPU count --dry-run assumes without WORLD_SIZE")
+    parser.add_argument("--nproc", type=int, metavar="N",
+                        help="the ranks --dry-run assumes without WORLD_SIZE (default: the GPUs visible, else 1)")
     return parser
 
 
@@ -73,16 +74,26 @@ def load_config(args: argparse.Namespace) -> tuple[Config | None, Path | None]:
     return cfg, Path(args.run_config).resolve().parent
 
 
-def check_fits_on_cpu(cfg: Config) -> None:
-    """By hand or under torchrun, `system.device=auto` without a GPU means CPU ranks: a config meant for GPUs is
-    refused here as the supervisor refuses it, before its data is tokenized or its weights fill the host's memory.
-    Only such a config pays for importing torch to ask whether a GPU is visible."""
-    if cfg.system.device != "auto" or (refusal := cpu_refusal(cfg)) is None:
-        return
-    import torch
+def ranks_here(assumed: int | None = None) -> tuple[int, int]:
+    """(the run's ranks, those on this machine): torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE, else `assumed` (what a
+    dry run is told to size) on this machine, else this process alone."""
+    world = int(os.environ.get("WORLD_SIZE") or assumed or 1)
+    return world, int(os.environ.get("LOCAL_WORLD_SIZE") or world)
 
-    if not torch.cuda.is_available():
-        raise UserError(refusal)
+
+def check_fits_on_cpu(cfg: Config) -> None:
+    """By hand or under torchrun, CPU ranks (`system.device=cpu`, or `auto` without a GPU) are refused here as the
+    supervisor refuses them: a config meant for GPUs, or one well beyond the host's memory, before its data is
+    tokenized or its weights fill the host's memory. Only a config refused on CPUs pays for importing torch to ask
+    whether a GPU is visible."""
+    if cfg.system.device == "cuda" or (refusal := cpu_refusal(cfg, *ranks_here())) is None:
+        return
+    if cfg.system.device == "auto":
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    raise UserError(refusal)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         if cfg is None:
             return 0
         check_torch_release()
-        if args.dry_run:
-            from trainer.model.estimate import dry_run_report, torch_gpus
+        if args.dry_run:  # sized for the device the rank would take (trainer.model.distributed.select_device)
+            from trainer.model.estimate import DetectedGpus, torch_gpus
 
-            print(dry_run_report(cfg, torch_gpus(), args.nproc), flush=True)
+            gpus = DetectedGpus() if cfg.system.device == "cpu" else torch_gpus()
+            print(dry_run(cfg, gpus, *ranks_here(args.nproc or gpus.count)), flush=True)
             return 0
         # under the supervisor, the token cache it found for this config (trainer.data.TOKEN_CACHE_ENV)
         cache = Path(os.environ[TOKEN_CACHE_ENV]) if run_dir is not None and TOKEN_CACHE_ENV in os.environ else None

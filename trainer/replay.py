@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from trainer.checkpoint.layout import META_FILE, damage, list_checkpoints, step_of
+from trainer.checkpoint.layout import META_FILE, checksum_damage, damage, list_checkpoints, step_of
 from trainer.config import Config, DebugConfig
 from trainer.errors import UserError
 from trainer.metrics import HISTORY_JSON, recorded
@@ -80,12 +80,14 @@ def plan(source: Path, step: int, nproc: int | None, log_dir: Path) -> Replay:
     cfg = run_config(source)
     if not 0 <= step < cfg.training.max_steps:
         raise UserError(f"--step {step} is not a step of {source} (its steps are 0-{cfg.training.max_steps - 1})")
-    checkpoint = start_checkpoint(cfg, step)
+    passed: list[str] = []
+    checkpoint = start_checkpoint(cfg, step, passed)
     world_size = ranks_that_ran(source, checkpoint) or nproc
     if world_size is None:
         raise UserError(f"--replay {source}: neither its {HISTORY_JSON} nor a checkpoint says how many ranks it ran "
                         f"on; give --nproc N")
     replay = Replay(source, step, copy.deepcopy(cfg), world_size, checkpoint)
+    replay.notes += passed
     t = replay.config.training
     t.replay_step = step
     t.spike_policy = "log"  # a replay says a spike; going back is the run's decision, recorded already
@@ -107,7 +109,9 @@ def plan(source: Path, step: int, nproc: int | None, log_dir: Path) -> Replay:
     c.dir = str(log_dir)
     c.interval, c.save_final = 0, False  # nothing to keep but what the diagnostics dump
     replay.config.logging.wandb = False  # a replay is no run of the project to chart
-    start = f"from {checkpoint}" if checkpoint is not None else "from step 0 (no checkpoint of the run at or before it)"
+    gone = "" if Path(cfg.checkpoint.dir).is_dir() else f": its checkpoint folder {cfg.checkpoint.dir} is gone"
+    start = (f"from {checkpoint}" if checkpoint is not None
+             else f"from step 0 (no checkpoint of the run at or before it{gone})")
     replay.notes.insert(0, f"replay of step {step} of {source}: {start} on {replay.world_size} rank"
                            f"{'s' * (replay.world_size != 1)}, with the NaN diagnostics on; then it stops")
     replay.config.notes = [*cfg.notes, *replay.notes]
@@ -139,12 +143,16 @@ def run_config(source: Path) -> Config:
     return Config.load(restarts[-1][1] if restarts else source / "config.json")
 
 
-def start_checkpoint(cfg: Config, step: int) -> Path | None:
-    """The run's newest intact checkpoint at or before `step`; where it has none, what the run itself began from (a
-    checkpoint it was told to resume, or step 0)."""
-    found = [p for p in list_checkpoints(Path(cfg.checkpoint.dir)) if (step_of(p) or 0) <= step and damage(p) is None]
-    if found:
-        return found[-1]
+def start_checkpoint(cfg: Config, step: int, passed: list[str]) -> Path | None:
+    """The run's newest intact checkpoint at or before `step`, each one passed over said in `passed`; where it has
+    none, what the run itself began from (a checkpoint it was told to resume, or step 0). Intact means its checksums
+    too, every byte read here: the ranks would refuse a damaged one, which the replay named, rather than go back."""
+    for path in reversed(list_checkpoints(Path(cfg.checkpoint.dir))):
+        if (step_of(path) or 0) > step:
+            continue
+        if (problem := damage(path) or checksum_damage(path)) is None:
+            return path
+        passed.append(f"{path} passed over: {problem}")
     spec = cfg.checkpoint.resume
     return Path(spec) if spec not in (None, "auto") else None
 

@@ -254,14 +254,7 @@ def select(inventory: Inventory, gpus_flag: str | None, nproc: int | None) -> li
     return [by_index[i] for i in ids]
 
 
-def detected() -> DetectedGpus:
-    """The GPUs this process may use, for `--dry-run`: the discovery above (`CUDA_VISIBLE_DEVICES` honoured, so an
-    empty one means no GPU), else torch's view where neither NVML nor nvidia-smi is installed."""
-    inventory = discover()
-    if inventory.usable:
-        return DetectedGpus(len(inventory.usable), min(g.memory_total for g in inventory.usable), inventory.usable[0].name)
-    if inventory.gpus:  # there are GPUs, all hidden by CUDA_VISIBLE_DEVICES
-        return DetectedGpus()
-    from trainer.model.estimate import torch_gpus
-
-    return torch_gpus()
+def detected(chosen: list[Gpu]) -> DetectedGpus:
+    """The GPUs a run chose (one at least), as `--dry-run` sizes them: how many, the smallest one's memory, its name."""
+    smallest = min(chosen, key=lambda g: g.memory_total)
+    return DetectedGpus(len(chosen), smallest.memory_total, smallest.name)

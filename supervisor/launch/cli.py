@@ -40,7 +40,8 @@ from trainer.config import PROJECT_ROOT, RUNS_DIR, Config
 from trainer.config.resolve import add_config_arguments, handle_inspection_flags
 from trainer.durable import check_writable
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError, exit_without_teardown
-from trainer.preflight import check_run
+from trainer.model.estimate import DetectedGpus
+from trainer.preflight import check_run, dry_run
 from trainer.replay import from_flags as replay_from_flags
 
 DEFAULT_CPU_RANKS = 2
@@ -203,11 +204,13 @@ def check_rendezvous(args: argparse.Namespace) -> None:
 @dataclass
 class Devices:
     """What `choose_devices` decided: the physical GPU ids for this node's ranks (empty: CPU ranks), NVML's
-    preflight answers about them (the baseline a failure is compared with) and whether they are the test seam's."""
+    preflight answers about them (the baseline a failure is compared with), whether they are the test seam's, and
+    what `--dry-run` sizes them as."""
 
     gpus: list[int]
     preflight: dict[int, preflight.Health] = field(default_factory=dict)
     fake: bool = False
+    sizes: DetectedGpus = field(default_factory=DetectedGpus)
 
 
 def choose_devices(args: argparse.Namespace, cfg: Config, console_notes: list[str]) -> Devices:
@@ -234,7 +237,7 @@ def choose_devices(args: argparse.Namespace, cfg: Config, console_notes: list[st
                                  f"CPU")
         if args.gpus is not None and args.gpus.strip() == "auto":
             console_notes.append("--gpus auto chose " + "; ".join(g.describe() for g in chosen))
-        return Devices([g.index for g in chosen], health, inventory.fake)
+        return Devices([g.index for g in chosen], health, inventory.fake, discovery.detected(chosen))
     why = "system.device=cpu" if forced_cpu else "no GPU found"
     count = args.nproc or args.cpu_ranks
     console_notes.append(f"{why}: starting {count} CPU rank{'s' if count > 1 else ''} on gloo (--nproc N to change)")
@@ -293,7 +296,7 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
     assigned = args.node_rank is None
     ranks = node_ranks(devices.gpus, args.nproc or args.cpu_ranks, 0 if assigned else args.node_rank)
     if launch is None and Path(entry).name == TRAINER_ENTRY:  # what the ranks would refuse only after the token cache
-        check_run(cfg, args.nnodes * len(ranks), bool(devices.gpus), notes)
+        check_run(cfg, args.nnodes * len(ranks), len(ranks), bool(devices.gpus), notes)
     if not devices.gpus:
         cfg.system.device = "cpu"
     plan = Plan(entry=entry, entry_args=entry_args, run_dir=Path(), ranks=ranks, nnodes=args.nnodes,
@@ -312,6 +315,15 @@ def make_plan(args: argparse.Namespace, cfg: Config, entry_args: list[str], note
     plan.run_dir = create_run_dir(Path(args.log_dir), plan.program_name if launch is not None else cfg.preset)
     cfg.logging.run_dir = str(plan.run_dir)
     return plan
+
+
+def plan_dry_run(args: argparse.Namespace, cfg: Config) -> str:
+    """`--dry-run`: the run `make_plan` would plan here, sized instead of started. Its devices are chosen as the run
+    chooses them, so a --gpus or --nproc the run would refuse is the same error, and the estimate is for the GPUs
+    chosen, else for the CPU ranks as they run (`trainer.preflight.dry_run`)."""
+    devices = choose_devices(args, cfg, [])
+    local = len(node_ranks(devices.gpus, args.nproc or args.cpu_ranks, 0))
+    return dry_run(cfg, devices.sizes, args.nnodes * local, local)
 
 
 def read_command_line(argv: list[str]) -> tuple[argparse.Namespace, list[str], TorchrunLaunch | None, list[str]]:
@@ -352,9 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg is None:
             return 0
         if args.dry_run:
-            from trainer.model.estimate import dry_run_report  # imports torch: only for this flag
-
-            print(dry_run_report(cfg, discovery.detected(), args.nproc), flush=True)
+            print(plan_dry_run(args, cfg), flush=True)
             return 0
         if replay is not None:
             args.nproc = replay.world_size

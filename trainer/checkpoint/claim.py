@@ -37,19 +37,19 @@ class FolderClaim:
     @classmethod
     def take(cls, folder: Path, run_dir: Path | None) -> "FolderClaim":
         """Claim `folder` (made if missing) for the run in `run_dir` (None: not known yet), or refuse the run."""
-        folder.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(folder / LOCK_FILE), timeout=0)
-        try:
-            lock.acquire()
-        except Timeout:
-            raise UserError(f"checkpoint.dir {folder} is in use by another run ({holder(folder)}); wait for it to "
-                            f"end, or give this run a folder of its own with --set checkpoint.dir=DIR") from None
-        except OSError as e:
-            raise UserError(f"cannot lock the checkpoint folder {folder} ({e.strerror or e}); set checkpoint.dir "
-                            f"to a writable folder") from None
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "run": str(run_dir) if run_dir else None,
                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        (folder / OWNER_FILE).write_text(json.dumps(owner) + "\n")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+            (folder / OWNER_FILE).write_text(json.dumps(owner) + "\n")
+        except Timeout:
+            raise in_use(folder) from None
+        except OSError as e:  # its lock file or its note in the way (a folder of that name), or a folder gone
+            lock.release()
+            raise UserError(f"cannot claim the checkpoint folder {folder} for this run ({e.strerror or e}: "
+                            f"{e.filename or folder}); set checkpoint.dir to a writable folder of its own") from None
         return cls(lock)
 
     def release(self) -> None:
@@ -62,6 +62,27 @@ class FolderClaim:
             (folder / name).unlink(missing_ok=True)
         self.lock.release()
         self.lock = None
+
+
+def in_use(folder: Path) -> UserError:
+    return UserError(f"checkpoint.dir {folder} is in use by another run ({holder(folder)}); wait for it to end, or "
+                     f"give this run a folder of its own with --set checkpoint.dir=DIR")
+
+
+def held(folder: Path) -> bool:
+    """Whether a live run holds `folder`'s claim now (asked without making a lock file where there is none), so that
+    what a run finds in the folder is not taken for an earlier run's while that run is still writing it."""
+    if not (folder / LOCK_FILE).is_file():
+        return False
+    lock = FileLock(str(folder / LOCK_FILE), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return True
+    except OSError:
+        return False  # one this user cannot take: the claim itself says so when the run takes it
+    lock.release()
+    return False
 
 
 def holder(folder: Path) -> str:

@@ -12,18 +12,24 @@ short, a hand edit, files copied from another checkpoint) is found before the te
 stat each (`damage`, before any rank starts), checksums by the ranks before they load (`verify_files`, every byte
 read once, the files shared among the ranks by trainer.checkpoint.store). A checkpoint written before its files were
 recorded has no `files`: its structure alone is checked, and it loads unverified.
+
+Length: all that the supervisor reads of checkpoints without torch (names, the meta record, damage, which one a resume
+means) is this one module, so that what it decides before any rank starts and what the ranks decide agree.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import zipfile
 from collections.abc import Iterable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import xxhash
 
+from trainer.checkpoint import claim
 from trainer.config import Config
 from trainer.config.json_text import parse_json
 from trainer.durable import check_writable
@@ -49,6 +55,48 @@ MEMORY_PREFIX = "local"  # each rank's copies there are named after its local ra
 # from `name_or_path` takes its shape from there, whatever the other keys say.
 SHAPE_KEYS = ("architecture", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_hidden_size",
               "tie_word_embeddings")
+
+
+@dataclass
+class CheckpointMeta:
+    """What a checkpoint is, readable without loading any tensor."""
+
+    step: int  # optimizer steps completed: a resumed run continues with this step index
+    format: str  # "full" | "sharded"
+    cache_key: str
+    world_size: int
+    data: dict[str, int]  # the data position: the sampler is a pure function of these and the step
+    model_shapes: dict[str, list[int]]
+    config: dict[str, Any]
+    saved_at: float = field(default_factory=time.time)
+    # the full format: model and optimizer in dcp/, each rank's share (`replicated_share`), not in state.pt. Absent
+    # from the meta.json of checkpoints written before it existed: those keep everything in state.pt
+    split: bool = False
+    # each file of the folder by its path in it: {"bytes": size, "xxh3_64": checksum} (trainer.checkpoint.layout),
+    # recorded in meta.json once every rank's files are written; empty in state.pt's copy, in a `.pt` file, and in
+    # checkpoints written before files were recorded (those load unverified)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # the loop's own state beyond the tensors (the loss-spike detector's window, trainer.diagnosis.spikes); empty in
+    # checkpoints written before it existed
+    loop: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def in_dcp(self) -> bool:
+        """Whether the model and optimizer are in dcp/ (the sharded format, or a split full one)."""
+        return self.format == SHARDED or self.split
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> CheckpointMeta:
+        """The meta a checkpoint recorded; a ValueError says what is missing or foreign in a record edited by hand."""
+        if not isinstance(raw, dict):
+            raise ValueError("is not a JSON object")
+        known = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        if missing := sorted(required - raw.keys()):
+            raise ValueError(f"lacks {', '.join(missing)}")
+        if foreign := sorted(raw.keys() - known):
+            raise ValueError(f"has keys a checkpoint does not record: {', '.join(foreign)}")
+        return cls(**raw)
 
 
 def human_bytes(n: float) -> str:
@@ -108,10 +156,23 @@ def step_of(path: Path) -> int | None:
 
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first (a folder is complete once it has its final name)."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None and (p / META_FILE).is_file()]
+    try:
+        if not root.is_dir():
+            return []
+        found = [p for p in root.iterdir() if step_of(p) is not None and complete(p)]
+    except OSError as e:
+        raise UserError(f"the checkpoint folder {root} cannot be read ({e.strerror or e}); give this user read "
+                        f"access to it, or set checkpoint.dir to another folder") from None
     return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def complete(path: Path) -> bool:
+    """Whether the step folder `path` has its meta.json. One this user cannot look into counts: its check says it
+    cannot be read, where leaving it out would pass over it in silence."""
+    try:
+        return path.is_dir() and (path / META_FILE).is_file()
+    except PermissionError:
+        return True
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -185,6 +246,13 @@ def verify_files(path: Path, names: list[str], files: dict[str, dict[str, Any]])
     return None
 
 
+def checksum_damage(path: Path) -> str | None:
+    """`verify_files` over every file the checkpoint folder `path` records, in this one process (a folder `damage`
+    found whole: its meta.json reads)."""
+    files = recorded_files(json.loads((path / META_FILE).read_text())) or {}
+    return verify_files(path, sorted(files), files)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Damage: what the atomic save cannot rule out (a disk fault, a copy cut short, a hand edit), found without torch and
 # without reading the tensors, so that `--resume` passes over or refuses such a checkpoint before any rank starts
@@ -219,13 +287,19 @@ def damage(path: Path) -> str | None:
         return archive_damage(path)
     try:
         meta = parse_json((path / META_FILE).read_text())
-    except (OSError, ValueError) as e:
+    except OSError as e:
+        return f"{path / META_FILE} cannot be read ({e.strerror or e})"
+    except ValueError as e:
         return f"{path / META_FILE} is not readable JSON ({e})"
     fits = (isinstance(meta, dict) and isinstance(meta.get("cache_key"), str) and isinstance(meta.get("step"), int)
             and meta.get("format") in STRATEGY_OF_FORMAT and isinstance(meta.get("config"), dict)
             and isinstance(meta["config"].get("model", {}), dict))
     if not fits:
         return f"{path / META_FILE} lacks the step, format, cache_key or config a checkpoint records"
+    try:
+        CheckpointMeta.from_dict(meta)
+    except ValueError as e:
+        return f"{path / META_FILE} {e}"
     if problem := archive_damage(path / STATE_FILE):
         return problem
     files = recorded_files(meta)
@@ -238,13 +312,16 @@ def damage(path: Path) -> str | None:
     return None
 
 
-def scan(root: Path, known: dict[Path, str] | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest checkpoint under `root` that looks intact (None where none does), and the damaged ones newer than
-    it, newest first, each with what is wrong with it: what `damage` finds, or what `known` says (the ranks' checks
-    of checksums and their loads, which find what the files alone do not show)."""
+def scan(root: Path, known: dict[Path, str] | None = None,
+         up_to: int | None = None) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under `root` (of a step at most `up_to`, where given) that looks intact (None where none
+    does), and the damaged ones newer than it, newest first, each with what is wrong with it: what `damage` finds, or
+    what `known` says (the ranks' checks of checksums and their loads, which find what the files alone do not show)."""
     known = known or {}
     damaged = []
     for path in reversed(list_checkpoints(root)):
+        if up_to is not None and (step_of(path) or 0) > up_to:
+            continue
         problem = known.get(path) or damage(path)
         if problem is None:
             return path, damaged
@@ -282,7 +359,10 @@ def names_one(cfg: Config) -> bool:
     if spec is None or spec == "auto":
         return False
     path = Path(spec)
-    return path.is_file() or (path / META_FILE).is_file()
+    try:
+        return path.is_file() or (path / META_FILE).is_file()
+    except PermissionError:  # one this user cannot look into: its check says so
+        return True
 
 
 def refusal(spec: str, path: Path, problem: str, known: dict[Path, str] | None = None) -> UserError:
@@ -334,6 +414,8 @@ def earlier_run(cfg: Config) -> list[Path]:
     except (OSError, ValueError, KeyError, TypeError):
         planned = None  # unreadable: treated as unfinished, the safe side
     if planned is None or (step_of(latest) or 0) < planned:
+        if claim.held(Path(cfg.checkpoint.dir)):  # not an earlier run: a live one, still writing there
+            raise claim.in_use(Path(cfg.checkpoint.dir))
         of = f" of {planned}" if planned is not None else ""
         raise UserError(f"{cfg.checkpoint.dir} holds an unfinished run (up to {latest.name}{of} steps); continue it "
                         f"with --resume auto, or start a new run elsewhere with --set checkpoint.dir=DIR (or delete "

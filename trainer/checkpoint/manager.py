@@ -80,7 +80,8 @@ class Checkpointer:
         self.resumed: store.CheckpointMeta | None = None
         self.root = Path(cfg.checkpoint.dir)
         self.last_saved: int | None = None
-        self.superseded: list[Path] = []  # a finished earlier run's checkpoints, removed at this run's first save
+        # removed at this run's first save: a finished earlier run's checkpoints, or those after the step it resumed
+        self.superseded: list[Path] = []
         self.background: bool | None = None  # checkpoint.async_save as decided at the first save
         self.stager: HostStager | None = None  # its host buffers, while saves are written in the background
         self.in_flight: BackgroundWrite | None = None
@@ -136,7 +137,19 @@ class Checkpointer:
         if self.ctx.is_main:
             self.log.info(f"resumed from {path} at step {meta.step} (loaded in {self.load_s:.1f} s)")
             self.say_data(str(path), meta)
+            self.leave_later(meta.step)
         return meta.step
+
+    def leave_later(self, step: int) -> None:
+        """The checkpoints in checkpoint.dir after the resumed `step` (damaged ones passed over, or those of a
+        trajectory resumed from before them) are superseded: this run's first save removes them, so that neither
+        pruning, which keeps the newest, nor a later --resume auto takes them for this run's (rank 0)."""
+        later = [p for p in layout.list_checkpoints(self.root) if (layout.step_of(p) or 0) > step]
+        if later:
+            self.superseded = later
+            self.log.warning(f"{self.root} holds {len(later)} checkpoint{'s' * (len(later) > 1)} after step {step} "
+                             f"({', '.join(p.name for p in later)}) that this run does not continue: its first "
+                             f"checkpoint removes them (copy them elsewhere first to keep them)")
 
     def say_data(self, what: str, meta: store.CheckpointMeta) -> None:
         """Rank 0, after a resume: how the batches go on from `what`, written with `meta`'s data settings."""
@@ -157,8 +170,11 @@ class Checkpointer:
         known: dict[Path, str] = {}  # the checkpoints found damaged here, and why
         passed: list[str] = []  # rank 0: what was wrong with each checkpoint passed over here, newest first
         while True:
-            checked = store.verify(path, self.ctx)
-            problem = checked.problem
+            # its structure (rank 0; a rollback's target was not checked before), then its checksums, then the load
+            problem = broadcast_object(layout.damage(path) if self.ctx.is_main else None, self.ctx)
+            if problem is None:
+                checked = store.verify(path, self.ctx)
+                problem = checked.problem
             if problem is None:
                 self.say_verified(path, checked)
                 started = time.perf_counter()
@@ -188,8 +204,8 @@ class Checkpointer:
 
     def instead_of(self, damaged: Path, known: dict[Path, str], passed: list[str]) -> Path:
         """The checkpoint to try in place of `damaged` (rank 0 decides, every rank follows): the newest intact one in
-        the same folder, what was wrong with each passed over appended to `passed`. Where --resume named `damaged`
-        itself, or no intact checkpoint is left, one UserError on every rank alike."""
+        the same folder at or before its step, what was wrong with each passed over appended to `passed`. Where
+        --resume named `damaged` itself, or no intact checkpoint is left, one UserError on every rank alike."""
         decision: Path | str = ""
         if self.ctx.is_main:
             try:
@@ -203,14 +219,15 @@ class Checkpointer:
 
     def newest_intact_instead(self, damaged: Path, known: dict[Path, str], passed: list[str]) -> Path:
         """Rank 0's part of `instead_of`."""
-        if layout.names_one(self.cfg):
+        named = layout.names_one(self.cfg) and Path(str(self.cfg.checkpoint.resume)).resolve() == damaged.resolve()
+        if named:
             raise layout.refusal(str(self.cfg.checkpoint.resume), damaged, known[damaged], known)
-        intact, newer = layout.scan(damaged.parent, known)
-        if intact is None:
-            raise layout.all_damaged(damaged.parent, newer)
-        step = layout.step_of(damaged) or 0
-        # those newer than `damaged` were said already, when --resume chose it
-        passed += [problem for path, problem in newer if (layout.step_of(path) or 0) <= step]
+        # never one newer than `damaged`: a rollback's target precedes its spike, and those newer than what --resume
+        # chose were passed over (and said) already
+        intact, newer = layout.scan(damaged.parent, known, up_to=layout.step_of(damaged) or 0)
+        if intact is None:  # each damaged one found on the way back named in the count, the latest first
+            raise layout.all_damaged(damaged.parent, layout.scan(damaged.parent, known)[1] or newer)
+        passed += [problem for _, problem in newer]
         return intact
 
     # -- saving ------------------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ from trainer.checkpoint.layout import (
     STATE_FILE,
     STEP_PREFIX,
     TMP_PREFIX,
+    CheckpointMeta,
     list_checkpoints,
     other_data,
     other_format,
@@ -92,39 +93,6 @@ class TrainState:
     @property
     def format(self) -> str:
         return SHARDED if is_sharded(self.model) else FULL
-
-
-@dataclass
-class CheckpointMeta:
-    """What a checkpoint is, readable without loading any tensor."""
-
-    step: int  # optimizer steps completed: a resumed run continues with this step index
-    format: str  # "full" | "sharded"
-    cache_key: str
-    world_size: int
-    data: dict[str, int]  # the data position: the sampler is a pure function of these and the step
-    model_shapes: dict[str, list[int]]
-    config: dict[str, Any]
-    saved_at: float = field(default_factory=time.time)
-    # the full format: model and optimizer in dcp/, each rank's share (`replicated_share`), not in state.pt. Absent
-    # from the meta.json of checkpoints written before it existed: those keep everything in state.pt
-    split: bool = False
-    # each file of the folder by its path in it: {"bytes": size, "xxh3_64": checksum} (trainer.checkpoint.layout),
-    # recorded in meta.json once every rank's files are written; empty in state.pt's copy, in a `.pt` file, and in
-    # checkpoints written before files were recorded (those load unverified)
-    files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # the loop's own state beyond the tensors (the loss-spike detector's window, trainer.diagnosis.spikes); empty in
-    # checkpoints written before it existed
-    loop: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def in_dcp(self) -> bool:
-        """Whether the model and optimizer are in dcp/ (the sharded format, or a split full one)."""
-        return self.format == SHARDED or self.split
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "CheckpointMeta":
-        return cls(**raw)
 
 
 def data_position(cfg: Config, world_size: int) -> dict[str, int]:
@@ -528,6 +496,33 @@ def dcp_tracebacks_left_out() -> Iterator[None]:
         root.removeFilter(keep)
 
 
+def comparable(meta: CheckpointMeta) -> dict[str, Any]:
+    """A meta as JSON reads it back, without the files' record (which meta.json alone holds)."""
+    return json.loads(json.dumps({**asdict(meta), "files": {}}))
+
+
+def record_problem(path: Path, state_file: Path, content: Any, meta: CheckpointMeta | None) -> str | None:
+    """What makes state.pt's `content` unlike a checkpoint's, or meta.json (`meta`) unlike the copy state.pt keeps of
+    it, said; None where they agree. meta.json has no checksum of its own: a hand edit (another step, `split` turned
+    off) shows as a difference from that copy, and must not resume a state under the wrong step."""
+    if not isinstance(content, dict) or "meta" not in content:
+        return (f"{state_file} is a torch.save file but not a checkpoint (it holds no checkpoint record); give a "
+                f"step_<n> folder or a .pt file a run saved")
+    try:
+        saved = CheckpointMeta.from_dict(content["meta"])
+    except (ValueError, TypeError) as e:
+        return f"{state_file}'s checkpoint record {e}"
+    if missing := [key for key in ("scheduler", "rng", *(() if saved.in_dcp else ("model", "optimizer")))
+                   if key not in content]:
+        return f"{state_file} lacks the {', '.join(missing)} a checkpoint holds"
+    if meta is not None:
+        here, there = comparable(meta), comparable(saved)
+        if differ := sorted(key for key in here.keys() | there.keys() if here.get(key) != there.get(key)):
+            return (f"{path / META_FILE} differs from the copy state.pt keeps of it ({', '.join(differ)}): it was "
+                    f"changed after the save")
+    return None
+
+
 def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> CheckpointMeta:
     """Restore `state` from a checkpoint after checking it belongs to this run (collective). One that does not read
     back raises `Unreadable` on every rank alike, however torch failed on it (a zip archive cut short, a shard
@@ -541,6 +536,8 @@ def load(path: Path, state: TrainState, ctx: DistContext, cache_key: str) -> Che
         content = load_payload(state_file)
     except Exception as e:  # damage the checks did not see
         problem = f"{state_file} cannot be read ({one_line(e)})"
+    else:
+        problem = record_problem(path, state_file, content, meta)
     if problem := agreed(problem, ctx):
         raise Unreadable(problem)
     if meta is None:

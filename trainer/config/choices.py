@@ -1,6 +1,7 @@
-"""What the `auto` settings resolve to on a device type, torch-free: the rank (trainer.model.build, trainer.model.loss) and the
-memory estimate (trainer.model.estimate, called by the supervisor) resolve the fast path's the same way, and the supervisor
-and a rank started by hand refuse the same configs when `system.device=auto` finds no GPU."""
+"""What the `auto` settings resolve to on a device type, torch-free: the rank (trainer.model.optim, trainer.model.build,
+trainer.model.loss) and the memory estimate (trainer.model.estimate, called by the supervisor) resolve the precision and
+the fast path the same way, and the supervisor and a rank started by hand refuse the same configs when
+`system.device=auto` finds no GPU."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def traces_modules(cfg: Config) -> bool:
     return cfg.debug.nan_localize or cfg.debug.inject_nan_module is not None
 
 
+def half_precision(cfg: Config, cuda: bool) -> bool:
+    """Whether the step computes in 16 bits (autocast, bf16 or fp16): on CUDA with AMP on and fp32 not asked for. CPU
+    ranks always compute in fp32 (CPU autocast is slow and the fp16 scaler is CUDA's)."""
+    t = cfg.training
+    return cuda and t.use_amp and t.precision != "fp32"
+
+
 def compile_enabled(cfg: Config, cuda: bool) -> bool:
     """`system.compile`: auto compiles on CUDA only (on CPUs it costs start-up and buys little), and not while NaN
     localisation or injection hooks trace every module (they would be traced into the graphs)."""
@@ -43,16 +51,17 @@ def auto_loss(cfg: Config, cuda: bool, liger_installed: bool) -> str:
     return "liger" if liger_installed else "chunked"
 
 
-def cpu_refusal(cfg: Config) -> str | None:
+def needs_gpus(cfg: Config) -> str | None:
     """Why `cfg` should not run on CPU ranks when `system.device=auto` found no GPU (None: it may). A model beyond
     CPU_MAX_PARAMETERS, or bf16 FSDP, is a GPU run: on CPUs it would not train, only fill the host's memory for
-    minutes first. `system.device=cpu` is the user saying so on purpose, and is never refused."""
+    minutes first. `system.device=cpu` is the user saying so on purpose, and is never refused here. What to do instead
+    depends on the machine's memory: `trainer.preflight.cpu_refusal` says it."""
     params, t = parameter_count(cfg), cfg.training
     if cfg.system.device == "cpu" or (params <= CPU_MAX_PARAMETERS and not (t.strategy == "fsdp" and
                                                                            t.precision == "bf16")):
         return None
     return (f"preset '{cfg.preset}' ({human(params)} parameters, {t.strategy}, {t.precision}) needs GPUs and none was "
-            f"found; use --debug (or --preset small) on a CPU, or force it with --set system.device=cpu")
+            f"found")
 
 
 def cpu_rank_refusal(cfg: Config) -> str | None:

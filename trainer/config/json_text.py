@@ -1,5 +1,6 @@
 """JSON as the config files hold it and as error messages quote it: `//` comments allowed, no NaN or Infinity, no
-number of thousands of digits, a file read defensively (size, encoding, nesting) so that a wrong file is one line.
+number of thousands of digits, no key twice in one object, a file read defensively (size, encoding, nesting) so that
+a wrong file is one line.
 
 Standard library only: the supervisor reads config files before anything else starts.
 """
@@ -65,11 +66,29 @@ def parse_integer(text: str) -> int:
     return int(text)
 
 
+class DuplicateKey(ValueError):
+    """A key given twice in one JSON object: well-formed JSON, but `json` keeps only the last of the two, which would
+    silently drop the first (a whole section, when two `"training"` objects sit side by side)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"key '{key}' appears twice in one object; give each key once (merge what the two hold)")
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members, refusing a key given twice (`DuplicateKey`)."""
+    members: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in members:
+            raise DuplicateKey(key)
+        members[key] = value
+    return members
+
+
 def parse_json(text: str) -> Any:
-    """JSON as the config files use it: no NaN or Infinity, no number of thousands of digits. A nesting too deep for
-    the parser is a ValueError like any other malformed input."""
+    """JSON as the config files use it: no NaN or Infinity, no number of thousands of digits, no key twice in one
+    object. A nesting too deep for the parser is a ValueError like any other malformed input."""
     try:
-        return json.loads(text, parse_constant=refuse_constant, parse_int=parse_integer)
+        return json.loads(text, parse_constant=refuse_constant, parse_int=parse_integer, object_pairs_hook=unique_keys)
     except RecursionError:
         raise ValueError("nested too deeply to be a config") from None
 
@@ -92,6 +111,8 @@ def read_json(path: Path) -> Any:
         raw = parse_json(strip_json_comments(text))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    except DuplicateKey as e:
+        raise UserError(f"{path}: {e}") from None
     except ValueError as e:
         raise UserError(f"{path}: invalid JSON: {e}") from None
     return raw

@@ -20,9 +20,11 @@ from trainer.config import (
     Config,
     apply_layer,
     closest,
+    coerce,
     read_config_file,
     validate,
 )
+from trainer.config.json_text import DuplicateKey, unique_keys
 from trainer.config.sizes import human, parameter_count, tokens_per_step
 from trainer.errors import UserError
 
@@ -37,16 +39,55 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 
 
-def preset_layer(name: str) -> dict[str, Any]:
-    if Path(name).name != name or name.endswith(".json") or name in ("", ".", ".."):
-        raise UserError(f"preset '{name}' is a path, not a preset's name ({', '.join(preset_names())}); give a "
+def preset_path(name: str, origin: str = "--preset") -> Path:
+    """The file of the preset `name`, as `origin` named it (--preset, or a config file's "preset" key): a name, not
+    empty, not a path, one of presets/."""
+    where = "" if origin == "--preset" else f"{origin}: "
+    if not name.strip():
+        raise UserError(f"{where}{'--preset' if not where else 'preset'} is empty; give a preset's name "
+                        f"({', '.join(preset_names())})")
+    if Path(name).name != name or name.endswith(".json") or name in (".", ".."):
+        raise UserError(f"{where}preset '{name}' is a path, not a preset's name ({', '.join(preset_names())}); give a "
                         f"config file with --config FILE")
     path = PRESETS_DIR / f"{name}.json"
     if not path.is_file():
-        raise UserError(f"unknown preset '{name}'{closest(name, preset_names(), 'presets')}")
-    raw = read_config_file(path)
+        raise UserError(f"{where}unknown preset '{name}'{closest(name, preset_names(), 'presets')}")
+    return path
+
+
+def preset_layer(name: str) -> dict[str, Any]:
+    raw = read_config_file(preset_path(name))
     raw["preset"] = name
     return raw
+
+
+def preset_config(name: str) -> Config:
+    """The preset alone, unvalidated: what the presets table shows and the CPU ranks' advice sizes."""
+    cfg = Config()
+    apply_layer(cfg, preset_layer(name), f"presets/{name}.json")
+    return cfg
+
+
+def base_preset(args: argparse.Namespace, files: list[tuple[str, dict[str, Any]]]) -> str:
+    """The preset the other layers go over: --debug or --preset, else the "preset" a config file names, else
+    production. A file's "preset" beside another choice would be silently overridden, so every preset named, by the
+    flags and the files, must be the same one."""
+    if args.debug and args.preset and args.preset != "debug":
+        raise UserError(f"--debug selects the debug preset; drop it or drop --preset {args.preset}")
+    chosen, chosen_by = ("debug", "--debug") if args.debug else (args.preset, f"--preset {args.preset}")
+    if chosen is not None:
+        preset_path(chosen)
+    for origin, raw in files:
+        if "preset" not in raw:
+            continue
+        name = coerce(raw["preset"], str, "preset", origin)
+        preset_path(name, origin)
+        if chosen is None:
+            chosen, chosen_by = name, f"{origin}'s preset '{name}'"
+        elif name != chosen:
+            raise UserError(f"{origin} names preset '{name}', which conflicts with {chosen_by}; a run has one base "
+                            f"preset: drop one of them")
+    return DEFAULT_PRESET if chosen is None else chosen
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -87,8 +128,10 @@ def parse_set(item: str) -> tuple[str, Any]:
     key, sep, text = item.partition("=")
     if not sep or "." not in key:
         raise UserError(f"--set {item}: expected SECTION.KEY=VALUE, for example --set training.max_steps=100")
-    try:
-        value = json.loads(text)  # NaN and Infinity parse: the key's bound then says it must be finite
+    try:  # NaN and Infinity parse: the key's bound then says it must be finite
+        value = json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as e:  # JSON all the same, that would silently lose a member
+        raise UserError(f"--set {item}: {e}") from None
     except (ValueError, RecursionError):  # not JSON, or too deep for the parser: taken as a string
         value = text
     return key.strip(), value
@@ -106,12 +149,10 @@ def flags_layer(args: argparse.Namespace) -> dict[str, Any]:
 
 def resolve(args: argparse.Namespace) -> Config:
     """Apply preset < config files < flags, then validate."""
-    if args.debug and args.preset and args.preset != "debug":
-        raise UserError(f"--debug selects the debug preset; drop it or drop --preset {args.preset}")
-    files = [(str(path), read_config_file(Path(path))) for path in args.config]
-    name = "debug" if args.debug else args.preset
-    if name is None:  # a config file may name its base preset
-        name = next((raw["preset"] for _, raw in files if isinstance(raw.get("preset"), str)), DEFAULT_PRESET)
+    if "" in (path.strip() for path in args.config):  # Path("") would be the working folder
+        raise UserError("--config is empty; give a JSON config file's path")
+    files = [(path, read_config_file(Path(path))) for path in args.config]
+    name = base_preset(args, files)
     cfg = Config()
     apply_layer(cfg, preset_layer(name), f"presets/{name}.json")
     for origin, raw in files:
@@ -149,8 +190,7 @@ def fit_warmup(cfg: Config) -> None:
 def presets_table() -> list[dict[str, str]]:
     rows = []
     for name in preset_names():
-        cfg = Config()
-        apply_layer(cfg, preset_layer(name), f"presets/{name}.json")
+        cfg = preset_config(name)
         m = cfg.model
         rows.append({
             "name": name,

@@ -10,6 +10,7 @@ supervisor (or `prepare_dataset.py`), the reading half in every rank.
 * `digests` — content digests of files, and the memo that re-reads only the files that changed;
 * `cache` — the token cache: build once under a content key, publish atomically, memory-map read-only;
 * `cache_folder` — the caches on disk as ``prepare_dataset.py --list`` and ``--remove`` see them;
+* `paths` — a path the OS cannot use (too long, a link leading nowhere, no permission) said as the key that named it;
 * `staging` — building a folder among concurrent builders: the lock, the staging folder, atomic publication;
 * `build_progress` — what a build shows while it runs;
 * `mixture` — weighted mixtures of sources: which source each sample comes from, the record naming their caches;

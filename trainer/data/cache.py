@@ -59,7 +59,8 @@ from trainer.config import PROJECT_ROOT, Config, DataConfig
 from trainer.data.build_progress import BuildProgress, peak_rss_bytes
 from trainer.data.corpus import Corpus, open_corpus, split_documents, training_pieces
 from trainer.data.digests import DigestMemo, digest, file_digest
-from trainer.data.mixture import MixtureSource, mixture_key, write_mixture
+from trainer.data.mixture import MixtureSource, mixture_key, refuse_repeats, refuse_unsampled, write_mixture
+from trainer.data.paths import Setting, path_errors_named
 from trainer.data.staging import build_lock, ensure_writable, publish, remove_dead_leftovers, staging
 from trainer.data.token_stream import BATCH_CHARS, DTYPES, TokenStream, encode_pipelined, piece_batches
 from trainer.data.tokenizer import (
@@ -272,6 +273,15 @@ def cache_root(data: DataConfig) -> Path:
     return root if root.is_absolute() else PROJECT_ROOT / root
 
 
+def config_paths(data: DataConfig) -> list[Setting]:
+    """The paths `data` names, by setting: what an OSError about a path is put down to (`path_errors_named`)."""
+    named = [("data.cache_dir", cache_root(data))]
+    if data.tokenizer != BPE:
+        named.append(("data.tokenizer", Path(data.tokenizer).expanduser()))
+    return named + [("data.mixture source" if data.mixture else "data.source", Path(source).expanduser())
+                    for source in data.mixture or [data.source]]
+
+
 def key_material(data: DataConfig, source: dict[str, Any], tokenizer: TokenizerSpec) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION, "source": source, "tokenizer": tokenizer.identity,
             "context_length": data.context_length, "max_samples": data.max_samples, "val_fraction": data.val_fraction}
@@ -438,15 +448,16 @@ def find_or_build(cfg: Config, *, force: bool, show_progress: bool | None, rehas
     """The cache of `cfg.data`'s source, or of each source of its mixture (one process, one at a time: memory holds
     one build's batches). Every source's content is keyed before anything is built, so a hit costs a stat per file."""
     data = cfg.data
+    refuse_unsampled(data.mixture or {})
     root = cache_root(data)
-    progress = BuildProgress.create(show_progress)
     digests = DigestMemo.load(root, rehash=rehash)
-    try:
+    with path_errors_named(config_paths(data)), closing(BuildProgress.create(show_progress)) as progress:
         for parent in (root, root / TOKENIZERS_DIR):
             remove_dead_leftovers(parent)
         sources = [replace(data, source=name, mixture=None) for name in data.mixture] if data.mixture else [data]
         corpora = [open_corpus(source) for source in sources]
         identities = [corpus.identity(digests) for corpus in corpora]
+        refuse_repeats([source.source for source in sources], identities)
         digests.save()
         # A mixture's trained BPE is its first source's: adding a source or changing a weight rebuilds nothing.
         spec = obtain_tokenizer(sources[0], corpora[0], identities[0], root, progress, build)
@@ -461,8 +472,6 @@ def find_or_build(cfg: Config, *, force: bool, show_progress: bool | None, rehas
             infos.append(info)
         digests.save()  # the cache folder exists now, if it did not before
         return mixture_info(root, data, infos) if data.mixture else infos[0]
-    finally:
-        progress.close()
 
 
 def find_or_build_source(data: DataConfig, corpus: Corpus, source: dict[str, Any], spec: TokenizerSpec, root: Path,

@@ -56,7 +56,10 @@ def list_caches(root: Path) -> list[CacheEntry]:
 
 def remove_cache(root: Path, key: str) -> Path:
     """Remove the cache whose key is `key` (or a unique prefix of it), waiting for a build of it to finish first."""
-    matches = [e.path for e in list_caches(root) if e.key.startswith(key.lower())] if key else []
+    if not key.strip():  # a prefix of every key: refused, not taken as "all" nor as "none"
+        raise UserError("--remove needs a cache key (or a unique prefix of one), got an empty one; "
+                        "prepare_dataset.py --list shows the keys")
+    matches = [e.path for e in list_caches(root) if e.key.startswith(key.lower())]
     if len(matches) != 1:
         found = "no cache" if not matches else f"{len(matches)} caches"
         raise UserError(f"{found} in {root} match key '{key}'; see prepare_dataset.py --list")

@@ -43,6 +43,7 @@ from trainer.data.formats import (
     parquet_texts,
     text_of,
 )
+from trainer.data.paths import path_errors_named
 from trainer.data.pieces import (
     SAMPLE_BY_DOCUMENT,
     Piece,
@@ -303,7 +304,8 @@ def open_corpus(data: DataConfig) -> Corpus:
     source = data.source.strip()
     if source == STDLIB_SOURCE:
         return StdlibCorpus()
-    files, root = local_files(source, data.split)
+    with path_errors_named([("data.source", Path(source).expanduser())]):  # also where the preflight opens it
+        files, root = local_files(source, data.split)
     if files is not None:
         return LocalCorpus(source=source, text_field=data.text_field, files=files, root=root, sample_by=data.sample_by)
     return HubCorpus(name=source, config=data.hub_config, split=data.split, revision=data.revision,

@@ -14,6 +14,7 @@ written again without its mtime moving).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -97,7 +98,8 @@ class DigestMemo:
             tmp.write_text(json.dumps({"version": MEMO_VERSION, "files": entries}))
             os.replace(tmp, self.path)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a read-only file system refuses even to unlink a missing file
+                tmp.unlink(missing_ok=True)
             return
         self.changed = {}
 

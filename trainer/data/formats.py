@@ -242,8 +242,18 @@ def no_field(text_field: str, fields: Iterable[str], where: str) -> UserError:
 
 
 def text_of(value: object, text_field: str, where: str) -> str | None:
-    """A row's text; None (no document) for a null or empty value. Any other type means the field is not the text."""
+    """A row's text; None (no document) for a null or empty value. Any other type means the field is not the text.
+    A JSON string may hold an unpaired UTF-16 surrogate (an escape `"\\ud800"` without its pair, or its bytes, which
+    `json` lets through), which is no Unicode text: the tokenizer would fail on it with a traceback naming no row, so
+    it is refused here, where the row is known (the check, a UTF-8 encode, is skipped for ASCII text, most rows)."""
     if value is None or isinstance(value, str):
+        if value and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise UserError(f"{where}: field '{text_field}' holds an unpaired surrogate "
+                                f"({ascii(value[e.start])[1:-1]} at character {e.start + 1:,}), which is not Unicode "
+                                f"text; fix or drop the row") from None
         return value or None
     raise UserError(f"{where}: field '{text_field}' holds a {type(value).__name__}, not text; set data.text_field to "
                     f"a text field")
@@ -275,6 +285,9 @@ def parquet_texts(path: Path, text_field: str) -> Iterator[str]:
             if pa.types.is_dictionary(column.type):
                 column = column.dictionary_decode()
             yield from pc.filter(column, pc.greater(pc.binary_length(column), 0)).to_pylist()
+    except UnicodeDecodeError as e:  # pyarrow writes string columns without checking them: a writer's bad bytes
+        raise UserError(f"{path}: column '{text_field}' holds a value that is not UTF-8 text (byte {e.start}: "
+                        f"{e.reason}); rewrite the file with valid UTF-8 strings") from None
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"cannot read {path} as Parquet ({type(e).__name__}: {first_line(e)}); check the file is "
                         f"complete, valid Parquet") from None

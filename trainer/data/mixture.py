@@ -23,6 +23,7 @@ No torch: the supervisor writes the record when it prepares the data.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ import numpy as np
 
 from trainer import durable
 from trainer.data.digests import digest
+from trainer.data.staging import ensure_writable
 from trainer.errors import UserError
 
 MIXTURES_DIR = "mixtures"
@@ -50,10 +52,12 @@ def mixture_key(sources: Sequence[MixtureSource]) -> str:
 
 
 def write_mixture(root: Path, sources: Sequence[MixtureSource]) -> Path:
-    """The mixture's record under `root`, written once (atomically); later runs of the same mixture only stat it."""
+    """The mixture's record under `root`, written once (atomically); later runs of the same mixture only stat it (so
+    a read-only cache folder serves a mixture once its record is there)."""
     key = mixture_key(sources)
     path = root / MIXTURES_DIR / f"{key}.json"
     if not path.is_file():
+        ensure_writable(root)
         path.parent.mkdir(parents=True, exist_ok=True)
         durable.write_json_durably(path, {"key": key, "sources": [vars(s) for s in sources]})
     return path
@@ -71,6 +75,37 @@ def read_mixture(path: Path) -> tuple[str, list[MixtureSource]]:
     if not sources or mixture_key(sources) != key:
         raise UserError(f"mixture record {path} does not match its key; prepare the data again with prepare_dataset.py")
     return key, sources
+
+
+def refuse_unsampled(weights: dict[str, float], cycle: int = CYCLE) -> None:
+    """A weight whose share of the cycle rounds to no sample (under half of one) cannot be followed: `quotas` would
+    still give its source one sample a cycle, drawn far more often than asked (a weight of 1e-300 as often as one of
+    1e-5) yet never within the first half cycle, so a short run trains none of it. Refused, naming the smallest
+    weight that rounds to a sample of its own."""
+    total = math.fsum(weights.values())
+    for name, weight in weights.items():
+        if weight / total * cycle < 0.5:
+            smallest = rounded_up((total - weight) / (2 * cycle - 1))  # its share is then half a sample
+            raise UserError(f"data.mixture weight {weight:g} of {name} is too small: it gets no sample of a cycle of "
+                            f"{cycle:,}; give it at least {smallest:g} or leave the source out")
+
+
+def rounded_up(value: float, digits: int = 3) -> float:
+    """`value` (above 0) rounded up to `digits` significant digits: a bound that holds as printed."""
+    scale = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    return math.ceil(value / scale) * scale
+
+
+def refuse_repeats(names: Sequence[str], identities: Sequence[dict[str, Any]]) -> None:
+    """Two sources of a mixture that are one corpus under two spellings (`a.txt`, `./a.txt`, `x/../a.txt`, a link to
+    it) would silently count it twice: refused, naming both. Their identities say so (`trainer.data.corpus`: the
+    same files' names and content, the same hub commit)."""
+    seen: dict[str, str] = {}
+    for name, identity in zip(names, identities):
+        first = seen.setdefault(digest(identity), name)
+        if first != name:
+            raise UserError(f"data.mixture lists {first!r} and {name!r}, which are the same files (or copies of them): "
+                            f"the corpus would count twice; list it once, with the two weights added up")
 
 
 def is_mixture(path: Path) -> bool:

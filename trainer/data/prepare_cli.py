@@ -16,9 +16,16 @@ from typing import Any
 
 from trainer.config import Config
 from trainer.config.resolve import add_config_arguments, handle_inspection_flags
-from trainer.data.cache import CacheInfo, TokenCache, cache_root, prepare
+from trainer.data.cache import (
+    CacheInfo,
+    TokenCache,
+    cache_root,
+    config_paths,
+    prepare,
+)
 from trainer.data.cache_folder import CacheEntry, list_caches, remove_cache
 from trainer.data.mixture import MIXTURES_DIR, read_mixture
+from trainer.data.paths import path_errors_named
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 
@@ -54,21 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg = handle_inspection_flags(args)
         if cfg is None:
             return 0
-        if args.list:
-            print_caches(cfg)
-        elif args.remove:
-            print(f"removed {remove_cache(cache_root(cfg.data), args.remove)}")
-        else:
-            started = time.perf_counter()
-            info = prepare(cfg, force=args.force, show_progress=False if args.quiet else None, rehash=args.verify)
-            print_info(info, cfg, time.perf_counter() - started)
-            if args.verify:
-                caches = [TokenCache.open(source.path) for source in info.sources or [info]]
-                for cache in caches:
-                    cache.verify()
-                print(f"verify:     ok ({sum(len(c.manifest['files']) for c in caches)} files of {len(caches)} "
-                      f"cache{'s' * (len(caches) > 1)} match their blake2b checksums; the source files were read by "
-                      f"content)")
+        with path_errors_named(config_paths(cfg.data)):
+            if args.list:
+                print_caches(cfg)
+            elif args.remove is not None:
+                print(f"removed {remove_cache(cache_root(cfg.data), args.remove)}")
+            else:
+                started = time.perf_counter()
+                info = prepare(cfg, force=args.force, show_progress=False if args.quiet else None, rehash=args.verify)
+                print_info(info, cfg, time.perf_counter() - started)
+                if args.verify:
+                    verify(info)
         return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -76,6 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def verify(info: CacheInfo) -> None:
+    """--verify: every file of the cache (each source's, for a mixture) re-hashed against its manifest."""
+    caches = [TokenCache.open(source.path) for source in info.sources or [info]]
+    for cache in caches:
+        cache.verify()
+    print(f"verify:     ok ({sum(len(c.manifest['files']) for c in caches)} files of {len(caches)} "
+          f"cache{'s' * (len(caches) > 1)} match their blake2b checksums; the source files were read by content)")
 
 
 def print_info(info: CacheInfo, cfg: Config, wall: float) -> None:

@@ -26,6 +26,9 @@ from trainer.errors import UserError
 LOCKS_DIR = ".locks"
 BUILD_PREFIX = ".build-"
 TRASH_PREFIX = ".trash-"
+# Bytes the longest path built in the cache folder adds to it, with margin (tokenizers/.build-<key>-<pid>-<start
+# time>/tokenizer_config.json: 94).
+ROOM_BELOW = 128
 
 
 def process_tag() -> str:
@@ -58,7 +61,13 @@ def remove_dead_leftovers(parent: Path) -> list[Path]:
 
 
 def ensure_writable(root: Path) -> None:
-    """The cache folder and its locks' folder, created where missing."""
+    """The cache folder and its locks' folder, created where missing; refused first, with nothing created, when its
+    path leaves no room for the paths built below it (the OS would refuse them only once the folders above exist)."""
+    limit = os.pathconf("/", "PC_PATH_MAX")
+    if len(os.fsencode(root)) + ROOM_BELOW > limit:
+        raise UserError(f"the cache folder {root} is a path of {len(os.fsencode(root)):,} bytes, too long for the "
+                        f"files built in it (a path holds at most {limit:,} bytes here); set data.cache_dir to a "
+                        f"shorter path")
     durable.check_writable(root, "the cache folder",
                            "set data.cache_dir to a writable folder, e.g. --set data.cache_dir=/tmp/token-cache")
     (root / LOCKS_DIR).mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ here, where a record written by hand or a cache swapped underneath would otherwi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,11 +72,28 @@ class TrainingData:
         return MixtureSampler([p.cache.train for p in self.parts], [p.weight for p in self.parts], *args)
 
     def val_samplers(self, cfg: Config, world_size: int, rank: int) -> dict[str, BatchSampler]:
-        """Per source with a validation split longer than a window: its validation batches (one micro-batch a step)."""
+        """Per source with a validation split longer than a window: its validation batches (one micro-batch a step).
+        Asked for (training.eval_interval), validation would otherwise go without the sources that have none, or
+        be off altogether, silently: rank 0 warns, naming them."""
         d = cfg.data
+        short = [p for p in self.parts if len(p.cache.val) <= d.context_length + 1]
+        if short and rank == 0:
+            # trainer.metrics's logger, by its name: the data room sits below metrics
+            logging.getLogger("trainer").warning(self.no_validation(cfg, short))
         return {p.name: BatchSampler(p.cache.val, d.context_length, cfg.training.batch_size, 1, world_size, rank,
                                      cfg.system.seed, self.vocab_size, str(p.cache.path))
                 for p in self.parts if len(p.cache.val) > d.context_length + 1}
+
+    def no_validation(self, cfg: Config, parts: list[Part]) -> str:
+        """Why `parts` are not evaluated, and how to give them a validation split."""
+        held = [f"{len(p.cache.val):,} validation tokens" for p in parts]
+        what = (", ".join(f"source {p.name} ({n})" for p, n in zip(parts, held)) if self.mixture
+                else f"the corpus ({held[0]})")
+        them = "it" if len(parts) == 1 else "them"
+        off = "validation is off" if len(parts) == len(self.parts) else f"the validation leaves {them} out"
+        return (f"training.eval_interval is {cfg.training.eval_interval:,}, but no validation window of "
+                f"{cfg.data.context_length + 1:,} tokens fits in {what}: {off}; cut {them} into more documents "
+                f"(data.sample_by, for a .txt file) or raise data.val_fraction")
 
     def val_weight(self, name: str) -> float:
         return next(p.weight for p in self.parts if p.name == name)

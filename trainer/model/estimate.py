@@ -7,23 +7,28 @@ weights, gradients and optimizer state are exact byte counts for this code's cho
 fp32 moments, DDP gradients living in its buckets); activations follow what autograd saves per decoder layer for the
 Llama block with SDPA attention (no score matrix), eager or compiled, under the activation-checkpointing policy, plus
 the loss's logits (all of them for the full loss, one chunk for the chunked and fused ones), and the overhead is a flat
-allowance. The fast-path choices are resolved as a GPU rank resolves them (trainer.config.choices).
+allowance. The precision and the fast-path choices are resolved as the rank resolves them on its device
+(trainer.config.choices): on GPUs the fast path, on CPU ranks fp32, eager layers and the full loss, whose figures are
+host memory, compared with what the machine has (`HostMemory`: the supervisor and a rank by hand refuse CPU ranks that
+clearly do not fit, trainer.preflight).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import psutil
 
 from trainer.config import Config, checkpointing_policy
-from trainer.config.choices import CHUNK_ELEMENTS, auto_loss, compile_enabled
+from trainer.config.choices import CHUNK_ELEMENTS, auto_loss, compile_enabled, half_precision
 from trainer.config.sizes import flops_per_token, human, model_vocab_size, parameter_count, tokens_per_step
 
 GiB = 1024**3
 FP32 = 4
 OVERHEAD_BYTES = 2 * GiB  # CUDA context, NCCL buffers, allocator slack: a rough flat allowance
+CPU_OVERHEAD_BYTES = 512 * 1024**2  # a CPU rank's own: Python, torch's libraries, the tokenizer (measured: ~0.5 GiB)
+# The estimate is approximate: CPU ranks are refused only when they need this many times the memory the machine has.
+HOST_MEMORY_MARGIN = 1.5
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -77,11 +82,12 @@ class MemoryEstimate:
     world_size: int
     gpu_memory_bytes: int | None
     shape: ModelShape
+    cuda: bool  # GPU ranks; False: CPU ranks, whose figures are host memory
     compute_bytes: int  # 2 for bf16/fp16 autocast, 4 for fp32
     micro_batch_tokens: int
     gradient_checkpointing: str  # none | selective | full
-    compiled: bool  # torch.compile on the decoder layers (as a GPU rank resolves system.compile)
-    loss: str  # full | chunked | liger (as a GPU rank resolves training.loss)
+    compiled: bool  # torch.compile on the decoder layers (as a rank on this device resolves system.compile)
+    loss: str  # full | chunked | liger (as a rank on this device resolves training.loss)
     chosen: str  # training.strategy
     tokens_per_step: int
     flops_per_token: int
@@ -92,10 +98,9 @@ class MemoryEstimate:
         return self.strategies[self.chosen]
 
 
-def compute_bytes(cfg: Config) -> int:
-    """Bytes per activation element on a GPU: 16-bit autocast unless AMP is off or fp32 is asked for."""
-    t = cfg.training
-    return FP32 if not t.use_amp or t.precision == "fp32" else 2
+def compute_bytes(cfg: Config, cuda: bool = True) -> int:
+    """Bytes per activation element: 16 bits where the rank autocasts, else fp32."""
+    return 2 if half_precision(cfg, cuda) else FP32
 
 
 def activation_bytes_per_token_layer(s: ModelShape, c: int, compiled: bool = False) -> int:
@@ -144,8 +149,9 @@ def layer_parameters(s: ModelShape) -> int:
 
 
 def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None,
-             shape: ModelShape | None = None) -> MemoryEstimate:
-    """Per-GPU memory for this config on `world_size` GPUs of `gpu_memory_bytes` each (None: no GPU to compare).
+             shape: ModelShape | None = None, cuda: bool = True) -> MemoryEstimate:
+    """Per-GPU memory for this config on `world_size` GPUs of `gpu_memory_bytes` each (None: no GPU to compare), or
+    with `cuda` False the host memory of each of `world_size` CPU ranks, as they run it.
 
     `shape` defaults to the config's arithmetic, which needs no torch; a model from `model.name_or_path` is sized on
     the meta device instead (that imports torch and transformers).
@@ -154,11 +160,12 @@ def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None,
         shape = model_shape(cfg)
     s = shape or config_shape(cfg)
     n = max(1, world_size)
-    c = compute_bytes(cfg)
+    c = compute_bytes(cfg, cuda)
     p = s.parameters
     tokens = cfg.training.batch_size * cfg.data.context_length
-    compiled = compile_enabled(cfg, cuda=True)
-    loss = cfg.training.loss if cfg.training.loss != "auto" else auto_loss(cfg, cuda=True, liger_installed=False)
+    compiled = compile_enabled(cfg, cuda)
+    loss = cfg.training.loss if cfg.training.loss != "auto" else auto_loss(cfg, cuda, liger_installed=False)
+    overhead = OVERHEAD_BYTES if cuda else CPU_OVERHEAD_BYTES
     checkpointing = checkpointing_policy(cfg.model.gradient_checkpointing)
     acts = activation_bytes(s, c, tokens, checkpointing, compiled, loss)
     embeddings = s.vocab_size * s.hidden_size * (1 if s.tie_word_embeddings else 2)
@@ -166,14 +173,14 @@ def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None,
     # DDP: fp32 weights, fp32 gradients (the buckets are the gradients), two fp32 AdamW moments, and autocast's
     # 16-bit copy of every weight, cached from its first use in forward until backward has used it.
     ddp = StrategyEstimate("ddp", weights=FP32 * p + (c * p if c < FP32 else 0), gradients=FP32 * p,
-                           optimizer=2 * FP32 * p, activations=acts, overhead=OVERHEAD_BYTES,
+                           optimizer=2 * FP32 * p, activations=acts, overhead=overhead,
                            gpu_memory_bytes=gpu_memory_bytes)
     # FSDP2: 1/n of everything fp32; gathered 16-bit weights of two layers (current + prefetched) and of the root
     # (embeddings, kept gathered between forward and backward); one layer's unsharded gradients before reduce-scatter.
     fsdp = StrategyEstimate("fsdp", weights=FP32 * p // n + c * (2 * layer + embeddings),
                             gradients=FP32 * p // n + c * 2 * layer, optimizer=2 * FP32 * p // n, activations=acts,
-                            overhead=OVERHEAD_BYTES, gpu_memory_bytes=gpu_memory_bytes)
-    return MemoryEstimate(world_size=n, gpu_memory_bytes=gpu_memory_bytes, shape=s, compute_bytes=c,
+                            overhead=overhead, gpu_memory_bytes=gpu_memory_bytes)
+    return MemoryEstimate(world_size=n, gpu_memory_bytes=gpu_memory_bytes, shape=s, cuda=cuda, compute_bytes=c,
                           micro_batch_tokens=tokens, gradient_checkpointing=checkpointing,
                           compiled=compiled, loss=loss,
                           chosen=cfg.training.strategy, tokens_per_step=tokens_per_step(cfg, n),
@@ -182,18 +189,52 @@ def estimate(cfg: Config, world_size: int, gpu_memory_bytes: int | None,
 
 
 def size(n: int) -> str:
-    """Bytes in the unit that keeps a few digits (tiny models are MiB, large ones GiB)."""
-    for unit, scale in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
+    """Bytes in the unit that keeps a few digits (tiny models are MiB, large ones GiB, runs that fit nowhere TiB)."""
+    for unit, scale in (("TiB", 1024 * GiB), ("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
 
 
-def format_estimate(est: MemoryEstimate) -> str:
-    """A table of per-GPU memory for both strategies and a verdict for the chosen one."""
+@dataclass(frozen=True)
+class HostMemory:
+    """The host memory CPU ranks need by the estimate, against what the machine can give them now."""
+
+    ranks: int  # CPU ranks on this machine
+    per_rank: int  # bytes, the chosen strategy's total
+    available: int  # bytes: RAM available and free swap, what the ranks can take before the kernel's OOM killer acts
+
+    @property
+    def needed(self) -> int:
+        return self.ranks * self.per_rank
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.available
+
+    @property
+    def refused(self) -> bool:
+        """Clearly beyond the machine: the estimate is approximate, so only a wide excess stops a run."""
+        return self.needed > HOST_MEMORY_MARGIN * self.available
+
+
+# How to shrink a run that does not fit, in the dry run's verdict and in the refusal (trainer.preflight).
+SHRINK_ADVICE = ("lower training.batch_size (raise training.grad_accum_nums to keep the tokens per step), run fewer "
+                 "ranks (--nproc N), or set model.gradient_checkpointing=full")
+
+
+def host_memory(est: MemoryEstimate, local_ranks: int) -> HostMemory:
+    """`local_ranks` CPU ranks of the estimated run on this machine, each taking the chosen strategy's total."""
+    return HostMemory(local_ranks, est.selected.total, psutil.virtual_memory().available + psutil.swap_memory().free)
+
+
+def format_estimate(est: MemoryEstimate, host: HostMemory | None = None) -> str:
+    """A table of per-rank memory for both strategies and a verdict for the chosen one: against the GPUs' memory, or
+    for CPU ranks against the host's (`host`)."""
     rows = [("weights", "weights"), ("gradients", "gradients"), ("optimizer state", "optimizer"),
             ("activations", "activations"), ("overhead", "overhead")]
-    lines = [f"  {'per-GPU memory':<20}{'DDP':>14}{f'FSDP ({est.world_size} ranks)':>20}"]
+    per = "per-GPU memory" if est.cuda else "per-rank memory"
+    lines = [f"  {per:<20}{'DDP':>14}{f'FSDP ({est.world_size} ranks)':>20}"]
     for title, attr in rows:
         values = [size(getattr(est.strategies[k], attr)) for k in STRATEGIES]
         lines.append(f"  {title:<20}{values[0]:>14}{values[1]:>20}")
@@ -201,22 +242,23 @@ def format_estimate(est: MemoryEstimate) -> str:
     if est.gpu_memory_bytes is not None:
         fits = ["yes" if est.strategies[k].fits else "NO" for k in STRATEGIES]
         lines.append(f"  {f'fits in {size(est.gpu_memory_bytes)}?':<20}{fits[0]:>14}{fits[1]:>20}")
+    overhead = "the CUDA context and communication buffers" if est.cuda else "the rank's process: Python, torch"
     lines.append(f"  (activations: {est.micro_batch_tokens:,} tokens per micro-batch, "
                  f"{'16-bit' if est.compute_bytes == 2 else 'fp32'} compute, activation checkpointing "
                  f"{est.gradient_checkpointing}, {'compiled' if est.compiled else 'eager'} layers, {est.loss} loss; "
-                 f"overhead: a flat allowance for the CUDA context and communication buffers)")
+                 f"overhead: a flat allowance for {overhead})")
     chosen = est.selected
-    if chosen.fits is None:
-        host = psutil.virtual_memory().total
-        need = (chosen.total - chosen.overhead) * est.world_size
-        verdict = "fits in" if need <= host else "does NOT fit in"
-        lines.append(f"  no GPU detected: on the CPU the {est.chosen.upper()} figures (less the overhead) are host "
-                     f"memory per rank: {est.world_size} × {size(chosen.total - chosen.overhead)} {verdict} this "
-                     f"machine's {size(host)}")
+    if host is not None:
+        verdict = ("fits" if host.fits else
+                   f"does NOT fit: the run would be refused; {SHRINK_ADVICE}" if host.refused else
+                   "may NOT fit (the estimate is approximate: the run would start)")
+        lines.append(f"  host memory ({est.chosen.upper()}, training.strategy): {host.ranks} CPU "
+                     f"rank{'s' * (host.ranks > 1)} × {size(host.per_rank)} = {size(host.needed)}, this machine has "
+                     f"{size(host.available)} available (RAM and swap): {verdict}")
     elif chosen.fits:
         lines.append(f"  {est.chosen.upper()} (training.strategy) fits: {size(chosen.total)} of "
                      f"{size(est.gpu_memory_bytes or 0)} per GPU")
-    else:
+    elif chosen.fits is False:
         other = next(k for k in STRATEGIES if k != est.chosen)
         hint = (f"; --set training.strategy={other} would fit" if est.strategies[other].fits else
                 "; lower training.batch_size, set model.gradient_checkpointing=selective or full, or use more GPUs")
@@ -227,7 +269,7 @@ def format_estimate(est: MemoryEstimate) -> str:
 
 @dataclass(frozen=True)
 class DetectedGpus:
-    """The GPUs a process may use, as `--dry-run` reports them: how many, the smallest one's memory, its name."""
+    """The GPUs a run would use, as `--dry-run` reports them: how many, the smallest one's memory, its name."""
 
     count: int = 0
     memory: int | None = None  # bytes
@@ -244,19 +286,27 @@ def torch_gpus() -> DetectedGpus:
     return DetectedGpus(torch.cuda.device_count(), int(properties.total_memory), properties.name)
 
 
-def dry_run_report(cfg: Config, gpus: DetectedGpus, nproc: int | None = None) -> str:
-    """What `--dry-run` prints: sizes, throughput arithmetic and the memory estimate for the GPU count that would be
-    used (WORLD_SIZE, else --nproc, else the GPUs detected, else 1). `gpus` is the caller's detection: the
-    supervisor's (NVML) or the rank's (torch)."""
-    count, memory, name = gpus.count, gpus.memory, gpus.name
-    world = int(os.environ["WORLD_SIZE"]) if os.environ.get("WORLD_SIZE") else (nproc or count or 1)
-    est = estimate(cfg, world, memory, shape=model_shape(cfg))  # exact sizes from the meta device
+def dry_run_report(cfg: Config, gpus: DetectedGpus, world_size: int, local_ranks: int,
+                   gpus_needed: str | None = None) -> str:
+    """What `--dry-run` prints for the run that would start here, on `world_size` ranks, `local_ranks` of them on this
+    machine: sizes, throughput arithmetic and the memory estimate. On `gpus` (the caller's choice: the supervisor's
+    or the rank's) as a GPU rank runs it; with none, as CPU ranks run it, against the host's memory, unless CPU ranks
+    would refuse the config (`gpus_needed` says why, `trainer.preflight.dry_run`): it is then sized for the GPUs it
+    needs."""
+    cuda = gpus.count > 0 or gpus_needed is not None
+    est = estimate(cfg, world_size, gpus.memory, shape=model_shape(cfg), cuda=cuda)  # exact sizes, meta device
     s, t, d = est.shape, cfg.training, cfg.data
     source = cfg.model.name_or_path or cfg.model.architecture
     flops = f"{human(est.flops_per_token)} (6N + attention)" if est.flops_per_token else "n/a for a model from a folder"
-    gpus = f"{count} × {name}, {size(memory)} each" if memory is not None else "none detected"
     micro_steps = f"{t.grad_accum_nums} micro-step{'s' * (t.grad_accum_nums > 1)}"
-    ranks = f"{est.world_size} GPU{'s' * (est.world_size > 1)}"
+    ranks = f"{est.world_size} {'GPU' if cuda else 'CPU rank'}{'s' * (est.world_size > 1)}"
+    if gpus.count:
+        devices = f"{gpus.count} × {gpus.name}, {size(gpus.memory or 0)} each; estimate for {est.world_size} rank(s)"
+    elif cuda:
+        devices = f"none detected; estimate for {est.world_size} rank(s) on GPUs"
+    else:
+        here = f" ({local_ranks} on this machine)" if local_ranks != est.world_size else ""
+        devices = f"none detected; estimate for {est.world_size} rank(s) on CPUs{here}"
     lines = [
         f"dry run: preset {cfg.preset} — nothing trained, the model was built on the meta device (no weights "
         f"allocated)",
@@ -266,8 +316,9 @@ def dry_run_report(cfg: Config, gpus: DetectedGpus, nproc: int | None = None) ->
         f"  tokens per step: {est.tokens_per_step:,} ({t.batch_size} sequences × {d.context_length} tokens × "
         f"{micro_steps} × {ranks})",
         f"  FLOPs per token: {flops}",
-        f"  GPUs: {gpus}; estimate for {est.world_size} rank(s), strategy {t.strategy}",
-        format_estimate(est),
+        f"  GPUs: {devices}, strategy {t.strategy}",
+        *([f"  {gpus_needed}: sized for GPUs (CPU ranks here would refuse it)"] if gpus_needed else []),
+        format_estimate(est, None if cuda else host_memory(est, local_ranks)),
     ]
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from trainer.config import Config
+from trainer.config.choices import half_precision
 from trainer.errors import UserError
 
 
@@ -29,7 +30,7 @@ class Precision:
 def resolve_precision(cfg: Config, device: torch.device) -> Precision:
     """bf16 where the GPU has it, fp16 (with a loss scaler) where not, fp32 on CPUs or when AMP is off."""
     t = cfg.training
-    if device.type != "cuda" or not t.use_amp or t.precision == "fp32":
+    if not half_precision(cfg, device.type == "cuda"):  # the memory estimate asks the same question
         return Precision("fp32", None)
     bf16_ok = torch.cuda.is_bf16_supported()
     if t.precision == "bf16" and not bf16_ok:
