@@ -108,8 +108,10 @@ def test_oom_headline_and_exit_code(tmp_path: Path, token_cache_dir: Path) -> No
 @pytest.mark.slow
 def test_a_cpu_rank_out_of_host_memory_is_an_oom(tmp_path: Path, token_cache_dir: Path) -> None:
     """A real allocation failure on a plain CPU rank: a feed-forward layer as wide as the config allows (2^31 - 1)
-    on a hidden size of 256 asks torch's CPU allocator for 2 TiB at once (refused at once, nothing touched)."""
+    on a hidden size of 256 asks torch's CPU allocator for 2 TiB at once (refused at once, nothing touched). The
+    supervisor refuses such a run before it starts unless told to start it anyway (system.host_memory_check)."""
     run = supervise(tmp_path, token_cache_dir, {}, 2, "--nproc", "1", "--set", "system.device=cpu",
+                    "--set", "system.host_memory_check=false",
                     "--set", "model.hidden_size=256", "--set", f"model.ffn_hidden_size={2**31 - 1}", fake_gpus="")
     out = run.output
     assert run.code == OOM_EXIT_CODE, out[-4000:]

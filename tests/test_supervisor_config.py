@@ -138,7 +138,11 @@ def test_cpu_ranks_clearly_beyond_the_host_memory_are_refused(tmp_path, monkeypa
         check_run(preset("small"), 2, 2, on_gpus=False, notes=[])
     assert str(refused.value).startswith("2 CPU ranks would need about 41.4 GiB of host memory (20.7 GiB each) by the "
                                          "estimate, more than 1.5 times the 16.0 GiB this machine has available")
+    assert str(refused.value).endswith("(--set system.host_memory_check=false starts them anyway)")
     check_run(preset("small"), 2, 2, on_gpus=True, notes=[])  # on GPUs the host is not what holds it
+    unchecked = preset("small")
+    unchecked.system.host_memory_check = False
+    check_run(unchecked, 2, 2, on_gpus=False, notes=[])  # the user's word over the estimate
 
 
 def test_production_on_a_cpu_machine_is_refused_before_anything_starts(tmp_path):

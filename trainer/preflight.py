@@ -75,11 +75,11 @@ def cpu_refusal(cfg: Config, world_size: int, local_ranks: int) -> str | None:
     return (f"{host.ranks} CPU rank{'s' * (host.ranks > 1)} would need about {size(host.needed)} of host memory{each} "
             f"by the estimate, more than {HOST_MEMORY_MARGIN:g} times the {size(host.available)} this machine has "
             f"available (RAM and swap): the kernel would kill a rank part-way; {SHRINK_ADVICE}; --dry-run shows the "
-            f"estimate")
+            f"estimate (--set system.host_memory_check=false starts them anyway)")
 
 
 def cpu_host_memory(cfg: Config, world_size: int, local_ranks: int) -> HostMemory:
-    return host_memory(estimate(cfg, world_size, None, cuda=False), local_ranks)
+    return host_memory(estimate(cfg, world_size, None, cuda=False), local_ranks, cfg.system.host_memory_check)
 
 
 def cpu_advice(cfg: Config, world_size: int, local_ranks: int) -> str:

@@ -49,6 +49,7 @@ class SystemConfig:
     backend: str = "auto"  # auto (nccl on GPUs, gloo on CPUs) | nccl | gloo
     dist_timeout_s: float = 600.0
     compile: bool | str = "auto"  # auto (each decoder layer on CUDA, never on CPUs) | true | false
+    host_memory_check: bool = True  # refuse CPU ranks whose estimate is well beyond the host's memory (false: start)
 
 
 @dataclass

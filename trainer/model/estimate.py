@@ -203,6 +203,7 @@ class HostMemory:
     ranks: int  # CPU ranks on this machine
     per_rank: int  # bytes, the chosen strategy's total
     available: int  # bytes: RAM available and free swap, what the ranks can take before the kernel's OOM killer acts
+    checked: bool = True  # system.host_memory_check: false starts the ranks whatever the estimate says
 
     @property
     def needed(self) -> int:
@@ -215,7 +216,7 @@ class HostMemory:
     @property
     def refused(self) -> bool:
         """Clearly beyond the machine: the estimate is approximate, so only a wide excess stops a run."""
-        return self.needed > HOST_MEMORY_MARGIN * self.available
+        return self.checked and self.needed > HOST_MEMORY_MARGIN * self.available
 
 
 # How to shrink a run that does not fit, in the dry run's verdict and in the refusal (trainer.preflight).
@@ -223,9 +224,10 @@ SHRINK_ADVICE = ("lower training.batch_size (raise training.grad_accum_nums to k
                  "ranks (--nproc N), or set model.gradient_checkpointing=full")
 
 
-def host_memory(est: MemoryEstimate, local_ranks: int) -> HostMemory:
+def host_memory(est: MemoryEstimate, local_ranks: int, checked: bool = True) -> HostMemory:
     """`local_ranks` CPU ranks of the estimated run on this machine, each taking the chosen strategy's total."""
-    return HostMemory(local_ranks, est.selected.total, psutil.virtual_memory().available + psutil.swap_memory().free)
+    return HostMemory(local_ranks, est.selected.total, psutil.virtual_memory().available + psutil.swap_memory().free,
+                      checked)
 
 
 def format_estimate(est: MemoryEstimate, host: HostMemory | None = None) -> str:
@@ -249,9 +251,14 @@ def format_estimate(est: MemoryEstimate, host: HostMemory | None = None) -> str:
                  f"overhead: a flat allowance for {overhead})")
     chosen = est.selected
     if host is not None:
-        verdict = ("fits" if host.fits else
-                   f"does NOT fit: the run would be refused; {SHRINK_ADVICE}" if host.refused else
-                   "may NOT fit (the estimate is approximate: the run would start)")
+        if host.fits:
+            verdict = "fits"
+        elif host.refused:
+            verdict = f"does NOT fit: the run would be refused; {SHRINK_ADVICE}"
+        elif host.checked:
+            verdict = "may NOT fit (the estimate is approximate: the run would start)"
+        else:
+            verdict = "may NOT fit (the run would start: system.host_memory_check=false)"
         lines.append(f"  host memory ({est.chosen.upper()}, training.strategy): {host.ranks} CPU "
                      f"rank{'s' * (host.ranks > 1)} × {size(host.per_rank)} = {size(host.needed)}, this machine has "
                      f"{size(host.available)} available (RAM and swap): {verdict}")
@@ -318,7 +325,7 @@ def dry_run_report(cfg: Config, gpus: DetectedGpus, world_size: int, local_ranks
         f"  FLOPs per token: {flops}",
         f"  GPUs: {devices}, strategy {t.strategy}",
         *([f"  {gpus_needed}: sized for GPUs (CPU ranks here would refuse it)"] if gpus_needed else []),
-        format_estimate(est, None if cuda else host_memory(est, local_ranks)),
+        format_estimate(est, None if cuda else host_memory(est, local_ranks, cfg.system.host_memory_check)),
     ]
     return "\n".join(lines)
 
