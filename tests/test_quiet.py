@@ -4,6 +4,7 @@ nodes' progress as heard, the messages that carry both, and the culprit across n
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 from supervisor.control.wire import BUSY, QUIET, WAITS, finding_message, parse_finding, parse_progress, progress_message
 from supervisor.diagnosis import quiet
 from supervisor.diagnosis.culprit import Frame
-from supervisor.diagnosis.stacks import RankRead, Stacks, verdict_on
+from supervisor.diagnosis.stacks import RankRead, Stacks, Thread, verdict_on
 from supervisor.diagnosis.verdicts import NodeFindings, NodeVerdicts
 from supervisor.group.liveness import OtherNodes
 
@@ -51,8 +52,13 @@ def test_what_a_main_thread_waits_for_says_whether_it_is_quiet(name: str) -> Non
         process.wait()
 
 
-def rank(number: int, frames: list[Frame] | None, pid: int = 0, stopped: bool = False) -> RankRead:
-    threads = [("MainThread", frames)] if frames else []
+def rank(number: int, frames: list[Frame] | None, pid: int = 0, stopped: bool = False,
+         helper: list[Frame] | None = None) -> RankRead:
+    """A rank read as py-spy reads one; `helper`: the frames of its second thread, the process's other task."""
+    threads = [Thread("MainThread", pid, frames)] if frames else []
+    if helper is not None:
+        tid = next(int(t) for t in os.listdir(f"/proc/{pid}/task") if int(t) != pid)
+        threads.append(Thread("worker", tid, helper))
     return RankRead(number, f"CPU{number}", pid, Stacks(pid, threads, None if frames else "no stack"), stopped)
 
 
@@ -76,6 +82,39 @@ def test_a_node_is_quiet_when_a_rank_of_its_own_sleeps_and_the_others_wait() -> 
             assert quiet.find(ranks, None).kind == quiet.STALLED
     finally:
         for process in (sleeper, locked):
+            process.kill()
+            process.wait()
+
+
+THREADED = """import threading, time
+def work():
+    {work}
+thread = threading.Thread(target=work)
+thread.start()
+print(flush=True)
+thread.join()"""
+WORKING = [Frame("/x/train.py", 4, "work"), Frame("/usr/lib/python3.11/threading.py", 982, "run")]
+
+
+def test_a_main_thread_waiting_for_its_own_thread_is_quiet_when_that_thread_is() -> None:
+    """``Thread.join()`` (as ``Future.result()``, ``Event.wait()``): the main thread is on a lock, and the thread it
+    waits for decides: asleep, it is quiet; on a lock of its own, a stall."""
+    sleeping = blocked_program(THREADED.format(work="time.sleep(60)"))
+    stuck = blocked_program(THREADED.format(work="lock = threading.Lock(); lock.acquire(); lock.acquire()"))
+    try:
+        for process in (sleeping, stuck):
+            settled(process, "futex")
+        deadline = time.monotonic() + 20
+        while (found := quiet.find([rank(0, OWN, sleeping.pid, helper=WORKING)], None)).kind != QUIET:
+            assert time.monotonic() < deadline, found
+            time.sleep(0.05)
+        assert found.quiet == ["CPU0 (rank 0) is quiet in a sleep (clock_nanosleep) at work (x/train.py:4) in thread "
+                               "worker, its main thread waiting at main (x/train.py:12)"]
+        assert quiet.find([rank(0, OWN, stuck.pid, helper=WORKING)], None).kind == quiet.STALLED
+        # a thread that waits for other ranks itself is not one the main thread's wait can be blamed on
+        assert quiet.find([rank(0, OWN, sleeping.pid, helper=WAITING)], None).kind == quiet.STALLED
+    finally:
+        for process in (sleeping, stuck):
             process.kill()
             process.wait()
 

@@ -52,6 +52,18 @@ def sleeps_while_the_other_waits(tmp_path: Path, hang_timeout: str, seconds: flo
     assert "CPU0:rank 0: 4 steps" in r.stdout and "CPU1:rank 1: 4 steps" in r.stdout
 
 
+def test_a_rank_waiting_for_its_own_sleeping_thread_is_quiet_not_hung(tmp_path: Path) -> None:
+    """Rank 0's main thread waits on `Future.result()` (a lock) for a worker thread asleep for 12 s, with a 5 s hang
+    timeout: the thread it waits for is what it is quiet in, and the run finishes."""
+    r = start(tmp_path, "--nproc-per-node", "2", "--hang-timeout", HANG_FLOOR, str(QUIET_RANK), "--rank", "0",
+              "--seconds", "12", "--how", "thread", entry=None).wait(timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"^supervisor: CPU0 \(rank 0\) is quiet in a sleep \(clock_nanosleep\) at \S+ \(\S+\) in thread "
+                     r"\S+, its main thread waiting at \S+ \(\S+\); the others wait for it in a collective; not a stall$",
+                     r.stderr, re.M), r.stderr[-3000:]
+    assert "stalled" not in r.stderr and "CPU0:rank 0: 4 steps" in r.stdout
+
+
 def test_a_rank_asleep_in_its_own_code_is_quiet_not_hung(tmp_path: Path) -> None:
     """Rank 0 sleeps 12 s (time.sleep) while rank 1 waits for it in an all-reduce, with a 5 s hang timeout: no rank
     writes or uses CPU time, the stacks show rank 0 asleep in its own code, and the run finishes (torchrun: 0)."""

@@ -12,7 +12,11 @@ same rules as py-spy) says what it waits for:
   ``connect``; ``poll``, ``select`` or ``epoll`` (its own files or sockets); ``wait4``/``waitid`` (its child process);
 * **stuck**: anything else: a ``futex`` (a lock, a condition, a queue: with no CPU time used anywhere in the group,
   nobody will release it), a read of an eventfd (the same, between threads), a system call not in this table, or a
-  main thread that could not be read.
+  main thread that could not be read;
+* except that a main thread waiting on a lock may wait for a thread of its own (``Future.result()``,
+  ``Thread.join()``, ``Event.wait()``): when another Python thread of the rank (py-spy names each with its OS thread
+  id) is itself in one of the quiet waits above, in the rank's own code, the rank is quiet in that thread's wait.
+  A lock with no such thread behind it (a deadlock, a thread stuck on a lock too) is still stuck.
 
 A node's ranks, read this way, give its `Finding`: **stalled** when one is stopped (SIGSTOP, a debugger), stuck, or
 unread (no stack); else **quiet** when one is quiet (the others then all wait in a collective or the rendezvous);
@@ -30,7 +34,7 @@ from pathlib import Path
 
 from supervisor.control.wire import BUSY, QUIET, WAITS
 from supervisor.diagnosis.culprit import joining, own_frame, waiting_in
-from supervisor.diagnosis.stacks import RankRead
+from supervisor.diagnosis.stacks import RankRead, Thread
 
 SLEEP, READ, OPEN, SOCKET, POLL, CHILD = "a sleep", "read", "an open of a file", "a socket", \
     "a wait on its own files or sockets", "a wait for its child process"
@@ -71,11 +75,11 @@ class Blocked:
 RUNNING = Blocked("running", "the CPU", False)
 
 
-def blocked(pid: int) -> Blocked | None:
-    """The main thread's system call, from ``/proc`` (`RUNNING` when it is on the CPU); None when it cannot be read
-    (the process is gone, or reading it is not permitted)."""
+def blocked(pid: int, tid: int | None = None) -> Blocked | None:
+    """The system call of the main thread (or of thread `tid`), from ``/proc`` (`RUNNING` when it is on the CPU);
+    None when it cannot be read (the process is gone, or reading it is not permitted)."""
     try:
-        words = Path(f"/proc/{pid}/task/{pid}/syscall").read_text().split()
+        words = Path(f"/proc/{pid}/task/{tid or pid}/syscall").read_text().split()
     except OSError:
         return None
     if words[:1] == ["running"]:
@@ -128,11 +132,26 @@ def find(ranks: list[RankRead], node: int | None) -> Finding:
         if waiting_in(main) or joining(main):
             continue
         how = blocked(r.pid)
+        at = own_frame(main).short()
+        if how is not None and how.what == LOCK and (helper := working_thread(r)) is not None:
+            thread, how = helper
+            at = f"{own_frame(thread.frames).short()} in thread {thread.name}, its main thread waiting at {at}"
         if how is RUNNING:
             return Finding(BUSY)
         if how is None or not how.quiet:
             return Finding(STALLED)
         where = "" if node is None else f", node {node}"
-        quiet.append(f"{r.label} (rank {r.rank}{where}){QUIET_WORDS}{how.what} ({how.syscall}) at "
-                     f"{own_frame(main).short()}")
+        quiet.append(f"{r.label} (rank {r.rank}{where}){QUIET_WORDS}{how.what} ({how.syscall}) at {at}")
     return Finding(QUIET if quiet else WAITS, quiet, waiting=len(quiet) < len(ranks))
+
+
+def working_thread(r: RankRead) -> tuple[Thread, Blocked] | None:
+    """Another Python thread of the rank, in its own code, that is on the CPU or in a quiet wait, with what it is in:
+    what a main thread blocked on a lock may be waiting for (None: there is none, the lock is a stall)."""
+    for thread in r.stacks.threads[1:]:
+        if thread.tid is None or not thread.frames or waiting_in(thread.frames) or joining(thread.frames):
+            continue
+        how = blocked(r.pid, thread.tid)
+        if how is not None and (how is RUNNING or how.quiet):
+            return thread, how
+    return None

@@ -27,27 +27,36 @@ PY_SPY = "py-spy"
 STOPPED = "while its process is stopped (SIGSTOP, or a debugger)"
 
 
+@dataclass(frozen=True)
+class Thread:
+    """One Python thread of a rank, as py-spy read it."""
+
+    name: str  # "MainThread" for the one whose OS thread id is the process id
+    tid: int | None  # its OS thread id (/proc/<pid>/task/<tid>), where py-spy gave one
+    frames: list[Frame]  # innermost first
+
+
 @dataclass
 class Stacks:
     """One rank's threads as py-spy read them, or why it could not."""
 
     pid: int
-    threads: list[tuple[str, list[Frame]]] = field(default_factory=list)  # (thread name, frames innermost first)
+    threads: list[Thread] = field(default_factory=list)  # the main thread first
     error: str | None = None
 
     @property
     def main(self) -> list[Frame] | None:
-        """The main thread's frames: the one whose OS thread id is the process id."""
-        return next((frames for name, frames in self.threads if name == "MainThread"), None)
+        """The main thread's frames."""
+        return next((t.frames for t in self.threads if t.name == "MainThread"), None)
 
     def text(self) -> list[str]:
         """The dump as lines for the console and the log, innermost frame first (as faulthandler prints)."""
         if self.error:
             return [f"no stack: {self.error}"]
         lines = []
-        for name, frames in self.threads:
-            lines.append(f"thread {name}:")
-            lines += [f"  {frame.func} ({frame.file}:{frame.line})" for frame in frames]
+        for thread in self.threads:
+            lines.append(f"thread {thread.name}:")
+            lines += [f"  {frame.func} ({frame.file}:{frame.line})" for frame in thread.frames]
         return lines
 
 
@@ -63,9 +72,10 @@ def parse(pid: int, output: str) -> Stacks:
     for thread in json.loads(output):
         frames = [Frame(f.get("filename") or "?", int(f.get("line") or 0), f.get("name") or "?")
                   for f in thread.get("frames", [])]
-        name = "MainThread" if thread.get("os_thread_id") == pid else thread.get("thread_name") or "thread"
-        threads.append((name, frames))
-    threads.sort(key=lambda item: item[0] != "MainThread")  # the main thread first
+        tid = thread.get("os_thread_id")
+        name = "MainThread" if tid == pid else thread.get("thread_name") or "thread"
+        threads.append(Thread(name, tid if isinstance(tid, int) else None, frames))
+    threads.sort(key=lambda t: t.name != "MainThread")  # the main thread first
     return Stacks(pid, threads)
 
 
