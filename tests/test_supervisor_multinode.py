@@ -29,7 +29,7 @@ from supervisor.control.wire import (
     Session,
     Timing,
     answer_proof,
-    hello_proof,
+    hello_line,
     new_nonce,
     read_secret,
 )
@@ -38,14 +38,14 @@ from trainer.errors import UserError
 
 
 def two_nodes(tmp_path, node0_args=(), node1_args=(), node1_delay: float = 0.0,
-              node1_secret: str = CONTROL_SECRET, node1_flags: tuple[str, ...] = ()) -> tuple[Run, Run]:
+              node1_secret: str = CONTROL_SECRET, flags: tuple[str, ...] = ()) -> tuple[Run, Run]:
     port = str(free_port_pair())
     common = ("--nproc", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", port,
               "--grace-period", "5")
-    node0 = start(tmp_path, *common, "--node-rank", "0", entry_args=node0_args,
+    node0 = start(tmp_path, *common, "--node-rank", "0", *flags, entry_args=node0_args,
                   env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="0")
     time.sleep(node1_delay)
-    node1 = start(tmp_path, *common, "--node-rank", "1", *node1_flags, entry_args=node1_args,
+    node1 = start(tmp_path, *common, "--node-rank", "1", *flags, entry_args=node1_args,
                   env=clean_env(SUPERVISOR_CONTROL_SECRET=node1_secret), tag="1")
     return node0, node1
 
@@ -93,9 +93,10 @@ def test_a_vanished_node_supervisor_stops_the_others(tmp_path):
 
 
 def test_a_node_with_another_secret_is_refused_and_told_why(tmp_path):
-    """Node 1 says the refusal at once, but a refusal proves nothing: it tries again until its join timeout."""
+    """Node 1 says the refusal at once, but a refusal proves nothing: it tries again until its join timeout. Node 0,
+    whose ranks wait for every node, names node 1 as never joined, with the refused hello in its name."""
     node0, node1 = two_nodes(tmp_path, node0_args=("--steps", "20"), node1_secret="another-secret-0123456789",
-                             node1_flags=("--join-timeout", "3"))
+                             flags=("--join-timeout", "3"))
     node1.wait_for_stderr("control port: node 0's control server refused this node's hello: "
                           "SUPERVISOR_CONTROL_SECRET differs between the nodes")
     node1.wait(timeout=20)
@@ -104,8 +105,11 @@ def test_a_node_with_another_secret_is_refused_and_told_why(tmp_path):
     assert re.search(r"could not join node 0's control server at 127\.0\.0\.1:\d+ within 3 s \(--join-timeout\): .*"
                      r"node 0's control server refused this node's hello: SUPERVISOR_CONTROL_SECRET differs",
                      node1.stderr), node1.stderr[-2000:]
-    assert "refused a hello as node 1 from 127.0.0.1" in node0.stderr  # and node 0 goes on: a refusal is no abort
-    assert node0.returncode == 0, node0.stderr[-2000:]
+    assert "refused a hello as node 1 from 127.0.0.1" in node0.stderr  # a refusal is no abort: node 0 waits on
+    assert node0.returncode == LOST_CODE, node0.stderr[-2000:]
+    assert re.search(r"node 1 never joined: no supervisor of it connected to node 0 and proved this run's key within "
+                     r"3 s \(--join-timeout\); a hello as node 1 from 127\.0\.0\.1 was refused \(.*\); no rank was "
+                     r"started", node0.stderr), node0.stderr[-2000:]
 
 
 def test_both_nodes_finish(tmp_path):
@@ -124,7 +128,7 @@ def test_node_0_listens_on_every_address_of_its_host():
     /etc/hosts maps to 127.0.1.1): its control port answers on all of them, as torch's TCPStore does. A node
     without --node-rank is node 0 only where --master-addr names its own machine."""
     port = free_port_pair() + 1
-    server = ControlServer(2, listen(port), ControlKey(CONTROL_SECRET.encode(), True), Timing(), lambda line: None)
+    server = ControlServer(2, 1, listen(port), ControlKey(CONTROL_SECRET.encode(), True), Timing(), lambda line: None)
     try:
         for address in ("127.0.0.1", "127.0.1.1", "127.0.0.7"):
             with socket.create_connection((address, port), timeout=5) as sock:
@@ -150,14 +154,14 @@ def test_the_node_rank_node_0_gives_moves_the_global_ranks():
 class FakeNode:
     """The test as one more node of the run: it holds the secret, so what it sends is authenticated."""
 
-    def __init__(self, port: int, node: int, nnodes: int = 3, key: bytes = CONTROL_SECRET.encode()) -> None:
+    def __init__(self, port: int, node: int, nnodes: int = 3, key: bytes = CONTROL_SECRET.encode(),
+                 ranks: int = 2) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
         self.reader = LineReader()
         self.pending: list[str] = []  # lines that came in one read with the one asked for (`line`)
         challenge = self.line()
         server_nonce, nonce = challenge.split()[1], new_nonce()
-        self.sock.sendall(f"hello {node} {nnodes} {nonce} {hello_proof(key, node, nnodes, server_nonce, nonce)}\n"
-                          .encode())
+        self.sock.sendall(f"{hello_line(key, node, nnodes, ranks, server_nonce, nonce)}\n".encode())
         answer = self.line()  # what node 0 sends right after its welcome (a heartbeat) may come in the same read
         assert answer == f"welcome {node} {answer_proof(key, f'welcome {node}', server_nonce, nonce)}", answer
         self.session = Session.derive(key, server_nonce, nonce, server=False)
@@ -178,8 +182,9 @@ class FakeNode:
         return lines
 
     def news(self) -> list[str]:
-        """The next lines that are not heartbeats."""
-        while not (lines := [line for line in self.lines() if not line.startswith("beat ")]):
+        """The next lines that are not heartbeats, progress reports, nor node 0's word that every node joined."""
+        while not (lines := [line for line in self.lines()
+                             if not line.startswith(("beat ", "assembled ", "progress "))]):
             pass
         return lines
 
@@ -214,17 +219,21 @@ def rank0_step(run: Run) -> int:
 
 
 def three_nodes(tmp_path) -> tuple[Run, Run, int]:
-    """Node 0 and node 1 as supervisors (CPU1 of each prints a line per step); the test is node 2."""
+    """Node 0 and node 1 as supervisors (CPU1 of each prints a line per step), node 1 joined; the test is node 2,
+    whose joining (`FakeNode`, then `ranks_started`) lets their ranks start."""
     port = free_port_pair()
     common = ("--nproc", "2", "--nnodes", "3", "--master-addr", "127.0.0.1", "--master-port", str(port),
               "--grace-period", "5", "--node-timeout", "600")  # the test's node sends no heartbeats
     env = clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET)
     node0, node1 = (start(tmp_path, *common, "--node-rank", str(n), entry_args=("--chatter", "1"), env=env,
                           tag=str(n)) for n in (0, 1))
-    node0.wait_for_ranks(2)
-    node1.wait_for_ranks(2)
     node0.wait_for_stderr("control port: node 1 joined")  # a hello as node 1 is a stranger's from here on
     return node0, node1, port + 1
+
+
+def ranks_started(*nodes: Run) -> None:
+    for node in nodes:
+        node.wait_for_ranks(2)
 
 
 def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
@@ -234,6 +243,7 @@ def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
     supervisor_fds = psutil.Process(node0.proc.pid).num_fds()
     for sock in flood:
         sock.close()
+    ranks_started(node0, node1)
     idle = stranger(control)  # says nothing: closed within seconds, while the rest goes on
     idle_closed: list[float] = []
     watcher = threading.Thread(target=lambda: idle_closed.append(closed_by_peer(idle, 10)))
@@ -245,8 +255,7 @@ def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
     assert closed_by_peer(stranger(control, b"abort 0 GPU0 3\n"), 5) < 1  # the unauthenticated protocol
     forged = stranger(control)
     challenge = forged.recv(4096).decode().split()[1]
-    forged.sendall(f"hello 1 3 {new_nonce()} {hello_proof(b'not the secret', 1, 3, challenge, new_nonce())}\n"
-                   .encode())
+    forged.sendall(f"{hello_line(b'not the secret', 1, 3, 1, challenge, new_nonce())}\n".encode())
     assert forged.recv(4096) == b"refused\n"
     assert closed_by_peer(stranger(control, b"\x00\xff binary \x1b[2J\n"), 5) < 1
     oversized = stranger(control)
@@ -295,7 +304,9 @@ def test_strangers_and_bad_messages_neither_stop_nor_slow_the_run(tmp_path):
 
 def test_a_remote_abort_never_ends_a_run_with_exit_0(tmp_path):
     node0, node1, control = three_nodes(tmp_path)
-    FakeNode(control, node=2).send("abort 2 CPU0 0")
+    me = FakeNode(control, node=2)
+    ranks_started(node0, node1)
+    me.send("abort 2 CPU0 0")
     node0.wait(timeout=20)
     node1.wait(timeout=20)
     assert (node0.returncode, node1.returncode) == (LOST_CODE, LOST_CODE), node0.stderr[-3000:]
@@ -308,7 +319,7 @@ from supervisor.control.server import ControlServer, listen
 from supervisor.control.wire import ControlKey, Timing
 limits = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 12, limits[1]))
-channel = ControlServer(3, listen(int(sys.argv[1]) + 1), ControlKey(sys.argv[2].encode(), True), Timing(),
+channel = ControlServer(3, 1, listen(int(sys.argv[1]) + 1), ControlKey(sys.argv[2].encode(), True), Timing(),
                         lambda line: print(line, flush=True))
 print('listening', flush=True)
 select.select([channel.fd], [], [])
@@ -325,7 +336,7 @@ def test_out_of_file_descriptors_the_control_port_goes_on_hearing_the_nodes(tmp_
     try:
         assert server.stdout.readline() == "listening\n"
         flood = [stranger(port + 1) for _ in range(40)]
-        FakeNode(port + 1, node=1).send("abort 1 GPU5 9")
+        FakeNode(port + 1, node=1, ranks=1).send("abort 1 GPU5 9")
         out, _ = server.communicate(timeout=10)
         for sock in flood:
             sock.close()

@@ -15,18 +15,58 @@ import pytest
 
 from rank_scripts.harness import CONTROL_SECRET, Run, clean_env, free_port_pair, start, survivors
 from supervisor.control.server import listen
-from supervisor.control.wire import LOST_CODE, ControlKey, hello_proof, new_nonce
+from supervisor.control.wire import LOST_CODE, ControlKey, hello_line, new_nonce
 
 PROGRAM = Path(__file__).resolve().parent / "torchrun_programs" / "allreduce_loop.py"
 
 
-def c10d_node(tmp_path, port: int, tag: str, *program_args: str, nnodes: int = 2,
-              env: dict[str, str] | None = None) -> Run:
+def c10d_node(tmp_path, port: int, tag: str, *program_args: str, nnodes: int = 2, nproc: int = 1,
+              env: dict[str, str] | None = None, program: Path = PROGRAM) -> Run:
     """torchrun's c10d command line as its users give it, the same on every node: no --node-rank (and nothing else
     set, unless `env` says so)."""
-    return start(tmp_path, f"--nnodes={nnodes}", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint=127.0.0.1:{port}", "--grace-period", "5", str(PROGRAM), *program_args, entry=None,
+    return start(tmp_path, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint=127.0.0.1:{port}", "--grace-period", "5", str(program), *program_args, entry=None,
                  env=env or clean_env(), tag=tag)
+
+
+def test_no_node_starts_its_ranks_before_every_node_has_joined(tmp_path):
+    """A program that never joins a process group (it only reads its environment) on two nodes, the second started
+    seconds late: node 0 holds its ranks until node 1 has joined, as torchrun's rendezvous holds its workers, and
+    the two ranks are one world of 2. (Node 0 used to run its rank alone, exit 0, and leave the late node to make
+    itself node 0 of a run of its own.)"""
+    port = free_port_pair()
+    program = PROGRAM.parent / "whoami.py"
+    node0 = c10d_node(tmp_path, port, "a", str(tmp_path), program=program)
+    node0.wait_for_stderr("waiting for all 2 nodes to join before starting the ranks (at most --join-timeout, 300 s)")
+    time.sleep(2.0)
+    assert node0.proc.poll() is None and not list(tmp_path.glob("rank*.json")), node0.stderr[-2000:]
+    node1 = c10d_node(tmp_path, port, "b", str(tmp_path), program=program)
+    for run in (node0, node1):
+        run.wait(timeout=60)
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "node 1 of 2 (given by node 0 at 127.0.0.1 as the nodes joined): ranks 1-1 of 2" in node1.stderr
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+    assert "rank 0 here" in node0.stdout and "rank 1 here" in node1.stdout
+
+
+def test_nodes_with_different_rank_counts_form_one_world(tmp_path):
+    """--nproc-per-node 2 on node 0 and 1 on node 1, as torchrun allows: ranks 0-1 on node 0 and rank 2 on node 1,
+    one gloo world of 3 whose all-reduces sum to 3 on every rank."""
+    port = free_port_pair()
+    args = ("--steps", "5", "--step-time", "0.02")
+    node0 = c10d_node(tmp_path, port, "a", *args, nproc=2)
+    node0.wait_for_stderr("node 0 of 2 (this node opened the control port at 127.0.0.1)")
+    node1 = c10d_node(tmp_path, port, "b", *args, nproc=1)
+    for run in (node0, node1):
+        run.wait(timeout=60)
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert "control port: node 1 joined from 127.0.0.1 with 1 rank" in node0.stderr
+    for run, ranks in ((node0, "0-1"), (node1, "2-2")):
+        assert (f"the nodes' rank counts differ (node 0: 2, node 1: 1): this node's ranks are {ranks} of 3"
+                in run.stderr), run.stderr[-3000:]
+    out = node0.stdout + node1.stdout
+    finished = sorted(re.findall(r"rank (\d) of (\d): 5 all-reduces, the last summing to (\d)", out))
+    assert finished == [("0", "3", "3"), ("1", "3", "3"), ("2", "3", "3")], out
 
 def test_nodes_started_without_a_node_rank_are_numbered_as_they_join(tmp_path):
     """torchrun's c10d command line as its users give it, the same on every node (no --node-rank; the third node
@@ -117,7 +157,7 @@ def test_torchruns_canonical_two_node_command_needs_nothing_else(tmp_path):
     with socket.create_connection(("127.0.0.1", port + 1), timeout=5) as forged:
         challenge = forged.recv(4096).decode().split()[1]
         other_run = ControlKey.of(None, "another-run", port).key
-        forged.sendall(f"hello 1 2 {new_nonce()} {hello_proof(other_run, 1, 2, challenge, new_nonce())}\n".encode())
+        forged.sendall(f"{hello_line(other_run, 1, 2, 1, challenge, new_nonce())}\n".encode())
         assert forged.recv(4096) == b"refused\n"
     expect_world_of_two(node0, node1)
     for run in (node0, node1):

@@ -171,10 +171,12 @@ class Peer:
 class ControlChannel(ABC):
     """What the server and the client share: the key, the event pipe, the thread, the notes."""
 
-    def __init__(self, node_rank: int | None, nnodes: int, key: ControlKey, timing: Timing,
+    def __init__(self, node_rank: int | None, nnodes: int, ranks: int, key: ControlKey, timing: Timing,
                  say: Callable[[str], None]) -> None:
         # None: a node started without --node-rank, until node 0's welcome gives it one (supervisor/control/client.py)
         self.node_rank, self.nnodes, self.key, self.timing = node_rank, nnodes, key, timing
+        self.ranks = ranks  # this node's
+        self.assembled: tuple[int, ...] | None = None  # once every node joined: the ranks on each, in node order
         self.say = say
         self.next_beat = time.monotonic()
         self.notes = Notes(say)
@@ -197,6 +199,10 @@ class ControlChannel(ABC):
             self._events.append(event)
         self.stopping = True
         os.write(self._events_w, b"!")
+
+    def _assemble(self, sizes: tuple[int, ...]) -> None:
+        self.assembled = sizes
+        os.write(self._events_w, b"a")  # wakes a launcher waiting for the other nodes
 
     def _verdict(self, verdict: NodeVerdict) -> None:
         with self._lock:

@@ -33,11 +33,11 @@ from supervisor.control.wire import (
     Timing,
     abort_message,
     answer_proof,
-    hello_proof,
+    hello_line,
     is_nonce,
     matches,
     new_nonce,
-    node_word,
+    parse_assembled,
     parse_lost,
     verdict_message,
 )
@@ -49,9 +49,9 @@ REFUSED = "node 0's control server refused this node's hello"  # what a `refused
 class ControlClient(ControlChannel):
     """Every node but node 0."""
 
-    def __init__(self, node_rank: int | None, nnodes: int, server: tuple[str, int], local_addr: str | None,
-                 key: ControlKey, timing: Timing, say: Callable[[str], None]) -> None:
-        super().__init__(node_rank, nnodes, key, timing, say)
+    def __init__(self, node_rank: int | None, nnodes: int, ranks: int, server: tuple[str, int],
+                 local_addr: str | None, key: ControlKey, timing: Timing, say: Callable[[str], None]) -> None:
+        super().__init__(node_rank, nnodes, ranks, key, timing, say)
         (self.addr, self.port), self.local_addr = server, local_addr
         self.server: Peer | None = None  # once connected and authenticated
         self.outbox: list[str] = []  # messages from before that
@@ -109,8 +109,8 @@ class ControlClient(ControlChannel):
             if len(words) != 2 or words[0] != "challenge" or not is_nonce(words[1]):
                 return "node 0 sent no challenge"
             server_nonce = words[1]
-            server.send_plain(f"hello {node_word(self.node_rank)} {self.nnodes} {server.nonce} "
-                              f"{hello_proof(self.key.key, self.node_rank, self.nnodes, server_nonce, server.nonce)}")
+            server.send_plain(hello_line(self.key.key, self.node_rank, self.nnodes, self.ranks, server_nonce,
+                                         server.nonce))
             answer = server.read_line()
         except OSError as e:
             return f"handshake: {e}"
@@ -190,6 +190,12 @@ class ControlClient(ControlChannel):
                 self._verdict(verdict)
         elif message.startswith(REPORTS):
             self._report(server, message)
+        elif message.startswith("assembled "):
+            parsed = parse_assembled(message, self.nnodes, self.node_rank or 0, self.ranks)
+            if isinstance(parsed, str):
+                self.notes.note("invalid", f"dropped an assembled message from node 0: {parsed}")
+            else:
+                self._assemble(parsed)
         elif message == "bye":
             self.bye = True
         elif message.startswith("abort "):

@@ -25,8 +25,8 @@ def open_channel(plan: Plan, secret: bytes | None, say: Callable[[str], None]) -
             listener = listen(port)
         except OSError as e:
             raise port_refused(port, e) from None
-        return ControlServer(plan.nnodes, listener, key, plan.node_timing, say)
+        return ControlServer(plan.nnodes, plan.local_world_size, listener, key, plan.node_timing, say)
     if plan.node_rank_assigned and (listener := claim(plan.master_addr, port)) is not None:
-        return ControlServer(plan.nnodes, listener, key, plan.node_timing, say)
-    return ControlClient(None if plan.node_rank_assigned else plan.node_rank, plan.nnodes, (plan.master_addr, port),
-                         plan.local_addr, key, plan.node_timing, say)
+        return ControlServer(plan.nnodes, plan.local_world_size, listener, key, plan.node_timing, say)
+    return ControlClient(None if plan.node_rank_assigned else plan.node_rank, plan.nnodes, plan.local_world_size,
+                         (plan.master_addr, port), plan.local_addr, key, plan.node_timing, say)

@@ -32,11 +32,13 @@ from supervisor.control.channel import (
 from supervisor.control.wire import (
     ASSIGNED,
     MAX_LINE,
+    MAX_RANKS,
     ControlKey,
     Session,
     Timing,
     abort_message,
     answer_proof,
+    assembled_message,
     hello_proof,
     is_nonce,
     lost_message,
@@ -96,9 +98,10 @@ def claim(addr: str, port: int) -> socket.socket | None:
 class ControlServer(ControlChannel):
     """Node 0."""
 
-    def __init__(self, nnodes: int, listener: socket.socket, key: ControlKey, timing: Timing,
+    def __init__(self, nnodes: int, ranks: int, listener: socket.socket, key: ControlKey, timing: Timing,
                  say: Callable[[str], None]) -> None:
-        super().__init__(0, nnodes, key, timing, say)
+        super().__init__(0, nnodes, ranks, key, timing, say)
+        self.sizes = {0: ranks}  # node → its ranks, as each joined
         self.listener = listener
         self.listener.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ, "listener")
@@ -213,12 +216,14 @@ class ControlServer(ControlChannel):
 
     def _hello(self, peer: Peer, line: str) -> None:
         words = line.split()
-        if (len(words) != 5 or words[0] != "hello" or not (words[1].isdecimal() or words[1] == ASSIGNED)
-                or not words[2].isdecimal() or not is_nonce(words[3])):
+        if (len(words) != 6 or words[0] != "hello" or not (words[1].isdecimal() or words[1] == ASSIGNED)
+                or not words[2].isdecimal() or not words[3].isdecimal() or not 0 < int(words[3]) <= MAX_RANKS
+                or not is_nonce(words[4])):
             self._drop(peer, "malformed", f"closed the connection from {peer.address}: {shown(line)} is not a hello")
             return
-        asked, nnodes, client_nonce = (None if words[1] == ASSIGNED else int(words[1])), int(words[2]), words[3]
-        if not matches(words[4], hello_proof(self.key.key, asked, nnodes, peer.nonce, client_nonce)):
+        asked, nnodes, ranks = (None if words[1] == ASSIGNED else int(words[1])), int(words[2]), int(words[3])
+        client_nonce = words[4]
+        if not matches(words[5], hello_proof(self.key.key, asked, nnodes, ranks, peer.nonce, client_nonce)):
             peer.send_plain("refused")
             if asked is not None and 0 < asked < self.nnodes and asked not in self.nodes_seen:  # each named at once
                 self.refused[asked] = peer.address
@@ -252,12 +257,19 @@ class ControlServer(ControlChannel):
             peer.session = Session.derive(self.key.key, peer.nonce, client_nonce, server=True)
             peer.node = node
             self.nodes_seen.add(node)
-            if len(self.nodes_seen) == self.nnodes - 1:
+            self.sizes[node] = ranks
+            everyone = len(self.nodes_seen) == self.nnodes - 1
+            if everyone:
                 self.join_deadline = math.inf
             late_abort = self.abort_message
-        self.say(f"control port: node {node} joined from {host(peer.address)}")
+        ranks_there = f" with {ranks} rank{'s' * (ranks > 1)}" if ranks != self.ranks else ""
+        self.say(f"control port: node {node} joined from {host(peer.address)}{ranks_there}")
         if late_abort is not None:
             peer.send(late_abort)
+        elif everyone:  # the run is assembled: every node may start its ranks
+            sizes = tuple(self.sizes[n] for n in range(self.nnodes))
+            self._broadcast(assembled_message(sizes))
+            self._assemble(sizes)
 
     def _free_node(self) -> int | None:
         """The node rank a node started without --node-rank gets: the lowest that has not joined (in the order they

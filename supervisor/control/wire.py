@@ -8,9 +8,10 @@ run id and the port, which trusts what torchrun's rendezvous trusts. The handsha
 fresh nonce from each side:
 
     challenge <server-nonce>                      server → client, as soon as the connection is accepted
-    hello <node> <nnodes> <client-nonce> <proof>  client → server; proof = HMAC(key, "hello <node> <nnodes> <both
-                                                  nonces>"); <node> is `?` from a node started without --node-rank,
-                                                  <nnodes> its --nnodes
+    hello <node> <nnodes> <ranks> <client-nonce> <proof>
+                                                  client → server; proof = HMAC(key, "hello <node> <nnodes> <ranks>
+                                                  <both nonces>"); <node> is `?` from a node started without
+                                                  --node-rank, <nnodes> its --nnodes, <ranks> its rank count
     welcome <node> <proof>                        server → client; proof = HMAC(key, "welcome <node> <both nonces>");
                                                   <node> is the one asked for, or the one node 0 gives a `?`
     nnodes <n> <proof>                            server → client: the hello proved the key but node 0 was started
@@ -18,6 +19,10 @@ fresh nonce from each side:
     full <proof>                                  server → client: a `?` hello, but every node of the run has joined;
                                                   proof = HMAC(key, "full <both nonces>")
     refused                                       server → client: the hello's proof is wrong (another key)
+
+Once every node has joined, node 0 tells each ``assembled <ranks of node 0>,<ranks of node 1>,...`` (authenticated,
+below): no node starts a rank before that, as torchrun's rendezvous holds its workers until the nodes are there, and
+the global ranks follow from each node's count (nodes may differ in --nproc-per-node, as under torchrun).
 
 Every answer but ``refused`` proves the key in turn, so a node acts on it at once. ``refused`` cannot: the server that
 sends it does not hold the client's key, and nor would a stranger that answers in its place (a process of an earlier
@@ -59,6 +64,7 @@ MAX_WHY = 300  # a `lost` message's explanation, in characters
 MAX_VERDICT = 400  # a `verdict` message's headline, in characters
 MAX_BEAT_INTERVAL = 2.0  # seconds between heartbeats, at most
 MAX_LABEL = 32
+MAX_RANKS = 1 << 16  # ranks on one node, at most: a hello's count is a number a node could have
 SECRET_HINT = (f"set {SECRET_ENV} to the same random value on every node before starting them, e.g. export "
                f"{SECRET_ENV}=$(python3 -c 'import secrets; print(secrets.token_hex(32))'), or name a file that "
                f"holds it in {SECRET_FILE_ENV}; train_slurm.sbatch sets one for its job")
@@ -167,8 +173,44 @@ def node_word(node: int | None) -> str:
     return ASSIGNED if node is None else str(node)
 
 
-def hello_proof(key: bytes, node: int | None, nnodes: int, server_nonce: str, client_nonce: str) -> str:
-    return proof(key, f"hello {node_word(node)} {nnodes} {server_nonce} {client_nonce}")
+def hello_proof(key: bytes, node: int | None, nnodes: int, ranks: int, server_nonce: str, client_nonce: str) -> str:
+    return proof(key, f"hello {node_word(node)} {nnodes} {ranks} {server_nonce} {client_nonce}")
+
+
+def hello_line(key: bytes, node: int | None, nnodes: int, ranks: int, server_nonce: str, client_nonce: str) -> str:
+    """A node's hello: who it is (`node`, None: node 0 gives it one), the run's --nnodes, its `ranks`, and the proof."""
+    return (f"hello {node_word(node)} {nnodes} {ranks} {client_nonce} "
+            f"{hello_proof(key, node, nnodes, ranks, server_nonce, client_nonce)}")
+
+
+def assembled_message(sizes: tuple[int, ...]) -> str:
+    """Every node has joined: the ranks on each, in node order, a run of equal counts as `<ranks>*<nodes>` (a line
+    stays short on a thousand nodes)."""
+    runs: list[list[int]] = []
+    for n in sizes:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return "assembled " + ",".join(f"{n}*{k}" if k > 1 else str(n) for n, k in runs)
+
+
+def parse_assembled(message: str, nnodes: int, node: int, ranks: int) -> tuple[int, ...] | str:
+    """The rank counts of an ``assembled`` message, or why it is not one for this run's `node` with `ranks`."""
+    words = message.split()
+    sizes: list[int] = []
+    for run in words[1].split(",") if len(words) == 2 else []:
+        n, _, k = run.partition("*")
+        if not (n.isdecimal() and 0 < int(n) <= MAX_RANKS and (k == "" or k.isdecimal() and 0 < int(k) <= nnodes)):
+            return f"not a rank count: {run[:20]!r}"
+        sizes += [int(n)] * int(k or 1)
+        if len(sizes) > nnodes:
+            break
+    if len(sizes) != nnodes:
+        return f"not {nnodes} rank counts: {message[:80]!r}"
+    if sizes[node] != ranks:
+        return f"node {node} has {ranks} ranks, not {sizes[node]}"
+    return tuple(sizes)
 
 
 def answer_proof(key: bytes, answer: str, server_nonce: str, client_nonce: str) -> str:

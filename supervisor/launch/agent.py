@@ -9,8 +9,9 @@ is prepared (a stop signal there, a Ctrl-C or ``kill -TERM``, is an exception, `
 build child gets SIGINT and cleans up, the other nodes are told, and a second signal is ignored while it unwinds);
 only then do signals become loop events.
 
-Once the data is ready, node 0 claims `checkpoint.dir` for the run (`trainer.checkpoint.claim`): a run given the folder
-another run holds is refused there, before any rank starts.
+Once the data is ready, a node waits for every node to have joined (`assemble`: no node trains a world without the
+others, and the global ranks follow each node's rank count); then node 0 claims `checkpoint.dir` for the run
+(`trainer.checkpoint.claim`): a run given the folder another run holds is refused there, before any rank starts.
 
 The dataset step looks for the token cache in this process (a hit costs a stat per source file); a build runs as a
 child process (`prepare_dataset.py`), so that a build the kernel's out-of-memory killer ends is reported here, with
@@ -47,7 +48,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -70,7 +71,7 @@ from supervisor.plan.spec import Plan, node_ranks
 from supervisor.report.summary import failure_report, success_report
 from trainer.checkpoint.claim import FolderClaim
 from trainer.checkpoint.layout import META_FILE, check_resume, list_checkpoints, memory_step
-from trainer.config import PROJECT_ROOT, Config
+from trainer.config import PROJECT_ROOT, Config, check_world_size
 from trainer.errors import USER_ERROR_EXIT_CODE, UserError
 
 if TYPE_CHECKING:
@@ -130,6 +131,8 @@ class Launcher:
                         failed = self.prepare(control)
                     if failed is None and self.standby is not None:
                         self.standby.wait_ready()
+                    if failed is None and control is not None:
+                        failed = self.assemble(control)
                     if failed is None:
                         self.claim_checkpoints()
                 except Interrupted as e:
@@ -207,7 +210,45 @@ class Launcher:
         Returns the exit code when it cannot join (node 0 refused it, or did not answer within --join-timeout): no
         rank was started. Node 0 refuses a --master-port that another program holds (a UserError, which stops the
         other nodes too), as a node given --node-rank 0 does before anything starts."""
-        while control.node_rank is None:
+        if (failed := self.wait_for(control, lambda: control.node_rank is not None)) is not None:
+            return failed
+        assert control.node_rank is not None
+        self.plan = self.plan.as_node(control.node_rank)
+        if control.node_rank == 0 and self.plan.master_port is not None:  # its rank 0 hosts the store there
+            check_port_free(self.plan.master_port)
+        first, last = self.plan.ranks[0].rank, self.plan.ranks[-1].rank
+        given = (f"this node opened the control port at {self.plan.master_addr}" if control.node_rank == 0 else
+                 f"given by node 0 at {self.plan.master_addr} as the nodes joined")
+        self.console.say(f"node {control.node_rank} of {self.plan.nnodes} ({given}): ranks {first}-{last} of "
+                         f"{self.plan.world_size}")
+        return None
+
+    def assemble(self, control: ControlChannel) -> int | None:
+        """No rank starts before every node has joined (torchrun's rendezvous holds its workers alike): a node that
+        started its ranks alone would train a world without the others, or a late node would make itself node 0 of
+        a run of its own. Node 0 then tells each node every node's rank count, from which the global ranks follow
+        (nodes may differ in --nproc-per-node). Returns the exit code when the run stops first (a node never joined
+        within --join-timeout, or one failed or was lost)."""
+        if control.assembled is None:
+            self.console.say(f"waiting for all {self.plan.nnodes} nodes to join before starting the ranks (at most "
+                             f"--join-timeout, {self.plan.node_timing.join_timeout:g} s)")
+        if (failed := self.wait_for(control, lambda: control.assembled is not None)) is not None:
+            return failed
+        assert control.assembled is not None
+        self.plan = self.plan.assembled(control.assembled)
+        if len(set(control.assembled)) > 1:
+            counts = ", ".join(f"node {n}: {k}" for n, k in enumerate(control.assembled))
+            self.console.say(f"the nodes' rank counts differ ({counts}): this node's ranks are "
+                             f"{self.plan.ranks[0].rank}-{self.plan.ranks[-1].rank} of {self.plan.world_size}")
+        if self.plan.trainer_entry:
+            check_world_size(self.cfg, self.plan.world_size)
+        return None
+
+    def wait_for(self, control: ControlChannel, ready: Callable[[], bool]) -> int | None:
+        """Wait until `ready()` (it changes when the control channel wakes us); the exit code when, first, the run
+        stops: node 0 refused this node, a node was lost or never joined, or another node failed. No rank was
+        started."""
+        while not ready():
             select.select([control.fd], [], [])
             events, _ = control.read_events()
             if events:
@@ -218,14 +259,6 @@ class Launcher:
                 code = event.code or LOST_CODE
                 self.console.say(f"{event.why}; no rank was started; exit code {code}", style="bold red")
                 return code
-        self.plan = self.plan.as_node(control.node_rank)
-        if control.node_rank == 0 and self.plan.master_port is not None:  # its rank 0 hosts the store there
-            check_port_free(self.plan.master_port)
-        first, last = self.plan.ranks[0].rank, self.plan.ranks[-1].rank
-        given = (f"this node opened the control port at {self.plan.master_addr}" if control.node_rank == 0 else
-                 f"given by node 0 at {self.plan.master_addr} as the nodes joined")
-        self.console.say(f"node {control.node_rank} of {self.plan.nnodes} ({given}): ranks {first}-{last} of "
-                         f"{self.plan.world_size}")
         return None
 
     def prepare(self, control: ControlChannel | None) -> int | None:

@@ -76,6 +76,9 @@ class Plan:
     # started without --node-rank on several nodes: node 0 is the node that opens the control port at master_addr,
     # the others learn theirs from node 0 as they join (supervisor/control); node_rank is 0 until then
     node_rank_assigned: bool = False
+    # several nodes: the ranks on each node, in node order, as node 0 gathered them once every node joined
+    # (supervisor/control); empty until then. torchrun lets nodes differ in --nproc-per-node, and so does this
+    node_sizes: tuple[int, ...] = ()
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free loopback port per group (single node)
     grace_period: float = 30.0
@@ -134,11 +137,18 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.nnodes * len(self.ranks)
+        return sum(self.node_sizes) if self.node_sizes else self.nnodes * len(self.ranks)
 
     def as_node(self, node_rank: int) -> Plan:
         """This plan on the node rank node 0 gave: the ranks' global numbers move with it."""
         return replace(self, node_rank=node_rank, ranks=node_ranks(self.gpus, len(self.ranks), node_rank))
+
+    def assembled(self, sizes: tuple[int, ...]) -> Plan:
+        """This plan once every node joined, with `sizes` ranks on each: this node's ranks come after those of the
+        nodes before it, and the world is all of them."""
+        first = sum(sizes[:self.node_rank])
+        return replace(self, node_sizes=sizes,
+                       ranks=[replace(spec, rank=first + spec.local_rank) for spec in self.ranks])
 
     def argv(self, config_path: Path | None) -> list[str]:
         if self.entry_mode == "executable":
