@@ -382,3 +382,44 @@ def test_a_supervisor_frozen_then_resumed_names_itself_not_its_peers(tmp_path):
                      r"or its host suspended\), longer than --node-timeout 3 s: the other nodes have taken node 1 for "
                      r"lost", run.stderr), run.stderr[-3000:]
     assert "stopped answering" not in run.stderr and "failed first" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stop_before_the_nodes_met_waits_for_them_until_a_second_ctrl_c(tmp_path, rank):
+    """Ctrl-C on a node alone (node 0 waiting for the others, or node 1 that never reached node 0): the stop would
+    reach the other nodes if they came within the grace period, the console says so, and a second Ctrl-C leaves at
+    once."""
+    run = start(tmp_path, "--nproc", "1", *layout(free_port_pair(), rank), "--node-timeout", "3", "--join-timeout",
+                "60", "--grace-period", "60", env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag=str(rank))
+    run.wait_for_stderr(f"waiting for all {NODES} nodes to join before starting the ranks")
+    run.proc.send_signal(signal.SIGINT)
+    who = "the nodes that have not joined" if rank == 0 else "node 0, not reached so far,"
+    run.wait_for_stderr(f"telling {who} that this run stopped: up to the grace period (60 s); Ctrl-C again to leave "
+                        f"now")
+    asked = time.monotonic()
+    run.proc.send_signal(signal.SIGINT)
+    run.wait(timeout=30)
+    assert time.monotonic() - asked < 5
+    assert run.returncode == 128 + signal.SIGINT, run.stderr[-3000:]
+    assert "SIGINT: interrupted while waiting for the other nodes; no rank was started" in run.stderr
+
+
+def test_a_second_node_given_a_taken_node_rank_stops_at_once_and_is_named(tmp_path):
+    """Nodes 0 and 1, and a third node started as node 1 too (meant to be node 2): it is refused at once, saying
+    why; the others stop at the join timeout naming node 2 as missing and the second node 1 as the likely reason."""
+    port = free_port_pair()
+    nodes = [node(tmp_path, port, 0), node(tmp_path, port, 1)]
+    nodes[0].wait_for_stderr("node 1 joined from 127.0.0.2")
+    twin = start(tmp_path, "--nproc", "1", *layout(port, 1)[:-1], address(2), *TIMEOUTS,
+                 env=clean_env(SUPERVISOR_CONTROL_SECRET=CONTROL_SECRET), tag="twin")
+    twin.wait(timeout=15)
+    assert twin.returncode == LOST_CODE, twin.stderr[-3000:]
+    assert ("node 0's control server refused this node: node 1 has joined already (two nodes were given --node-rank "
+            "1: give each its own, within 1-2)") in twin.stderr
+    nodes[0].wait_for_stderr("refused a second node 1 from 127.0.0.3: node 1 joined already (two nodes were given "
+                             "--node-rank 1)")
+    for run in nodes:
+        run.wait(timeout=60)
+        assert run.returncode == LOST_CODE, run.stderr[-3000:]
+        assert ("; a second node 1 came from 127.0.0.3 (two nodes were given --node-rank 1; one of them was meant to "
+                "be node 2?)") in run.stderr, run.stderr[-3000:]

@@ -179,6 +179,14 @@ def test_a_rank_that_leaves_is_the_failure_not_the_peer_that_lost_it(tmp_path, l
     assert len(run.pids()) == 2 and survivors(run.pids()) == []  # (the --ready files are the harness's pid files)
 
 
+def test_a_rank_that_ignores_sigterm_is_killed_without_a_guess_of_where_it_was(tmp_path):
+    """A program that reports nothing: a rank outliving SIGTERM is named, with no claim of a phase it never said."""
+    script = "trap '' TERM; [ $RANK = 1 ] && exit 3; sleep 60"
+    run = supervise(tmp_path, "--nproc-per-node", "2", "--shutdown-timeout", "1", "--no-python", "bash", "-c", script)
+    assert run.returncode == 3, run.stderr[-3000:]
+    assert "supervisor: CPU0 still running 1 s after SIGTERM; SIGKILL\n" in run.stderr, run.stderr[-3000:]
+
+
 def test_any_failure_is_restarted_with_torchruns_restart_count(tmp_path):
     """Exit 2 is a failure like any other to a torchrun program: restarted, and told so."""
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
@@ -308,6 +316,38 @@ def test_flags_left_off_the_command_line_come_from_pet_variables(monkeypatch, tm
                    "when the command line leaves that out); fix or unset it\n"), err
 
 
+def test_abbreviations_and_a_program_after_a_double_dash_are_read_as_torchrun_reads_them():
+    """torchrun's parser takes a flag's unambiguous prefix and ``--`` before the program; what follows the program
+    is the program's, even where it looks like one of torchrun's flags abbreviated (torchrun itself refuses a
+    program's ``--max 1`` as ambiguous)."""
+    script = str(PROGRAMS / "flaky.py")
+    args, program_args, launch, _ = read("--nproc_per", "3", "--max_r=2", "--", script, "--max", "1", "--", "x")
+    assert (args.nproc, args.max_restarts, launch.program, program_args) == (3, 2, script, ["--max", "1", "--", "x"])
+    own = read("--nproc", "2", "--gpu", "1", "--debug")  # the supervisor's own, abbreviated: still its own
+    assert own[2] is None and (own[0].nproc, own[0].gpus) == (2, "1")
+    own = read("--nproc", "2", "--entry", script, "--", "run.py")  # after --: --entry's arguments
+    assert own[2] is None and own[1] == ["run.py"]
+
+
+def test_several_nodes_without_an_address_meet_where_torchrun_would():
+    """torchrun's static rendezvous defaults to 127.0.0.1:29500, its c10d one to localhost:29400: the same here,
+    saying so (every node on one host, or the address named)."""
+    script = str(PROGRAMS / "flaky.py")
+    args, _, _, notes = read("--nnodes", "2", "--node-rank", "1", script)
+    assert (args.master_addr, args.master_port) == ("127.0.0.1", 29500)
+    assert notes == ["--master-addr not given: node 0 is 127.0.0.1:29500, as under torchrun (every node on this host; "
+                     "--master-addr HOST names node 0 elsewhere)"]
+    args, _, _, notes = read("--nnodes", "2", "--master-addr", "node0", script)
+    assert (args.master_addr, args.master_port) == ("node0", 29500)
+    assert notes == ["--master-port not given: node 0's port is 29500, as under torchrun"]
+    args, _, _, notes = read("--nnodes", "2", "--rdzv-backend", "c10d", script)
+    assert (args.master_addr, args.master_port) == ("localhost", 29400) and "localhost:29400" in notes[0]
+    args, _, _, notes = read("--master-port", "65535", script)  # one node: no control port after it
+    assert (args.master_port, notes) == (65535, [])
+    cli.node_layout(args, notes)
+    cli.check_flags(args)  # refused on several nodes only
+
+
 def test_flags_without_a_use_here_are_accepted_with_one_line_each():
     flags = ["--tee", "3", "-r", "3", "--log_dir=/tmp/x", "--monitor-interval", "1", "--start_method=fork",
              "--rdzv-conf", "join_timeout=5", "--local-addr", "h", "--local-ranks-filter", "0", "--run-path",
@@ -337,7 +377,7 @@ def test_flags_without_a_use_here_are_accepted_with_one_line_each():
     (("--nproc-per-node", "2"), "no program to run; torchrun's command line: python -m supervisor"),
     (("--debug", "P"), "unrecognized arguments: --debug"),
     # what would have the ranks retry until the store's 30-minute timeout, or fail in a traceback
-    (("--rdzv-backend=c10d", "--rdzv-endpoint=:::::", "P"), "--rdzv-endpoint ':::::': expected HOST[:PORT]"),
+    (("--rdzv-backend=c10d", "--rdzv-endpoint=node 0:29400", "P"), "--rdzv-endpoint 'node 0:29400': expected HOST"),
     (("--rdzv-backend=c10d", "--rdzv-endpoint=localhost:-5", "P"), "--rdzv-endpoint 'localhost:-5': expected HOST"),
     (("--rdzv-backend=c10d", "--rdzv-endpoint=no-such-host.invalid:29400", "P"),
      "node 0's address no-such-host.invalid (--master-addr, or the host of --rdzv-endpoint) does not resolve"),
@@ -346,6 +386,15 @@ def test_flags_without_a_use_here_are_accepted_with_one_line_each():
     (("--nproc-per-node", "²", "P"), "--nproc-per-node ²: expected a number, gpu, cpu or auto"),
     (("--local-ranks-filter", "0,x", "P"), "--local-ranks-filter 0,x: expected local ranks separated by commas"),
     (("-m", "P"), "-m {P}: -m takes a module's name (-m pkg.train); give a script's path without -m"),
+    # what torchrun's parser refuses, and torchrun's names in the supervisor's checks
+    (("--start-method", "bogus", "P"), "argument --start-method/--start_method: invalid choice: 'bogus'"),
+    (("--ma", "1", "P"), "--ma is ambiguous: it could be --master-addr, --master-port, --max-restarts"),
+    (("--nproc-per-node", "5000", "P"), "--nproc-per-node must be within 1-1,024 (ranks on this node), got 5000"),
+    (("--shutdown-timeout", "-1", "P"), "--shutdown-timeout must be a number of seconds within 0-2,592,000"),
+    (("--nnodes", "2", "--node-rank", "0", "--master-port", "65535", "P"),
+     "--master-port must be within 1-65534 on several nodes (the nodes' control port is the next one"),
+    (("--rdzv-backend=c10d", "--rdzv-endpoint=::1", "--nnodes=2", "P"),
+     "--rdzv-endpoint ::1: an IPv6 address goes in brackets, before the port ([::1]:29400, or [::1] for port"),
 ])
 def test_what_cannot_be_honoured_is_one_error_line(tmp_path, capsys, argv, message):
     program = str(PROGRAMS / "flaky.py")

@@ -189,6 +189,7 @@ class ControlChannel(ABC):
         self._lock = threading.Lock()
         self.stopping = False  # an abort went out or came in: closed connections are expected from now on
         self.closing = False
+        self.hurried = False  # a stop signal while closing: leave without waiting for the other nodes
         self.selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         self.selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -316,6 +317,14 @@ class ControlChannel(ABC):
     @abstractmethod
     def close(self, wait: float) -> None:
         """End the channel (after the node's ranks are gone)."""
+
+    @abstractmethod
+    def lingering(self) -> bool:
+        """Whether `close` would wait: an abort not yet delivered to a node this one has not reached."""
+
+    def hurry(self) -> None:
+        """Cut `close`'s wait short (a second Ctrl-C): the nodes not reached learn of the stop by their own timeouts."""
+        self.hurried = True
 
     def _finish_thread(self, timeout: float) -> None:
         self.closing = True

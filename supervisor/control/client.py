@@ -119,6 +119,10 @@ class ControlClient(ControlChannel):
         *said, given = answer.split()
         if not said or not matches(given, answer_proof(self.key.key, " ".join(said), server_nonce, server.nonce)):
             return "node 0's answer does not prove the run's key"
+        if len(said) == 2 and said[0] == "taken" and said[1].isdecimal():
+            return lost(0, f"node 0's control server refused this node: node {said[1]} has joined already "
+                           f"(two nodes were given --node-rank {said[1]}: give each its own, within "
+                           f"1-{self.nnodes - 1})")
         if said == ["full"]:
             return lost(0, f"node 0's control server refused this node: all {self.nnodes} nodes of the run (--nnodes "
                            f"{self.nnodes}) have joined already")
@@ -217,10 +221,13 @@ class ControlClient(ControlChannel):
     def done(self) -> None:
         self._send("done")
 
+    def lingering(self) -> bool:
+        return self.stopping and self.server is None and self.thread.is_alive() and not self.hurried
+
     def close(self, wait: float) -> None:
         """Close the connection; an abort not yet delivered (node 0 not reached so far) gets up to `wait` seconds."""
         deadline = time.monotonic() + wait
-        while self.stopping and self.server is None and self.thread.is_alive() and time.monotonic() < deadline:
+        while self.lingering() and time.monotonic() < deadline:
             time.sleep(0.05)
         self._finish_thread(timeout=1.0)
         with self._lock:

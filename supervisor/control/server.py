@@ -111,6 +111,7 @@ class ControlServer(ControlChannel):
         self.accept_paused_until: float | None = None
         self.join_deadline = time.monotonic() + timing.join_timeout  # inf once every node joined, or after
         self.refused: dict[int, str] = {}  # a node that has not joined → the address of a refused hello in its name
+        self.duplicates: dict[int, str] = {}  # a node that joined → the address of a second node in its name
         self.given_up: set[int] = set()  # the nodes named as never joined: no abort waits to be handed to them
         self.thread.start()
 
@@ -247,9 +248,16 @@ class ControlServer(ControlChannel):
             self._drop(peer, "node", f"refused a node without --node-rank from {peer.address}: all {self.nnodes} "
                                      f"nodes of this run (--nnodes {self.nnodes}) have joined")
             return
-        if not 0 < node < self.nnodes or any(p.node == node for p in self.peers):
+        if any(p.node == node for p in self.peers):  # two nodes given one --node-rank: the second stops at once
+            answer = f"taken {node}"
+            peer.send_plain(f"{answer} {answer_proof(self.key.key, answer, peer.nonce, client_nonce)}")
+            self.duplicates[node] = peer.address
+            self._drop(peer, "node", f"refused a second node {node} from {host(peer.address)}: node {node} joined "
+                                     f"already (two nodes were given --node-rank {node})")
+            return
+        if not 0 < node < self.nnodes:
             self._drop(peer, "node", f"closed the connection from {peer.address}: node {node} is not one of this "
-                                     f"run's other nodes, or is connected already")
+                                     f"run's other nodes")
             return
         answer = f"welcome {node}"
         peer.send_plain(f"{answer} {answer_proof(self.key.key, answer, peer.nonce, client_nonce)}")
@@ -346,6 +354,8 @@ class ControlServer(ControlChannel):
                f"and proved this run's key within {self.timing.join_timeout:g} s (--join-timeout)")
         why += "".join(f"; a hello as node {n} from {host(self.refused[n])} was refused ({self.key.differs})"
                        for n in missing if n in self.refused)
+        why += "".join(f"; a second node {n} came from {host(address)} (two nodes were given --node-rank {n}; one of "
+                       f"them was meant to be node {missing[0]}?)" for n, address in self.duplicates.items())
         self._lose(missing[0], why)
 
     def _broadcast(self, message: str, skip: Peer | None = None) -> None:
@@ -378,11 +388,14 @@ class ControlServer(ControlChannel):
                 return len(self.nodes_seen | self.given_up) >= self.nnodes - 1
             return all(p.done for p in self.peers if p.session is not None)
 
+    def lingering(self) -> bool:
+        return self.stopping and not self.settled() and not self.hurried
+
     def close(self, wait: float) -> None:
         """Give the other nodes up to `wait` seconds to finish (or to receive an abort), say ``bye``, and close
         every connection cleanly."""
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not self.settled():
+        while time.monotonic() < deadline and not self.settled() and not self.hurried:
             time.sleep(0.05)
         self._broadcast("bye")
         self._finish_thread(timeout=1.0)

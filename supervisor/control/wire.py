@@ -18,6 +18,9 @@ fresh nonce from each side:
                                                   with --nnodes <n>; proof = HMAC(key, "nnodes <n> <both nonces>")
     full <proof>                                  server → client: a `?` hello, but every node of the run has joined;
                                                   proof = HMAC(key, "full <both nonces>")
+    taken <node> <proof>                          server → client: node <node> has joined already (two nodes were
+                                                  given one --node-rank); proof = HMAC(key, "taken <node> <both
+                                                  nonces>")
     refused                                       server → client: the hello's proof is wrong (another key)
 
 Once every node has joined, node 0 tells each ``assembled <ranks of node 0>,<ranks of node 1>,...`` (authenticated,

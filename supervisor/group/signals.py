@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
@@ -56,6 +56,18 @@ def interruptible() -> Iterator[None]:
         if not interrupted:
             for sig, handler in previous.items():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextmanager
+def on_stop_signal(callback: Callable[[], None]) -> Iterator[None]:
+    """While the supervisor winds down (the ranks gone): a stop signal calls `callback` (it may cut a wait short)
+    instead of killing the supervisor half-way through its clean-up. The handlers before are restored after."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: callback()) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 class SignalInbox:

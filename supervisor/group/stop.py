@@ -115,10 +115,11 @@ class StopLadder:
     """The rungs of one group's stop, over its workers and what each last reported."""
 
     def __init__(self, workers: list[Worker], states: dict[int, RankState], grace_period: float,
-                 console: Console, restart_follows: bool = False) -> None:
-        """`restart_follows`: the run has a restart left, so ranks held by a rank that is gone get SIGKILL at once."""
+                 console: Console, restart_follows: bool = False, trainer: bool = True) -> None:
+        """`restart_follows`: the run has a restart left, so ranks held by a rank that is gone get SIGKILL at once.
+        `trainer`: the ranks report progress from their start (another program may report nothing at all)."""
         self.workers, self.states, self.grace_period, self.console = workers, states, grace_period, console
-        self.restart_follows = restart_follows
+        self.restart_follows, self.trainer = restart_follows, trainer
 
     def terminate(self, stop: Stop, now: float, stalled: set[int]) -> None:
         """Rung 1: SIGTERM (SIGKILL for the `stalled` ranks), and when rung 2 comes."""
@@ -196,11 +197,13 @@ class StopLadder:
         """The ranks that outlived SIGTERM by the whole grace period, and where they were: a rank still in the
         rendezvous (no step reported yet: waiting for a node, a collective's first connection) has nothing to save,
         and a signal handler that only sets a flag is never reached while it waits there; one in a phase (its
-        checkpoint) says which."""
+        checkpoint) says which. Of a program that reports nothing, where its ranks were is not known."""
         left = [w for w in self.workers if w.alive]
         if not left:
             return
-        places = [f"{w.label} {place}" for w in left if (place := phase_of(self.states[w.spec.rank])) is not None]
+        reporting = self.trainer or any(state.event is not None for state in self.states.values())
+        places = [f"{w.label} {place}" for w in left
+                  if reporting and (place := phase_of(self.states[w.spec.rank])) is not None]
         where = f" ({'; '.join(places)})" if places else ""
         self.console.say(f"{', '.join(w.label for w in left)} still running {self.grace_period:g} s after "
                          f"SIGTERM{where}; SIGKILL", style="bold yellow")

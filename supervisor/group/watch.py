@@ -94,7 +94,7 @@ class Watch:
         self.suspect: Suspect | None = None  # a first error exit on a lost peer, waiting for the peer's own
         self.signalled = False  # a stop signal reached the supervisor: the next one kills at once
         self.hangs = HangWatchdog(plan, workers, self.states, console, tails, control)
-        self.ladder = StopLadder(workers, self.states, plan.grace_period, console, restart_follows)
+        self.ladder = StopLadder(workers, self.states, plan.grace_period, console, restart_follows, plan.trainer_entry)
         self.stragglers = stragglers.StragglerDetector({w.spec.rank: w.label for w in workers})
         self.straggler_history: list[stragglers.Straggler] = []
         self.verdicts = NodeVerdicts(plan.nnodes) if control is not None else None  # a stall's, across the nodes

@@ -62,7 +62,7 @@ from supervisor.gpus import exclusion, preflight
 from supervisor.gpus.exclusion import Exclusion
 from supervisor.group.pump import Pump, Stream
 from supervisor.group.reaper import TOKEN_ENV, Reaper
-from supervisor.group.signals import Interrupted, SignalInbox, interruptible
+from supervisor.group.signals import Interrupted, SignalInbox, interruptible, on_stop_signal
 from supervisor.group.standby import Standby
 from supervisor.group.watch import GroupResult, Watch
 from supervisor.group.worker import Worker, become_subreaper, die_with_parent
@@ -123,21 +123,24 @@ class Launcher:
 
                 control = open_channel(self.plan, read_secret(os.environ), self.console.say)
             with interruptible():
+                phase = "while joining node 0"
                 try:
                     if control is not None and self.plan.node_rank_assigned:
                         failed = self.join(control)
+                    phase = "during dataset preparation"
                     if failed is None:
                         self.start_standby(reaper)  # its imports overlap the dataset's lookup (or build)
                         failed = self.prepare(control)
                     if failed is None and self.standby is not None:
                         self.standby.wait_ready()
                     if failed is None and control is not None:
+                        phase = "while waiting for the other nodes"
                         failed = self.assemble(control)
                     if failed is None:
                         self.claim_checkpoints()
                 except Interrupted as e:
                     failed = 128 + e.signum
-                    self.console.say(f"{e}: interrupted during dataset preparation; no rank was started")
+                    self.console.say(f"{e}: interrupted {phase}; no rank was started")
                 except UserError:
                     failed = USER_ERROR_EXIT_CODE
                     raise
@@ -197,7 +200,7 @@ class Launcher:
             if self.standby is not None:
                 self.standby.close()
             if control is not None:
-                control.close(wait=self.plan.grace_period)
+                self.close_control(control)
             if signals is not None:
                 signals.close()
             reaper.close()
@@ -243,6 +246,18 @@ class Launcher:
         if self.plan.trainer_entry:
             check_world_size(self.cfg, self.plan.world_size)
         return None
+
+    def close_control(self, control: ControlChannel) -> None:
+        """End the control channel. A stop not yet delivered to a node this one has not reached waits for that node
+        up to the grace period (so it stops at once rather than at its own timeout); the console says so, and a
+        second stop signal (Ctrl-C) leaves at once."""
+        grace = self.plan.grace_period
+        if control.lingering() and grace > 0:
+            who = "the nodes that have not joined" if control.node_rank == 0 else "node 0, not reached so far,"
+            self.console.say(f"telling {who} that this run stopped: up to the grace period ({grace:g} s); Ctrl-C "
+                             f"again to leave now")
+        with on_stop_signal(control.hurry):
+            control.close(wait=grace)
 
     def wait_for(self, control: ControlChannel, ready: Callable[[], bool]) -> int | None:
         """Wait until `ready()` (it changes when the control channel wakes us); the exit code when, first, the run

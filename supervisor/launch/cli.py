@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "script. torchrun's command line works too (python -m supervisor [torchrun's flags] SCRIPT "
                     "[ARGS...]; see docs/torchrun.md).")
     parser.set_defaults(cpu_ranks=DEFAULT_CPU_RANKS)  # torchrun's --nproc-per-node cpu|auto: one per core
+    parser.set_defaults(spelling={})  # dest → its flag's name where a torchrun command line names it otherwise
     devices = parser.add_argument_group("devices")
     devices.add_argument("--nproc", type=int, metavar="N",
                          help=f"ranks on this node: the first N GPUs, or N CPU ranks (default {DEFAULT_CPU_RANKS}) "
@@ -148,35 +149,46 @@ def split_entry_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+def flag(args: argparse.Namespace, dest: str) -> str:
+    """The flag setting `dest` as the command line spells it: torchrun's name for a torchrun command line
+    (``--nproc-per-node``, ``--shutdown-timeout``), else the supervisor's own (``--nproc``, ``--grace-period``)."""
+    return args.spelling.get(dest) or f"--{dest.replace('_', '-')}"
+
+
 def check_flags(args: argparse.Namespace) -> None:
     if args.nproc is not None and not 1 <= args.nproc <= MAX_NPROC:
-        raise UserError(f"--nproc must be within 1-{MAX_NPROC:,} (ranks on this node), got {args.nproc}")
+        raise UserError(f"{flag(args, 'nproc')} must be within 1-{MAX_NPROC:,} (ranks on this node), got "
+                        f"{args.nproc}")
     for name in ("grace_period", "hang_timeout", "startup_timeout"):
         seconds = getattr(args, name)
         if not 0 <= seconds <= MAX_TIMEOUT_S:  # NaN fails this too: a NaN allowance would stall the run at once
-            raise UserError(f"--{name.replace('_', '-')} must be a number of seconds within 0-{MAX_TIMEOUT_S:,}"
+            raise UserError(f"{flag(args, name)} must be a number of seconds within 0-{MAX_TIMEOUT_S:,}"
                             f"{' (0 disables the watchdog)' if name == 'hang_timeout' else ''}, got {seconds:g}")
     for name in ("node_timeout", "join_timeout"):  # no 0: a node that may never be lost hangs the others forever
         if not 0 < (seconds := getattr(args, name)) <= MAX_TIMEOUT_S:
-            raise UserError(f"--{name.replace('_', '-')} must be a number of seconds within (0, {MAX_TIMEOUT_S:,}], "
+            raise UserError(f"{flag(args, name)} must be a number of seconds within (0, {MAX_TIMEOUT_S:,}], "
                             f"got {seconds:g}")
     if args.max_restarts < 0:
-        raise UserError(f"--max-restarts must not be negative, got {args.max_restarts}")
+        raise UserError(f"{flag(args, 'max_restarts')} must not be negative, got {args.max_restarts}")
     if args.nnodes < 1:
         raise UserError(f"--nnodes must be at least 1, got {args.nnodes}")
     if args.node_rank is not None and not 0 <= args.node_rank < args.nnodes:
-        raise UserError(f"--node-rank must be within [0, --nnodes) (got --nnodes {args.nnodes} --node-rank "
-                        f"{args.node_rank})")
+        raise UserError(f"{flag(args, 'node_rank')} must be within [0, --nnodes) (got --nnodes {args.nnodes} "
+                        f"{flag(args, 'node_rank')} {args.node_rank})")
+    port = flag(args, "master_port")
     if args.nnodes > 1:
         if args.master_addr is None or args.master_port is None:
-            raise UserError("--nnodes > 1 needs --master-addr and --master-port (node 0's address and a port all "
-                            "nodes agree on)")
+            raise UserError(f"--nnodes > 1 needs {flag(args, 'master_addr')} and {port} (node 0's address and a "
+                            f"port all nodes agree on)")
         if args.max_restarts:
-            raise UserError("--max-restarts works on a single node only (a restart would need every node to "
-                            "start again together)")
+            raise UserError(f"{flag(args, 'max_restarts')} works on a single node only (a restart would need every "
+                            f"node to start again together)")
         read_secret(os.environ)  # a control secret set but weak or unreadable: refused before anything starts
-    if args.master_port is not None and not 0 < args.master_port < 65535:
-        raise UserError(f"--master-port must be within 1-65534, got {args.master_port}")
+        if not 0 < args.master_port < 65535:
+            raise UserError(f"{port} must be within 1-65534 on several nodes (the nodes' control port is the next "
+                            f"one, {port}+1), got {args.master_port}")
+    elif args.master_port is not None and not 0 < args.master_port <= 65535:
+        raise UserError(f"{port} must be within 1-65535, got {args.master_port}")
 
 
 def entry_path(args: argparse.Namespace) -> str:

@@ -56,6 +56,7 @@ from supervisor.plan.spec import (
 from trainer.errors import UserError
 
 DEFAULT_C10D_PORT = 29400  # torchrun's port for a c10d endpoint given without one
+DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT = "127.0.0.1", 29500  # torchrun's static rendezvous, when not given
 USAGE = "python -m supervisor [FLAGS] SCRIPT [ARGS...] (or -m MODULE, or --no-python PROGRAM)"
 
 # torchrun's flags that change nothing here: (option strings, takes a value, what happens instead). "{v}" is the value.
@@ -87,6 +88,11 @@ NOTED: dict[str, tuple[tuple[str, ...], bool, str]] = {
                           "own handling applies: SIGINT, SIGTERM, SIGHUP and SIGUSR1 stop every rank (SIGTERM, then "
                           "SIGKILL after the grace period)"),
 }
+
+# what torchrun's parser checks of them: a value it refuses is refused here too
+NOTED_CHOICES = {"start_method": ("spawn", "fork", "forkserver"),
+                 "numa_binding": ("node", "socket", "exclusive", "core-complex")}
+NOTED_TYPES = {"monitor_interval": float}
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -141,7 +147,9 @@ def build_parser(add_own_flags: Callable[[argparse._ArgumentGroup], None],
     t.add_argument("--local-addr", "--local_addr", dest="local_addr", metavar="HOST")
     t.add_argument("--local-ranks-filter", "--local_ranks_filter", dest="local_ranks_filter", metavar="RANKS")
     for dest, (flags, takes_value, _) in NOTED.items():
-        t.add_argument(*flags, dest=dest, **({} if takes_value else {"action": "store_true"}))
+        kind = {"choices": NOTED_CHOICES.get(dest), "type": NOTED_TYPES.get(dest)} if takes_value else \
+            {"action": "store_true"}
+        t.add_argument(*flags, dest=dest, **kind)
     if from_environment:
         environment_defaults(t._group_actions)
     add_own_flags(parser.add_argument_group("the supervisor's own launch flags"))
@@ -159,7 +167,7 @@ def environment_defaults(actions: list[argparse.Action]) -> None:
         value = os.environ.get(name)
         if value is None:
             continue
-        flag = max(action.option_strings, key=len)
+        flag = long_name(action)
         try:
             if action.nargs == 0:
                 action.default = bool(int(value))
@@ -171,30 +179,72 @@ def environment_defaults(actions: list[argparse.Action]) -> None:
                             f"leaves that out); fix or unset it") from None
 
 
-def recognised(argv: list[str], own: argparse.ArgumentParser, torchrun: argparse.ArgumentParser) -> bool:
-    """Whether `argv` (before any ``--``) is torchrun's command line: a positional program, or a flag of torchrun's
-    that the supervisor's own command line (`own`) does not have."""
-    own_flags = set(own._option_string_actions)
-    valued = {flag for flag, action in own._option_string_actions.items() if action.nargs != 0}
-    torchrun_only = set(torchrun._option_string_actions) - own_flags
-    skip = False
-    for token in argv:
-        if skip:
-            skip = False
-            continue
+def find_action(name: str, parser: argparse.ArgumentParser) -> argparse.Action | None:
+    """The flag `name` stands for in `parser`: itself, or the one long flag it begins (torchrun's parser takes
+    ``--nproc_per 2`` and ``--master_a h``, argparse's abbreviations); None for no flag or several."""
+    actions = parser._option_string_actions
+    if name in actions:
+        return actions[name]
+    found = {id(a): a for flag, a in actions.items() if name.startswith("--") and flag.startswith(name)}
+    return next(iter(found.values())) if len(found) == 1 else None
+
+
+def long_name(action: argparse.Action) -> str:
+    """A flag's name written out: its first long spelling (``--nproc-per-node``)."""
+    return max(action.option_strings, key=len)
+
+
+def split_program(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """`argv` as (the flags, each abbreviation written out in full; the program and its arguments). The program
+    starts at the first word that is not a flag or a flag's value, or after ``--``: what follows is the program's
+    alone, never read as flags (torchrun's own parser stumbles on a program's ``--max 1``)."""
+    flags: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
         if token == "--":
-            return False
-        name = token.split("=", 1)[0]
-        if name in torchrun_only or not token.startswith("-"):
-            return True
-        skip = name in valued and "=" not in token
-    return False
+            return flags, argv[i + 1:]
+        if not token.startswith("-") or token == "-":
+            return flags, argv[i:]
+        name, equals, value = token.partition("=")
+        action = find_action(name, parser)
+        if action is None and name.startswith("--"):
+            near = sorted({long_name(a) for flag, a in parser._option_string_actions.items()
+                           if flag.startswith(name)})
+            if near:
+                raise UserError(f"{name} is ambiguous: it could be {', '.join(near)}; write the flag out")
+        if action is not None and name not in action.option_strings:
+            name = long_name(action)
+        flags.append(name + equals + value)
+        takes_value = action is not None and action.nargs != 0 and not equals
+        flags += argv[i + 1:i + 2] if takes_value else []
+        i += 2 if takes_value else 1
+    return flags, []
+
+
+def recognised(argv: list[str], own: argparse.ArgumentParser, torchrun: argparse.ArgumentParser) -> bool:
+    """Whether `argv` is torchrun's command line: a positional program, or a flag of torchrun's that the supervisor's
+    own command line (`own`) does not have. After ``--`` the supervisor's own command line has the trainer's config
+    flags, or the arguments of the program --entry names; a program there with no --entry before it (``python -m
+    supervisor -- train.py``) is torchrun's, which reads ``--`` as the end of its flags."""
+    flags, program = split_program(argv, own)
+    own_only = all(find_action(token.partition("=")[0], own) is not None
+                   or find_action(token.partition("=")[0], torchrun) is None
+                   for token in flags if token.startswith("-"))
+    if not own_only:
+        return True
+    if argv[len(flags):len(flags) + 1] == ["--"]:  # what follows --: --entry's arguments, or the trainer's flags
+        entry = any(find_action(token.partition("=")[0], own) is find_action("--entry", own) for token in flags)
+        return not entry and bool(program) and not program[0].startswith("-")
+    return bool(program)
 
 
 def parse(argv: list[str], add_own_flags: Callable[[argparse._ArgumentGroup], None],
           defaults: argparse.Namespace) -> TorchrunLaunch:
     """torchrun's command line → the supervisor's namespace (`defaults` with the launch flags set) and the rest."""
-    t = build_parser(add_own_flags, from_environment=True).parse_args(argv)
+    parser = build_parser(add_own_flags, from_environment=True)
+    flags, program = split_program(argv, parser)
+    t = parser.parse_args([*flags, "--", *program] if program else flags)
     args = argparse.Namespace(**vars(defaults))
     for name in ("gpus", "allow_busy_gpus", "isolate_gpus", "grace_period", "hang_timeout", "startup_timeout",
                  "gpu_exclusion", "min_gpus", "no_footer", "max_restarts", "local_addr", "node_timeout",
@@ -204,12 +254,15 @@ def parse(argv: list[str], add_own_flags: Callable[[argparse._ArgumentGroup], No
         args.log_dir = t.log_dir
     if t.shutdown_timeout is not None:
         args.grace_period = t.shutdown_timeout
-    notes = [f"--{dest.replace('_', '-')}{'' if value is True else f' {value}'}: {text}"
+    notes = [f"--{dest.replace('_', '-')}{shown_value(value)}: {text}"
              for dest, (_, _, text) in NOTED.items() if (value := getattr(t, dest)) not in (None, False)]
     if t.log_dir is not None:
         notes.append(f"--log-dir {t.log_dir}: the run folder is {t.log_dir}/<time>-<program>/ (supervisor.log, a log "
                      f"file per rank, errors/ for @record's error files), not torchrun's <run id>/attempt_<n>/")
-    nodes(t, args)
+    args.spelling = {"nproc": "--nproc-per-node", "grace_period": "--shutdown-timeout", "node_rank": "--node-rank",
+                     "master_addr": "--master-addr", "master_port": "--master-port",
+                     "max_restarts": "--max-restarts"}
+    nodes(t, args, notes)
     per_node(t.nproc_per_node, args)
     mode, program = program_of(t)
     return TorchrunLaunch(args, program, mode, list(t.training_script_args), run_id(t), t.role,
@@ -217,9 +270,17 @@ def parse(argv: list[str], add_own_flags: Callable[[argparse._ArgumentGroup], No
                           console_ranks(t.local_ranks_filter), os.environ.get("PYTHON_EXEC") or sys.executable, notes)
 
 
-def nodes(t: argparse.Namespace, args: argparse.Namespace) -> None:
+def shown_value(value: object) -> str:
+    """A flag's value as a note shows it after the flag: nothing for a switch, a number as typed (1, not 1.0)."""
+    if value is True:
+        return ""
+    return f" {value:g}" if isinstance(value, float) else f" {value}"
+
+
+def nodes(t: argparse.Namespace, args: argparse.Namespace, notes: list[str]) -> None:
     """--nnodes, --node-rank and where node 0 is: static (--master-addr/--master-port), c10d (--rdzv-endpoint),
-    or --standalone (one node, a free port)."""
+    or --standalone (one node, a free port). Several nodes given no address meet where torchrun's would: a static
+    rendezvous at 127.0.0.1:29500, a c10d one at localhost:29400 (every node on this host; `notes` says so)."""
     low, _, high = (t.nnodes or "1").partition(":")
     try:
         nnodes, most = int(low), int(high or low)
@@ -243,6 +304,18 @@ def nodes(t: argparse.Namespace, args: argparse.Namespace) -> None:
     if t.rdzv_endpoint.strip():
         args.master_addr, port = endpoint(t.rdzv_endpoint)
         args.master_port = port or None  # port 0: a free one, as torchrun picks
+    elif nnodes > 1 and t.rdzv_backend == "c10d":
+        args.master_addr, args.master_port = "localhost", DEFAULT_C10D_PORT
+        notes.append(f"--rdzv-backend c10d without --rdzv-endpoint: node 0 is localhost:{DEFAULT_C10D_PORT}, as "
+                     f"under torchrun (every node on this host; --rdzv-endpoint HOST:PORT names node 0 elsewhere)")
+    elif nnodes > 1 and (t.master_addr is None or t.master_port is None):
+        args.master_addr = t.master_addr or DEFAULT_MASTER_ADDR
+        args.master_port = DEFAULT_MASTER_PORT if t.master_port is None else t.master_port
+        if t.master_addr is None:
+            notes.append(f"--master-addr not given: node 0 is {DEFAULT_MASTER_ADDR}:{args.master_port}, as under "
+                         f"torchrun (every node on this host; --master-addr HOST names node 0 elsewhere)")
+        else:
+            notes.append(f"--master-port not given: node 0's port is {DEFAULT_MASTER_PORT}, as under torchrun")
 
 
 def endpoint(value: str) -> tuple[str, int]:
@@ -250,6 +323,10 @@ def endpoint(value: str) -> tuple[str, int]:
     0-65535 after the last colon (29400 when there is none), a host of letters, digits, dots, colons, dashes and
     underscores. Anything else is refused here: the ranks would retry it until the store's 30-minute timeout."""
     text = value.strip()
+    if text.count(":") > 1 and not text.startswith("["):
+        raise UserError(f"--rdzv-endpoint {value}: an IPv6 address goes in brackets, before the port "
+                        f"([{text}]:{DEFAULT_C10D_PORT}, or [{text}] for port {DEFAULT_C10D_PORT}); torchrun would "
+                        f"read everything after its last colon as the port")
     if text.startswith("[") and text.endswith("]"):
         host, port = text, str(DEFAULT_C10D_PORT)
     else:
