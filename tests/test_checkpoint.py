@@ -90,6 +90,32 @@ def test_round_trip_is_exact(tmp_path: Path, ctx: DistContext, name: str) -> Non
     assert all(torch.equal(a, b) for a, b in zip(state.model.parameters(), restored.model.parameters()))
 
 
+def test_a_pt_checkpoint_has_its_record_beside_it_and_damage_is_named(tmp_path: Path, ctx: DistContext) -> None:
+    """The NaN guard's one-file checkpoint records its size and checksum in nan_grad_step_<n>.pt.json: flipped
+    bytes are found by the ranks' checksums, a file cut short before any rank starts, each naming the record."""
+    state = make_state(make_cfg(tmp_path))
+    path = store.save(tmp_path / "ckpt" / "nan_grad_step_3.pt", state, make_meta(state, 3), ctx)
+    record = json.loads(layout.record_path(path).read_text())
+    assert record == layout.file_record(path) and sorted(p.name for p in path.parent.iterdir()) == \
+        ["nan_grad_step_3.pt", "nan_grad_step_3.pt.json"]
+    checked = store.verify(path, ctx)
+    assert (checked.problem, checked.files, checked.bytes) == (None, 1, record["bytes"])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert layout.damage(path) is None  # the same size: the zip's structure is intact
+    said = (f"{path} has checksum {layout.file_record(path)[layout.CHECKSUM]}, nan_grad_step_3.pt.json recorded "
+            f"{record[layout.CHECKSUM]}")
+    assert store.verify(path, ctx).problem == said and layout.checksum_damage(path) == said
+    path.write_bytes(bytes(data[:-10]))
+    assert layout.damage(path) in (f"{path} is not a torch.save archive, or one cut short (File is not a zip file)",
+                                   f"{path} is {len(data) - 10:,} bytes, nan_grad_step_3.pt.json recorded "
+                                   f"{len(data):,}")
+    layout.record_path(path).write_text("{")
+    path.write_bytes(bytes(data))
+    assert layout.damage(path) == f"{layout.record_path(path)} is not a record of nan_grad_step_3.pt this version reads"
+
+
 @pytest.mark.parametrize("name", ["step_000003", "nan_grad_step_3.pt"])
 def test_a_checkpoint_from_before_split_saves_still_loads(tmp_path: Path, ctx: DistContext, name: str) -> None:
     """A checkpoint written before a full-format save could be split (see trainer.checkpoint.store) has no `split`
@@ -107,6 +133,8 @@ def test_a_checkpoint_from_before_split_saves_still_loads(tmp_path: Path, ctx: D
         meta = json.loads((path / layout.META_FILE).read_text())
         del meta["split"], meta["files"]  # written before both: no record of its files either
         (path / layout.META_FILE).write_text(json.dumps(meta))
+    else:
+        layout.record_path(path).unlink()
     assert layout.damage(path) is None
     restored = make_state(cfg)
     assert not store.load(path, restored, ctx, KEY).split

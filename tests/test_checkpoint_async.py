@@ -290,7 +290,8 @@ def test_sigterm_to_the_supervisor_waits_for_the_write_in_flight_and_publishes_i
     assert resumes_from(tmp_path, token_cache_dir) == last
 
 
-@pytest.mark.parametrize("fault, code", [("raise", 1), ("sigkill", 128 + signal.SIGKILL)])
+@pytest.mark.parametrize("fault, code", [pytest.param("raise", 1, marks=pytest.mark.slow),
+                                         ("sigkill", 128 + signal.SIGKILL)])
 def test_a_rank_failing_with_a_write_in_flight_ends_it_or_abandons_it_and_says_which_is_latest(
         tmp_path: Path, token_cache_dir: Path, fault: str, code: int) -> None:
     """Rank 1 fails at step 4 while step_000004's write is in flight (held on rank 1 until the rank waits for it).

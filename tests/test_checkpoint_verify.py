@@ -344,6 +344,9 @@ def test_a_damaged_checkpoint_named_by_resume_is_one_line_and_exit_2(tmp_path: P
     assert re.search(rf"^CPU0:error: --resume {named} cannot be resumed: {named}/{SHARD} has checksum {CHECKSUM}, "
                      rf"meta.json recorded {CHECKSUM}; the newest intact checkpoint beside it is {intact}: --resume "
                      rf"{intact}$", run.output, re.M), run.output[-4000:]
+    assert "CPU1:error:" not in run.output  # decided by rank 0 for both: said once
+    assert re.search(r"^supervisor: run failed after [\d.]+ s: CPU0 \(rank 0\) failed: exit 2$", run.output, re.M), \
+        run.output[-4000:]
 
 
 def copied_from_step_2(root: Path) -> None:

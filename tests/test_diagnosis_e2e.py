@@ -137,6 +137,7 @@ def test_straggler_named(tmp_path: Path, token_cache_dir: Path) -> None:
     assert "straggler: GPU1" in (run.run_dir / "supervisor.log").read_text()
 
 
+@pytest.mark.slow
 def test_no_straggler_on_a_normal_run(tmp_path: Path, token_cache_dir: Path) -> None:
     """Two ranks doing the same work, each step padded by the same 0.15 s (rank_scripts/paced): on a loaded machine
     one CPU rank's ~10 ms of compute can be stretched more than the other's, which is a real straggler; with the pad,

@@ -126,8 +126,9 @@ def test_production_dry_run_never_allocates_the_weights(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("command, env, ranks", [
     (["-m", "supervisor"], {}, 2),  # no GPU: the supervisor's two CPU ranks
-    (["-m", "supervisor", "--nproc", "3"], {}, 3),
-    (["-m", "supervisor", "--set", "system.device=cpu"], {"SUPERVISOR_FAKE_GPUS": "0,1"}, 2),  # GPUs, not used
+    pytest.param(["-m", "supervisor", "--nproc", "3"], {}, 3, marks=pytest.mark.slow),
+    pytest.param(["-m", "supervisor", "--set", "system.device=cpu"], {"SUPERVISOR_FAKE_GPUS": "0,1"}, 2,
+                 marks=pytest.mark.slow),  # GPUs, not used
     ([MAIN], {}, 1),  # by hand: this process alone
 ], ids=["supervisor", "supervisor-nproc", "forced-cpu", "by-hand"])
 def test_without_gpus_the_dry_run_sizes_the_cpu_ranks_that_would_run(tmp_path: Path, command: list[str],
@@ -179,8 +180,12 @@ def test_the_dry_run_refuses_the_gpus_the_run_refuses(tmp_path: Path, flags: tup
     assert not dry.log_dir.exists() and not real.log_dir.exists()
 
 
-@pytest.mark.parametrize("flags, ranks", [(("--gpus", "0,1,2"), 3), (("--gpus", "3"), 1), (("--nproc", "2"), 2),
-                                          ((), 4)])
+@pytest.mark.parametrize("flags, ranks", [
+    (("--gpus", "0,1,2"), 3),
+    pytest.param(("--gpus", "3"), 1, marks=pytest.mark.slow),
+    pytest.param(("--nproc", "2"), 2, marks=pytest.mark.slow),
+    ((), 4),
+])
 def test_the_dry_run_sizes_the_gpus_chosen(tmp_path: Path, flags: tuple[str, ...], ranks: int) -> None:
     r = run(tmp_path, "--debug", *flags, "--dry-run", entry=None, env=clean_env(**GPUS))
     assert r.returncode == 0, r.stderr

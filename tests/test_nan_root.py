@@ -69,6 +69,7 @@ def history_losses(run: Path, first: int, last: int) -> dict[int, float]:
     return {s["step"]: s["loss"] for s in steps if first <= s["step"] <= last}
 
 
+@pytest.mark.slow
 def test_replay_prints_the_runs_losses_bit_exact_and_the_batchs_documents(tmp_path: Path,
                                                                           token_cache_dir: Path) -> None:
     original = train(tmp_path, token_cache_dir, 30)
@@ -109,6 +110,7 @@ def test_replay_prints_the_runs_losses_bit_exact_and_the_batchs_documents(tmp_pa
 
 
 
+@pytest.mark.slow
 def test_a_replay_leaves_out_the_runs_injected_process_fault(tmp_path: Path, token_cache_dir: Path) -> None:
     """Rank 1 SIGKILLed at step 3 of the first group, the run restarted and finished: its replay of step 4 runs
     through step 3 (the injection left out, said so), with the run's losses."""
@@ -230,6 +232,7 @@ def test_a_corrupted_result_does_not_reproduce_and_its_gpu_is_left_out(tmp_path:
     assert set(record) == {"node", "gpus", "time", "slurm_job_id", "slurm_restart_count"}  # exclusion.NodeFault's
 
 
+@pytest.mark.slow
 def test_a_loss_spike_rolls_back_skipping_batches_and_a_resumed_run_decides_alike(tmp_path: Path,
                                                                                 token_cache_dir: Path) -> None:
     spiky = {"training": {"spike_threshold": 3.0, "spike_window": 4, "spike_policy": "rollback",

@@ -1,8 +1,9 @@
 """Three node supervisors on three loopback addresses (127.0.0.1-3; Linux routes all of 127/8 to lo): a node that
 freezes, dies or never joins is named on every other node, and every node stops with the code for a lost node.
 
-Two variants are in the slow tier: node 0 frozen (the default suite freezes nodes 1 and 2, and kills node 0), and a
-node named by its silence after a stall (the default suite names a stall by the evidence)."""
+Three variants are in the slow tier: node 0 frozen (the default suite freezes nodes 1 and 2, and kills node 0), a
+node named by its silence after a stall (the default suite names a stall by the evidence), and a supervisor frozen
+then resumed (the default suite's frozen nodes stay frozen)."""
 
 from __future__ import annotations
 
@@ -362,6 +363,7 @@ def test_a_stall_elsewhere_names_the_node_still_building_its_dataset(tmp_path):
            in headline(node0), node0.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_a_supervisor_frozen_then_resumed_names_itself_not_its_peers(tmp_path):
     """Node 1's supervisor alone is frozen (its rank trains on) for longer than --node-timeout: the others name node 1
     and stop; once resumed, node 1 says that it was the one not running, instead of blaming node 0's silence or the

@@ -53,6 +53,7 @@ def computes_while_the_other_waits(tmp_path, hang_timeout: str, seconds: float) 
         assert " is quiet in " not in run.stderr  # computing is progress: nobody needed to look
 
 
+@pytest.mark.slow
 def test_quiet_compute_on_one_node_keeps_the_other_node_waiting_for_it(tmp_path):
     """Node 0's rank computes for 12 s without a line while node 1's waits in its all-reduce, with a 5 s hang
     timeout: node 1's own rank shows no sign of life, but node 0 says its rank does, and both finish."""

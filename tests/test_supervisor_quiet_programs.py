@@ -31,6 +31,7 @@ def wait_for_pids(folder: Path, count: int, run_proc, timeout: float = 60) -> li
     return [int(f.read_text()) for f in files]
 
 
+@pytest.mark.slow
 def test_a_quiet_program_outlasts_the_startup_timeout(tmp_path: Path) -> None:
     """No progress records and no output for longer than both timeouts, but CPU time all along: it is working."""
     r = start(tmp_path, "--nproc", "2", "--startup-timeout", "1", "--hang-timeout", HANG_FLOOR, entry=QUIET,
@@ -52,6 +53,7 @@ def sleeps_while_the_other_waits(tmp_path: Path, hang_timeout: str, seconds: flo
     assert "CPU0:rank 0: 4 steps" in r.stdout and "CPU1:rank 1: 4 steps" in r.stdout
 
 
+@pytest.mark.slow
 def test_a_rank_waiting_for_its_own_sleeping_thread_is_quiet_not_hung(tmp_path: Path) -> None:
     """Rank 0's main thread waits on `Future.result()` (a lock) for a worker thread asleep for 12 s, with a 5 s hang
     timeout: the thread it waits for is what it is quiet in, and the run finishes."""
@@ -100,6 +102,7 @@ def test_a_frozen_rank_is_named_with_every_rank_stack(tmp_path: Path) -> None:
     assert re.search(r"CPU1\s+1\s+\d+\s+\S+ \(\d+\)\s+stalled", report), report
 
 
+@pytest.mark.slow
 def test_no_stack_request_by_signal_reaches_a_quiet_program(tmp_path: Path) -> None:
     """A hang of a program that installed no SIGUSR1 handler: the ranks are killed by the stop, not by a request."""
     pid_dir = tmp_path / "pids"

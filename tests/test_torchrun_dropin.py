@@ -159,8 +159,10 @@ def test_the_root_cause_of_a_recorded_exception_is_in_the_report(tmp_path):
     assert re.search(r"  \|   File .*raises\.py\", line \d+, in load_batch", run.stderr)
 
 
-@pytest.mark.parametrize("linger, code, failed, waited_for", [(0.5, 3, 1, 0), (60, 1, 0, 1)],
-                         ids=["the-peer-exits", "the-peer-never-exits"])
+@pytest.mark.parametrize("linger, code, failed, waited_for", [
+    pytest.param(0.5, 3, 1, 0, id="the-peer-exits"),
+    pytest.param(60, 1, 0, 1, id="the-peer-never-exits", marks=pytest.mark.slow),
+])
 def test_a_rank_that_leaves_is_the_failure_not_the_peer_that_lost_it(tmp_path, linger, code, failed, waited_for):
     """Rank 1 leaves at step 3 the way `sys.exit(3)` does: its sockets close first, its process ends `linger` s
     later. Rank 0's all-reduce fails on the lost peer and it exits first, with 1. The run waits for the peer: the

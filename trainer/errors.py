@@ -15,6 +15,11 @@ class UserError(Exception):
         super().__init__("".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in message))
 
 
+class CollectiveUserError(UserError):
+    """A refusal every rank reaches together, rank 0 having decided it for all (a broadcast): rank 0 says it, the
+    others only exit with its code, so the console shows the line once rather than once per rank."""
+
+
 USER_ERROR_EXIT_CODE = 2
 
 # What an error says when a peer went away under a collective: gloo's pair, NCCL's remote error, the c10d store. The

@@ -54,7 +54,7 @@ from trainer.diagnosis.nan_verdict import SuspectDevice, Verdict, record_gpu_fau
 from trainer.diagnosis.recompute import KeptParameters
 from trainer.diagnosis.spikes import Spike, SpikeDetector
 from trainer.diagnosis.step_timer import StepTimer
-from trainer.errors import UserError, lost_a_peer
+from trainer.errors import CollectiveUserError, UserError, lost_a_peer
 from trainer.metrics import (
     EtaClock,
     History,
@@ -620,6 +620,9 @@ def train(cfg: Config, run_dir: Path | None = None, progress: ProgressReporter |
             folder = agree_run_dir(cfg, ctx, run_dir)
             trainer = Trainer(cfg, ctx, folder, progress, stop, cache)
             return trainer.run()
+        except CollectiveUserError:
+            progress.failing()  # after rank 0's: the refusal is rank 0's, which says it (the others exit silently)
+            raise
         except UserError:
             raise  # a bad input fails every rank alike: no rank is first
         except Exception as e:

@@ -24,7 +24,7 @@ from trainer.config.resolve import FLAG_KEYS, add_config_arguments, handle_inspe
 from trainer.data import TOKEN_CACHE_ENV
 from trainer.diagnosis.oom_report import OOM_EXIT_CODE
 from trainer.durable import check_writable
-from trainer.errors import USER_ERROR_EXIT_CODE, UserError
+from trainer.errors import USER_ERROR_EXIT_CODE, CollectiveUserError, UserError
 from trainer.preflight import cpu_refusal, dry_run
 from trainer.torch_release import check_torch_release
 
@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             if claim is not None:
                 claim.release()
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        if not isinstance(e, CollectiveUserError) or os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr, flush=True)

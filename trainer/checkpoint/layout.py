@@ -11,7 +11,8 @@ rank that wrote it right after writing it), so that damage the atomic save canno
 short, a hand edit, files copied from another checkpoint) is found before the tensors are trusted: sizes here, with a
 stat each (`damage`, before any rank starts), checksums by the ranks before they load (`verify_files`, every byte
 read once, the files shared among the ranks by trainer.checkpoint.store). A checkpoint written before its files were
-recorded has no `files`: its structure alone is checked, and it loads unverified.
+recorded has no `files`: its structure alone is checked, and it loads unverified. A checkpoint that is one `.pt` file
+(the NaN guard's `nan_grad_step_<n>.pt`) has its record beside it, `nan_grad_step_<n>.pt.json` (`file_records`).
 
 Length: all that the supervisor reads of checkpoints without torch (names, the meta record, damage, which one a resume
 means) is this one module, so that what it decides before any rank starts and what the ranks decide agree.
@@ -47,6 +48,7 @@ STRATEGY_OF_FORMAT = {FULL: "ddp", SHARDED: "fsdp"}
 CHECKSUM = "xxh3_64"  # what meta.json records of each file beside its size: tens of GB/s on one core, so a file is
 #                       checked at the speed of the disk it is read from (it finds damage, not tampering)
 READ_CHUNK = 8 << 20
+RECORD_SUFFIX = ".json"  # a `.pt` checkpoint's record of itself (size, checksum), beside it: <name>.pt.json
 # The folder of the node's memory copy of the latest state (trainer.checkpoint.memory), under /dev/shm: the supervisor
 # makes it new for each run, names it to the ranks and removes it on every exit path
 MEMORY_DIR_ENV = "SUPERVISOR_MEMORY_DIR"
@@ -215,24 +217,51 @@ def recorded_files(meta: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
     return files
 
 
-def size_damage(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
-    """The first recorded file of the checkpoint `path` that is missing or of another size than recorded, said."""
+def record_path(checkpoint_file: Path) -> Path:
+    """Where a `.pt` checkpoint's record of its size and checksum is: beside it, its name and `.json`."""
+    return checkpoint_file.with_name(checkpoint_file.name + RECORD_SUFFIX)
+
+
+def record_name(path: Path) -> str:
+    """What holds the checkpoint `path`'s record of its files, as a message names it."""
+    return META_FILE if path.is_dir() else record_path(path).name
+
+
+def file_records(path: Path) -> dict[str, dict[str, Any]] | None:
+    """What a checkpoint records of its files, by their paths in its folder: a folder's meta.json `files`, a `.pt`
+    file's own record beside it (by its name, in its parent folder). {} for none recorded (written before records
+    were kept), None for a record this version cannot read."""
+    if path.is_dir():
+        return recorded_files(json.loads((path / META_FILE).read_text()))
+    try:
+        record = json.loads(record_path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError):
+        return None
+    return recorded_files({"files": {path.name: record}})
+
+
+def size_damage(path: Path, files: dict[str, dict[str, Any]], record: str = META_FILE) -> str | None:
+    """The first recorded file of the checkpoint `path` that is missing or of another size than `record` (meta.json,
+    or a `.pt` file's record beside it) says, said."""
     for name, entry in files.items():
         try:
             size = (path / name).stat().st_size
         except FileNotFoundError:
-            return f"{path / name} is missing (meta.json records {entry['bytes']:,} bytes)"
+            return f"{path / name} is missing ({record} records {entry['bytes']:,} bytes)"
         except OSError as e:
             return f"{path / name} cannot be read ({e.strerror or e})"
         if size != entry["bytes"]:
-            return f"{path / name} is {size:,} bytes, meta.json recorded {entry['bytes']:,}"
+            return f"{path / name} is {size:,} bytes, {record} recorded {entry['bytes']:,}"
     return None
 
 
-def verify_files(path: Path, names: list[str], files: dict[str, dict[str, Any]]) -> str | None:
+def verify_files(path: Path, names: list[str], files: dict[str, dict[str, Any]],
+                 record: str = META_FILE) -> str | None:
     """The first of `names` (recorded in `files`) that differs from its record, said: every size first (a stat each),
     then every checksum (each file read once)."""
-    if problem := size_damage(path, {name: files[name] for name in names}):
+    if problem := size_damage(path, {name: files[name] for name in names}, record):
         return problem
     for name in names:
         try:
@@ -240,17 +269,17 @@ def verify_files(path: Path, names: list[str], files: dict[str, dict[str, Any]])
         except OSError as e:
             return f"{path / name} cannot be read ({e.strerror or e})"
         if found["bytes"] != files[name]["bytes"]:  # changed since its size was checked
-            return f"{path / name} is {found['bytes']:,} bytes, meta.json recorded {files[name]['bytes']:,}"
+            return f"{path / name} is {found['bytes']:,} bytes, {record} recorded {files[name]['bytes']:,}"
         if found[CHECKSUM] != files[name][CHECKSUM]:
-            return f"{path / name} has checksum {found[CHECKSUM]}, meta.json recorded {files[name][CHECKSUM]}"
+            return f"{path / name} has checksum {found[CHECKSUM]}, {record} recorded {files[name][CHECKSUM]}"
     return None
 
 
 def checksum_damage(path: Path) -> str | None:
-    """`verify_files` over every file the checkpoint folder `path` records, in this one process (a folder `damage`
-    found whole: its meta.json reads)."""
-    files = recorded_files(json.loads((path / META_FILE).read_text())) or {}
-    return verify_files(path, sorted(files), files)
+    """`verify_files` over every file the checkpoint `path` records, in this one process (one `damage` found whole:
+    its record reads)."""
+    files = file_records(path) or {}
+    return verify_files(path if path.is_dir() else path.parent, sorted(files), files, record_name(path))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -284,7 +313,10 @@ def damage(path: Path) -> str | None:
     recorded size, the dcp/ of a sharded or split one (`trainer.checkpoint.store`) be finished. Checksums are left to
     the ranks (`verify_files`): they read every byte."""
     if path.is_file():
-        return archive_damage(path)
+        files = file_records(path)
+        if files is None:
+            return f"{record_path(path)} is not a record of {path.name} this version reads"
+        return archive_damage(path) or size_damage(path.parent, files, record_name(path))
     try:
         meta = parse_json((path / META_FILE).read_text())
     except OSError as e:

@@ -29,7 +29,7 @@ from trainer.checkpoint.background import BackgroundWrite, HostStager
 from trainer.checkpoint.layout import FULL, SHARDED, human_bytes
 from trainer.checkpoint.memory import MemoryCopy
 from trainer.config import Config
-from trainer.errors import UserError
+from trainer.errors import CollectiveUserError, UserError
 from trainer.model.distributed import DistContext, agree_any, broadcast_object
 from trainer.progress import ProgressReporter
 
@@ -212,9 +212,11 @@ class Checkpointer:
                 decision = self.newest_intact_instead(damaged, known, passed)
             except UserError as e:
                 decision = str(e)
+        if self.ctx.is_main and isinstance(decision, str):  # before the others hear of it: the failure is rank 0's
+            self.progress.failing()
         decision = broadcast_object(decision, self.ctx)
         if isinstance(decision, str):
-            raise UserError(decision)
+            raise CollectiveUserError(decision)
         return decision
 
     def newest_intact_instead(self, damaged: Path, known: dict[Path, str], passed: list[str]) -> Path:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -65,11 +66,15 @@ from trainer.checkpoint.layout import (
     STEP_PREFIX,
     TMP_PREFIX,
     CheckpointMeta,
+    file_record,
+    file_records,
     list_checkpoints,
     other_data,
     other_format,
     other_shape,
     record_files,
+    record_name,
+    record_path,
     verify_files,
 )
 from trainer.config import Config
@@ -142,10 +147,11 @@ def verify(path: Path, ctx: DistContext) -> Verification:
     each rank its share (`balanced_share`, by bytes, so the ranks read at once), sizes first, then checksums. Rank 0
     reads the record, so that every rank checks the same one; every rank gets the same verdict."""
     started = time.perf_counter()
-    files = broadcast_object(read_meta(path).files if ctx.is_main and path.is_dir() else None, ctx) or {}
+    files = broadcast_object(file_records(path) if ctx.is_main else None, ctx) or {}
     sizes = {name: entry["bytes"] for name, entry in files.items()}
     mine = sorted(balanced_share(sizes, ctx.rank, ctx.world_size))
-    problem = agreed(verify_files(path, mine, files) if mine else None, ctx)
+    folder = path if path.is_dir() else path.parent  # a `.pt` file's record names it in its folder
+    problem = agreed(verify_files(folder, mine, files, record_name(path)) if mine else None, ctx)
     return Verification(problem, len(files), sum(sizes.values()), time.perf_counter() - started)
 
 
@@ -453,6 +459,10 @@ def write(staged: Staged, ctx: DistContext, group: Any = None, fault: Fault = no
         if not staged.single_file:
             meta = replace(staged.meta, files=dict(sorted(files.items())))
             (tmp / META_FILE).write_text(json.dumps(asdict(meta), indent=1) + "\n")
+        else:  # the file's record beside it, in place before the file itself is
+            record = record_path(tmp)
+            durable.write_json_durably(record, file_record(tmp))
+            os.replace(record, record_path(path))
 
     failure = failure_of(write_shards, path.parent) if staged.shards is not None else None
     if staged.shards is not None and failure is None:  # (a failure of DCP's is every rank's: none gathers)
