@@ -68,6 +68,26 @@ def test_nodes_with_different_rank_counts_form_one_world(tmp_path):
     finished = sorted(re.findall(r"rank (\d) of (\d): 5 all-reduces, the last summing to (\d)", out))
     assert finished == [("0", "3", "3"), ("1", "3", "3"), ("2", "3", "3")], out
 
+
+@pytest.mark.slow
+def test_two_nodes_given_no_address_meet_at_torchruns_default(tmp_path):
+    """`--nnodes 2 --nproc-per-node 1 whoami.py` twice on one host, nothing else: node 0 is 127.0.0.1:29500, as
+    torchrun's static rendezvous defaults to, each node says so, and the two ranks are one world of 2."""
+    for port in (29500, 29501):  # the store's, and the control port after it
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                pytest.skip(f"port {port} is taken on this machine")
+    program = PROGRAM.parent / "whoami.py"
+    nodes = [start(tmp_path, "--nnodes", "2", "--nproc-per-node", "1", str(program), str(tmp_path), entry=None,
+                   env=clean_env(), tag=tag) for tag in "ab"]
+    for run in nodes:
+        run.wait(timeout=60)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert ("--master-addr not given: node 0 is 127.0.0.1:29500, as under torchrun (every node on this host; "
+                "--master-addr HOST names node 0 elsewhere)") in run.stderr
+    assert sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
 def test_nodes_started_without_a_node_rank_are_numbered_as_they_join(tmp_path):
     """torchrun's c10d command line as its users give it, the same on every node (no --node-rank; the third node
     with the supervisor's own flags, also without one): the node that opens the control port at the endpoint is node
